@@ -1,0 +1,72 @@
+//! The Tether tunnel wire protocol, sans-IO.
+//!
+//! This crate holds the frame format, its codec and the [`Session`] state machine that multiplexes logical
+//! streams over one ordered byte transport (WebSocket over TLS today). Like quinn-proto it contains no
+//! networking code, no async runtime and no clock: the caller feeds bytes and timestamps in through
+//! `handle_*` methods and takes bytes to send, events and the next timeout out through `poll_*` methods.
+//!
+//! It does not open sockets, does not do TLS, does not know about HTTP or Kubernetes: streams carry opaque
+//! bytes, tagged with a numeric kind chosen by the layer above.
+//!
+//! The wire format is specified in `docs/PROTOCOL.md`.
+
+// CONTRACT NOTE (remove when implemented): the public API below is the contract the tunnel crate is built
+// against. Keep these names and signatures; add to them if needed, do not rename or remove.
+
+mod frame;
+mod session;
+
+pub use frame::{DecodeError, Frame, FrameHeader, SettingId, Settings};
+pub use session::{
+    Config, ConnectionError, Event, OpenError, Priority, ReadResult, Role, Session, Stats, StreamError,
+};
+
+/// Magic bytes at the start of every HELLO frame ("TTHR").
+pub const MAGIC: [u8; 4] = *b"TTHR";
+
+/// The protocol versions this implementation speaks, lowest and highest.
+pub const VERSIONS: (u16, u16) = (1, 1);
+
+/// Identifier of a logical stream. 0 is the connection itself; the connection initiator (the agent,
+/// [`Role::Client`]) opens odd ids, the acceptor (the relay, [`Role::Server`]) opens even ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(pub u32);
+
+/// Stream kinds known to Tether. The session treats kinds as opaque numbers; these constants are for the
+/// layers above so that relay and agent agree.
+pub mod kind {
+    /// One HTTP/1.1 exchange (request, response, and an upgraded byte stream after a 101) to the apiserver.
+    pub const HTTP: u16 = 1;
+    /// The long-lived control channel (heartbeat, metadata, identity renewal, ...).
+    pub const CONTROL: u16 = 2;
+}
+
+/// Numeric codes carried by REFUSE, RESET and GOAWAY frames.
+pub mod code {
+    /// No error: graceful close.
+    pub const NO_ERROR: u32 = 0;
+    /// The peer broke the protocol.
+    pub const PROTOCOL_ERROR: u32 = 1;
+    /// An internal error in the sender.
+    pub const INTERNAL_ERROR: u32 = 2;
+    /// The peer sent more than its flow-control credit allowed.
+    pub const FLOW_CONTROL_ERROR: u32 = 3;
+    /// A frame was larger than the negotiated maximum.
+    pub const FRAME_SIZE_ERROR: u32 = 4;
+    /// The stream was refused because too many streams are open.
+    pub const REFUSED_TOO_MANY_STREAMS: u32 = 5;
+    /// The stream kind is not supported by the receiver.
+    pub const UNSUPPORTED_KIND: u32 = 6;
+    /// The stream's deadline passed before it was accepted.
+    pub const TIMEOUT: u32 = 7;
+    /// The stream was cancelled by the application.
+    pub const CANCEL: u32 = 8;
+    /// No protocol version is spoken by both peers.
+    pub const VERSION_MISMATCH: u32 = 9;
+    /// The peer is generating excessive load (e.g. ping or reset floods).
+    pub const ENHANCE_YOUR_CALM: u32 = 10;
+    /// The stream was refused by the application (e.g. forbidden); the reason says why.
+    pub const REFUSED: u32 = 11;
+    /// The connection is shutting down; retry on another connection.
+    pub const SHUTDOWN: u32 = 12;
+}

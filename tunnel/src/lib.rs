@@ -1,0 +1,26 @@
+//! Async transports for the Tether tunnel, shared by the relay and the agent.
+//!
+//! [`Connection`] is the seam between the relay/agent logic and the wire: it opens and accepts logical
+//! [`Stream`]s (each an `AsyncRead + AsyncWrite` byte stream with half-close) and says when the tunnel is gone.
+//! Today one transport exists: the [`tether_proto::Session`] multiplexer pumped over a WebSocket over TLS
+//! ([`ws`]). A QUIC transport can later carry each logical stream as a native QUIC stream behind the same
+//! `Connection`/`Stream` types, without any change to relay or agent code.
+//!
+//! Also here, because both sides need them: TLS configuration helpers ([`tls`]) and the [`Secret`] type.
+//!
+//! This crate does not know about HTTP requests, Kubernetes or clusters.
+
+// CONTRACT NOTE (remove when implemented): relay and agent are built against the public API below.
+// Keep these names and signatures; add to them if needed, do not rename or remove.
+
+mod conn;
+mod secret;
+pub mod tls;
+pub mod ws;
+
+pub use conn::{CloseInfo, Connection, Incoming, OpenOptions, Stream, StreamControl, TunnelError};
+pub use secret::Secret;
+pub use tether_proto::{Priority, Role, code, kind};
+
+/// Session configuration, re-exported so callers can tune limits without depending on proto directly.
+pub use tether_proto::Config as SessionConfig;
