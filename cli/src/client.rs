@@ -1,0 +1,184 @@
+//! A client of the relay's admin REST API (`docs/API.md`).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+use tether_tunnel::Secret;
+
+use crate::config::ResolvedConfig;
+
+/// Why a request to the relay failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// TLS could not be set up.
+    #[error("cannot set up TLS for the relay: {0}")]
+    Tls(String),
+    /// The relay could not be reached.
+    #[error("cannot reach the relay at {url}: {message}")]
+    Unreachable {
+        /// The relay URL.
+        url: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The relay answered with an error status.
+    #[error("the relay answered {status}: {message}")]
+    Status {
+        /// HTTP status.
+        status: StatusCode,
+        /// The relay's message.
+        message: String,
+    },
+    /// The relay's answer was not what the API promises.
+    #[error("unexpected answer from the relay: {0}")]
+    Decode(String),
+    /// The request could not be built (a bad name, say).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+}
+
+impl ClientError {
+    /// The HTTP status, when the relay answered.
+    pub fn status(&self) -> Option<StatusCode> {
+        match self {
+            ClientError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// A registered cluster, as returned by `POST /api/v1/clusters`.
+#[derive(Debug, Clone)]
+pub struct CreatedCluster {
+    /// Its name.
+    pub name: String,
+    /// The one-time onboarding token for its agent.
+    pub onboarding_token: Secret,
+    /// The whole answer (includes the token: print it only where the user asked for it).
+    pub raw: Value,
+}
+
+/// The admin API client.
+#[derive(Clone)]
+pub struct RelayClient {
+    base: String,
+    token: Secret,
+    http: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
+}
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+const MAX_ANSWER: usize = 16 * 1024 * 1024;
+
+impl RelayClient {
+    /// A client for the configured relay (the config must hold an admin token).
+    pub fn new(config: &ResolvedConfig) -> Result<Self, ClientError> {
+        let token = config.admin_token.clone().ok_or_else(|| ClientError::Tls("no admin token".into()))?;
+        Self::with_token(&config.relay_url, config.ca_pem.as_deref(), token)
+    }
+
+    /// A client for `base` trusting `ca_pem` (or web PKI roots), authenticating with `token`.
+    pub fn with_token(base: &str, ca_pem: Option<&[u8]>, token: Secret) -> Result<Self, ClientError> {
+        let tls = tether_tunnel::tls::client_config(ca_pem, &[b"http/1.1"]).map_err(|e| ClientError::Tls(e.to_string()))?;
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config((*tls).clone())
+            .https_only()
+            .enable_http1()
+            .build();
+        let http = Client::builder(TokioExecutor::new()).build(connector);
+        Ok(Self { base: base.trim_end_matches('/').to_string(), token, http })
+    }
+
+    /// Registers a cluster.
+    pub async fn create_cluster(&self, name: &str, tags: &BTreeMap<String, String>) -> Result<CreatedCluster, ClientError> {
+        let body = serde_json::json!({ "name": name, "tags": tags });
+        let raw = self.call(Method::POST, "/api/v1/clusters", Some(body)).await?;
+        let onboarding_token = raw
+            .get("onboardingToken")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ClientError::Decode("no onboardingToken in the answer".into()))?;
+        Ok(CreatedCluster { name: name.to_string(), onboarding_token: Secret::new(onboarding_token), raw: raw.clone() })
+    }
+
+    /// Lists clusters.
+    pub async fn list_clusters(&self) -> Result<Vec<Value>, ClientError> {
+        let answer = self.call(Method::GET, "/api/v1/clusters", None).await?;
+        match answer.get("items") {
+            Some(Value::Array(items)) => Ok(items.clone()),
+            _ => Err(ClientError::Decode("no items array in the answer".into())),
+        }
+    }
+
+    /// Shows one cluster.
+    pub async fn show_cluster(&self, name: &str) -> Result<Value, ClientError> {
+        self.call(Method::GET, &cluster_path(name)?, None).await
+    }
+
+    /// Deletes a cluster.
+    pub async fn delete_cluster(&self, name: &str) -> Result<(), ClientError> {
+        self.call(Method::DELETE, &cluster_path(name)?, None).await.map(|_| ())
+    }
+
+    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> Result<Value, ClientError> {
+        let url = format!("{}{}", self.base, path);
+        let body = match body {
+            Some(v) => Bytes::from(serde_json::to_vec(&v).map_err(|e| ClientError::InvalidRequest(e.to_string()))?),
+            None => Bytes::new(),
+        };
+        let request = Request::builder()
+            .method(method)
+            .uri(&url)
+            .header(header::AUTHORIZATION, format!("Bearer {}", self.token.expose()))
+            .header(header::ACCEPT, "application/json")
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .map_err(|e| ClientError::InvalidRequest(e.to_string()))?;
+        let unreachable = |message: String| ClientError::Unreachable { url: self.base.clone(), message };
+        let response = tokio::time::timeout(TIMEOUT, self.http.request(request))
+            .await
+            .map_err(|_| unreachable(format!("no answer within {TIMEOUT:?}")))?
+            .map_err(|e| unreachable(error_chain(&e)))?;
+        let status = response.status();
+        let limited = http_body_util::Limited::new(response.into_body(), MAX_ANSWER);
+        let bytes = tokio::time::timeout(TIMEOUT, limited.collect())
+            .await
+            .map_err(|_| unreachable(format!("answer not complete within {TIMEOUT:?}")))?
+            .map_err(|e| ClientError::Decode(e.to_string()))?
+            .to_bytes();
+        if !status.is_success() {
+            let message = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .and_then(|v| v.get("message").and_then(Value::as_str).map(str::to_string))
+                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).chars().take(500).collect());
+            return Err(ClientError::Status { status, message });
+        }
+        if bytes.is_empty() {
+            return Ok(Value::Null);
+        }
+        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+}
+
+fn cluster_path(name: &str) -> Result<String, ClientError> {
+    if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_') {
+        return Err(ClientError::InvalidRequest(format!("{name:?} is not a valid cluster name")));
+    }
+    Ok(format!("/api/v1/clusters/{name}"))
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut message = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}

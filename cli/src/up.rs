@@ -1,0 +1,498 @@
+//! `tether up`: a relay, a connected cluster and a kubeconfig on one machine — and the harness the end-to-end
+//! tests drive, so the quickstart and the tests wire the pieces the same way.
+//!
+//! Layout of the directory:
+//! `relay/` (the relay's data dir: SQLite, generated CA and certificate, admin token), `agent/` (the agent's state
+//! dir: its credential), `sample-apiserver/` (only without `--kubeconfig`), `kubeconfig` (for kubectl, through
+//! the relay) and `config.json` (for the other `tether` commands).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tether_testkit::{SampleApiserver, SampleOptions};
+use tether_tunnel::Secret;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::args::UpArgs;
+use crate::client::{ClientError, RelayClient};
+use crate::config::ConfigFile;
+use crate::kubeconfig::{self, KubeconfigSpec};
+
+/// Why the quickstart failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpError {
+    /// A bad option.
+    #[error("{0}")]
+    Config(String),
+    /// A file or directory could not be written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The sample apiserver failed to start.
+    #[error("cannot start the sample apiserver: {0}")]
+    Sample(String),
+    /// The relay failed.
+    #[error("relay: {0}")]
+    Relay(String),
+    /// The agent failed.
+    #[error("agent: {0}")]
+    Agent(String),
+    /// Talking to the relay failed.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// Writing the kubeconfig failed.
+    #[error(transparent)]
+    Kubeconfig(#[from] kubeconfig::KubeconfigError),
+    /// The agent did not connect in time.
+    #[error("the agent did not connect within {0:?}")]
+    NotConnected(Duration),
+}
+
+impl UpError {
+    /// True for errors in the user's options.
+    pub fn is_config(&self) -> bool {
+        matches!(self, UpError::Config(_))
+    }
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct UpOptions {
+    /// Directory for all state.
+    pub dir: PathBuf,
+    /// A real cluster's kubeconfig; None starts the sample apiserver.
+    pub kubeconfig: Option<PathBuf>,
+    /// Cluster name at the relay.
+    pub cluster: String,
+    /// Relay listen address (port 0 picks a free port).
+    pub listen: SocketAddr,
+    /// Extra names for the relay's generated certificate.
+    pub extra_hostnames: Vec<String>,
+}
+
+impl UpOptions {
+    /// Options for tests: a fresh directory, the sample apiserver, a free port.
+    pub fn for_tests(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            kubeconfig: None,
+            cluster: "demo".into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            extra_hostnames: Vec::new(),
+        }
+    }
+}
+
+impl From<UpArgs> for UpOptions {
+    fn from(args: UpArgs) -> Self {
+        Self { dir: args.dir, kubeconfig: args.kubeconfig, cluster: args.cluster, listen: args.listen, extra_hostnames: vec![] }
+    }
+}
+
+struct Running<E> {
+    shutdown: oneshot::Sender<()>,
+    join: JoinHandle<Result<(), E>>,
+}
+
+impl<E: std::fmt::Display> Running<E> {
+    async fn stop(self) -> Result<(), String> {
+        let _ = self.shutdown.send(());
+        match self.join.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(format!("task failed: {e}")),
+        }
+    }
+}
+
+/// A running quickstart.
+pub struct Up {
+    options: UpOptions,
+    /// The relay's address.
+    pub relay_addr: SocketAddr,
+    /// The relay's URL.
+    pub relay_url: String,
+    /// The relay's CA (PEM).
+    pub ca_pem: String,
+    /// The relay's admin token.
+    pub admin_token: Secret,
+    /// The kubeconfig for kubectl through the relay.
+    pub kubeconfig_path: PathBuf,
+    /// The config file for `tether` commands.
+    pub config_path: PathBuf,
+    /// The bearer token the kubeconfig carries (passed through to the cluster).
+    pub user_token: Option<String>,
+    /// The sample apiserver, when no kubeconfig was given.
+    pub sample: Option<SampleApiserver>,
+    cluster_kubeconfig: PathBuf,
+    relay: Option<Running<tether_relay::RelayError>>,
+    agent: Option<Running<tether_agent::AgentError>>,
+}
+
+const CONNECT_WAIT: Duration = Duration::from_secs(60);
+
+impl Up {
+    /// Starts everything and waits until the agent is connected.
+    pub async fn start(options: UpOptions) -> Result<Up, UpError> {
+        validate_name(&options.cluster)?;
+        let dir = &options.dir;
+        create_private_dir(dir)?;
+        let dir = std::fs::canonicalize(dir).map_err(|source| UpError::Io { path: dir.clone(), source })?;
+
+        let (sample, cluster_kubeconfig, user_token) = match &options.kubeconfig {
+            Some(path) => {
+                let token = bearer_token_of(path)?;
+                (None, path.clone(), token)
+            }
+            None => {
+                let sample_dir = dir.join("sample-apiserver");
+                create_private_dir(&sample_dir)?;
+                let sample = SampleApiserver::start(SampleOptions {
+                    dir: sample_dir,
+                    listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                    token: None,
+                })
+                .await
+                .map_err(|e| UpError::Sample(e.to_string()))?;
+                let kubeconfig = sample.kubeconfig_path();
+                let token = Some(sample.token().to_string());
+                (Some(sample), kubeconfig, token)
+            }
+        };
+
+        let relay_config = relay_config(&dir, &options);
+        let relay = tether_relay::Relay::new(relay_config).await.map_err(|e| UpError::Relay(e.to_string()))?;
+        let admin_token = relay.admin_token().clone();
+        let ca_pem = relay.ca_pem().map(str::to_string).unwrap_or_default();
+        let listener = tokio::net::TcpListener::bind(options.listen).await.map_err(|e| {
+            UpError::Config(format!("cannot listen on {}: {e} (choose another address with --listen)", options.listen))
+        })?;
+        let relay_addr = listener.local_addr().map_err(|e| UpError::Relay(e.to_string()))?;
+        let relay_url = format!("https://{}", display_addr(relay_addr));
+        let relay_task = spawn_relay(relay, listener);
+
+        let mut up = Up {
+            relay_addr,
+            relay_url,
+            ca_pem,
+            admin_token,
+            kubeconfig_path: dir.join("kubeconfig"),
+            config_path: dir.join("config.json"),
+            user_token,
+            sample,
+            cluster_kubeconfig,
+            relay: Some(relay_task),
+            agent: None,
+            options: UpOptions { dir: dir.clone(), ..options },
+        };
+        let onboarding_token = up.register().await?;
+        up.spawn_agent(onboarding_token);
+        up.wait_connected(CONNECT_WAIT).await?;
+        up.write_files()?;
+        Ok(up)
+    }
+
+    /// A client of the relay's admin API.
+    pub fn client(&self) -> Result<RelayClient, ClientError> {
+        RelayClient::with_token(&self.relay_url, Some(self.ca_pem.as_bytes()), self.admin_token.clone())
+    }
+
+    /// The cluster name.
+    pub fn cluster(&self) -> &str {
+        &self.options.cluster
+    }
+
+    /// The state directory.
+    pub fn dir(&self) -> &Path {
+        &self.options.dir
+    }
+
+    /// The agent's state directory.
+    pub fn agent_state_dir(&self) -> PathBuf {
+        self.options.dir.join("agent")
+    }
+
+    /// Registers the cluster unless this directory's agent is already onboarded; returns the onboarding token.
+    async fn register(&self) -> Result<Option<Secret>, UpError> {
+        let client = self.client()?;
+        let name = &self.options.cluster;
+        let onboarded_here = self.agent_state_dir().join("credential.json").is_file();
+        match client.show_cluster(name).await {
+            Ok(_) if onboarded_here => return Ok(None),
+            Ok(_) => client.delete_cluster(name).await?,
+            Err(e) if e.status() == Some(http::StatusCode::NOT_FOUND) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let state = self.agent_state_dir();
+        if state.exists() {
+            std::fs::remove_dir_all(&state).map_err(|source| UpError::Io { path: state.clone(), source })?;
+        }
+        let created = client.create_cluster(name, &Default::default()).await?;
+        Ok(Some(created.onboarding_token))
+    }
+
+    fn agent_config(&self, onboarding_token: Option<Secret>) -> tether_agent::Config {
+        let mut config =
+            tether_agent::Config::new(self.relay_url.clone(), self.options.cluster.clone(), self.agent_state_dir());
+        config.onboarding_token = onboarding_token;
+        config.relay_ca = Some(self.options.dir.join("relay").join("ca.pem"));
+        config.kubeconfig = Some(self.cluster_kubeconfig.clone());
+        config.drain_timeout = Duration::from_secs(5);
+        config
+    }
+
+    fn spawn_agent(&mut self, onboarding_token: Option<Secret>) {
+        let config = self.agent_config(onboarding_token);
+        let (tx, rx) = oneshot::channel::<()>();
+        let join = tokio::spawn(async move {
+            tether_agent::run(config, async move {
+                let _ = rx.await;
+            })
+            .await
+        });
+        self.agent = Some(Running { shutdown: tx, join });
+    }
+
+    /// Waits until the relay reports the cluster connected, or the agent fails.
+    pub async fn wait_connected(&mut self, limit: Duration) -> Result<(), UpError> {
+        let client = self.client()?;
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Ok(cluster) = client.show_cluster(&self.options.cluster).await
+                && cluster.get("connected").and_then(serde_json::Value::as_bool) == Some(true)
+            {
+                return Ok(());
+            }
+            if let Some(agent) = &self.agent
+                && agent.join.is_finished()
+                && let Some(agent) = self.agent.take()
+            {
+                let reason = agent.stop().await.err().unwrap_or_else(|| "it stopped".into());
+                return Err(UpError::Agent(reason));
+            }
+            if Instant::now() >= deadline {
+                return Err(UpError::NotConnected(limit));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Stops the agent (drains its streams).
+    pub async fn stop_agent(&mut self) -> Result<(), UpError> {
+        match self.agent.take() {
+            Some(agent) => agent.stop().await.map_err(UpError::Agent),
+            None => Ok(()),
+        }
+    }
+
+    /// Starts the agent again (it reuses its stored credential).
+    pub async fn start_agent(&mut self) -> Result<(), UpError> {
+        self.stop_agent().await?;
+        self.spawn_agent(None);
+        self.wait_connected(CONNECT_WAIT).await
+    }
+
+    /// Stops the relay (graceful: tunnels get GOAWAY).
+    pub async fn stop_relay(&mut self) -> Result<(), UpError> {
+        match self.relay.take() {
+            Some(relay) => relay.stop().await.map_err(UpError::Relay),
+            None => Ok(()),
+        }
+    }
+
+    /// Starts the relay again on the same address and data dir (the agent is left to reconnect by itself).
+    pub async fn start_relay(&mut self) -> Result<(), UpError> {
+        self.stop_relay().await?;
+        let relay = tether_relay::Relay::new(relay_config(&self.options.dir, &self.options))
+            .await
+            .map_err(|e| UpError::Relay(e.to_string()))?;
+        let listener = bind_retrying(self.relay_addr).await?;
+        self.relay = Some(spawn_relay(relay, listener));
+        Ok(())
+    }
+
+    fn write_files(&self) -> Result<(), UpError> {
+        let text = kubeconfig::render(&KubeconfigSpec {
+            relay_url: &self.relay_url,
+            cluster: &self.options.cluster,
+            ca_pem: Some(self.ca_pem.as_bytes()),
+            token: self.user_token.as_deref(),
+        })?;
+        kubeconfig::write_private(&self.kubeconfig_path, &text)?;
+        let config = ConfigFile {
+            relay: Some(self.relay_url.clone()),
+            ca_file: Some(PathBuf::from("relay/ca.pem")),
+            admin_token_file: Some(PathBuf::from("relay/admin-token")),
+        };
+        config.save(&self.config_path).map_err(|source| UpError::Io { path: self.config_path.clone(), source })
+    }
+
+    /// Stops everything: agent (drain), relay, sample apiserver.
+    pub async fn shutdown(mut self) -> Result<(), UpError> {
+        let agent = self.stop_agent().await;
+        let relay = self.stop_relay().await;
+        if let Some(sample) = self.sample.take() {
+            sample.shutdown().await;
+        }
+        agent.and(relay)
+    }
+}
+
+fn relay_config(dir: &Path, options: &UpOptions) -> tether_relay::Config {
+    let mut config = tether_relay::Config::new(dir.join("relay"));
+    let mut hostnames = vec!["localhost".to_string(), "127.0.0.1".to_string(), "::1".to_string()];
+    if !options.listen.ip().is_unspecified() && !options.listen.ip().is_loopback() {
+        hostnames.push(options.listen.ip().to_string());
+    }
+    hostnames.extend(options.extra_hostnames.iter().cloned());
+    config.hostnames = hostnames;
+    config
+}
+
+fn spawn_relay(relay: tether_relay::Relay, listener: tokio::net::TcpListener) -> Running<tether_relay::RelayError> {
+    let (tx, rx) = oneshot::channel::<()>();
+    let join = tokio::spawn(relay.serve(listener, async move {
+        let _ = rx.await;
+    }));
+    Running { shutdown: tx, join }
+}
+
+async fn bind_retrying(addr: SocketAddr) -> Result<tokio::net::TcpListener, UpError> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(listener) => return Ok(listener),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(UpError::Relay(format!("cannot listen on {addr} again: {e}")));
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+fn display_addr(addr: SocketAddr) -> String {
+    match addr {
+        SocketAddr::V4(a) => a.to_string(),
+        SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
+    }
+}
+
+fn validate_name(name: &str) -> Result<(), UpError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if ok { Ok(()) } else { Err(UpError::Config(format!("cluster name {name:?} must be a DNS label (a-z, 0-9, '-')"))) }
+}
+
+fn create_private_dir(dir: &Path) -> Result<(), UpError> {
+    std::fs::create_dir_all(dir).map_err(|source| UpError::Io { path: dir.to_path_buf(), source })?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|source| UpError::Io { path: dir.to_path_buf(), source })?;
+    }
+    Ok(())
+}
+
+/// The bearer token of the current user of a kubeconfig, if it uses one (token or tokenFile).
+fn bearer_token_of(path: &Path) -> Result<Option<String>, UpError> {
+    let io = |source| UpError::Io { path: path.to_path_buf(), source };
+    let text = std::fs::read_to_string(path).map_err(io)?;
+    let config: serde_yaml::Value = serde_yaml::from_str(&text)
+        .map_err(|e| UpError::Config(format!("{} is not a kubeconfig: {e}", path.display())))?;
+    let current = config["current-context"].as_str().unwrap_or_default();
+    let user_name = config["contexts"]
+        .as_sequence()
+        .and_then(|contexts| contexts.iter().find(|c| c["name"].as_str() == Some(current)))
+        .and_then(|c| c["context"]["user"].as_str());
+    let Some(user_name) = user_name else { return Ok(None) };
+    let user = config["users"]
+        .as_sequence()
+        .and_then(|users| users.iter().find(|u| u["name"].as_str() == Some(user_name)))
+        .map(|u| &u["user"]);
+    let Some(user) = user else { return Ok(None) };
+    if let Some(token) = user["token"].as_str() {
+        return Ok(Some(token.to_string()));
+    }
+    if let Some(file) = user["tokenFile"].as_str() {
+        let token = std::fs::read_to_string(file).map_err(|source| UpError::Io { path: file.into(), source })?;
+        return Ok(Some(token.trim().to_string()));
+    }
+    Ok(None)
+}
+
+/// `tether up` in the foreground: start, print what to try, run until Ctrl-C or SIGTERM, shut down.
+pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
+    let up = Up::start(args.into()).await?;
+    let kubeconfig = up.kubeconfig_path.display().to_string();
+    println!("Tether is up.");
+    println!("  relay:    {}  (admin API, agent tunnels, kubectl endpoint)", up.relay_url);
+    match &up.sample {
+        Some(sample) => println!("  cluster:  \"{}\" — the sample apiserver at {}, connected through an agent", up.cluster(), sample.url()),
+        None => println!("  cluster:  \"{}\" — connected through an agent", up.cluster()),
+    }
+    println!("  state:    {}", up.dir().display());
+    println!();
+    println!("Try:");
+    println!("  kubectl --kubeconfig {kubeconfig} get namespaces");
+    if up.user_token.is_none() {
+        println!("  (the kubeconfig has no user credential; add yours: tether passes it through to the cluster)");
+    }
+    println!("  tether --config {} cluster list", up.config_path.display());
+    println!();
+    println!("Press Ctrl-C to stop.");
+    wait_for_signal().await;
+    println!("Shutting down…");
+    up.shutdown().await
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_must_be_dns_labels() {
+        assert!(validate_name("demo-1").is_ok());
+        assert!(validate_name("Demo").is_err());
+        assert!(validate_name("-x").is_err());
+        assert!(validate_name(&"a".repeat(64)).is_err());
+    }
+
+    #[test]
+    fn finds_the_bearer_token_of_the_current_user() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("kc");
+        std::fs::write(
+            &path,
+            "apiVersion: v1\nkind: Config\ncurrent-context: b\ncontexts:\n- name: a\n  context: {cluster: c, user: ua}\n\
+             - name: b\n  context: {cluster: c, user: ub}\nusers:\n- name: ua\n  user: {token: ta}\n- name: ub\n  user: {token: tb}\n",
+        )?;
+        assert_eq!(bearer_token_of(&path)?, Some("tb".to_string()));
+        Ok(())
+    }
+}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what Tether's tests need on a fresh Debian machine (run as root; a no-op when all is present).
+set -euo pipefail
+
+missing=()
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v iptables >/dev/null 2>&1 || missing+=(iptables)
+command -v python3 >/dev/null 2>&1 || missing+=(python3)
+have_kubectl=1
+command -v kubectl >/dev/null 2>&1 || ls /usr/lib/google-cloud-sdk/bin/kubectl.1.* >/dev/null 2>&1 || have_kubectl=0
+
+if [ ${#missing[@]} -gt 0 ] || [ $have_kubectl -eq 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "missing test dependencies (${missing[*]:-} kubectl?) and not root: install them first" >&2
+    exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+  if [ $have_kubectl -eq 0 ]; then
+    apt-get install -y -qq --no-install-recommends kubectl || apt-get install -y -qq --no-install-recommends kubernetes-client
+  fi
+fi
