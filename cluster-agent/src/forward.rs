@@ -1,0 +1,698 @@
+//! Serving one tunnel stream: an HTTP/1.1 exchange from the relay, forwarded to THE apiserver and nothing else.
+//!
+//! The upstream URL, its CA and its TLS server name come from the agent's kube config, never from the request:
+//! absolute-form URIs naming another host are refused (400), `CONNECT` is refused (405), and the upstream URI is
+//! always the apiserver base plus the request's path and query.
+//!
+//! Pass-through mode: the user's `Authorization` header reaches the apiserver unchanged and the forwarding
+//! client carries no credential of its own (no client certificate, no token).
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_util::task::TaskTracker;
+
+type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// The body of a response the agent sends back over a stream: the apiserver's, streamed, or a small error.
+pub type ResponseBody = Either<Incoming, Full<Bytes>>;
+
+/// Connect timeout to the apiserver when the kube config sets none.
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a stream may take to deliver a complete request head.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bound on the buffered request head (request line and headers).
+const MAX_HEADER_BYTES: usize = 64 * 1024;
+/// Idle pooled connections to the apiserver are closed after this long.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// Why the upstream (apiserver) client could not be built from the kube config.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// The cluster URL is not an absolute http(s) URL.
+    #[error("invalid apiserver URL {url:?}: {reason}")]
+    InvalidUrl {
+        /// The URL from the kube config.
+        url: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The CA bundle file could not be read or held no certificate.
+    #[error("cannot load the apiserver CA from {path}: {reason}")]
+    ReadCa {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A CA certificate was rejected.
+    #[error("invalid apiserver CA certificate: {0}")]
+    InvalidCa(#[source] rustls::Error),
+    /// The TLS server name from the kube config is not a valid DNS name or IP address.
+    #[error("invalid TLS server name {0:?}")]
+    InvalidServerName(String),
+    /// rustls rejected the TLS configuration.
+    #[error("TLS configuration rejected: {0}")]
+    Tls(#[source] rustls::Error),
+}
+
+/// The one apiserver this agent forwards to, with its HTTP clients. Cheap to clone.
+#[derive(Clone)]
+pub struct Upstream {
+    inner: Arc<UpstreamInner>,
+}
+
+type UpstreamClient = Client<TimeoutConnector<HttpsConnector<HttpConnector>>, Incoming>;
+
+struct UpstreamInner {
+    scheme: Scheme,
+    authority: Authority,
+    /// The cluster URL's path without its trailing slash ("" when none).
+    base_path: String,
+    /// h2 or HTTP/1.1, pooled keep-alive connections: ordinary requests.
+    pooled: UpstreamClient,
+    /// HTTP/1.1 only, no idle pool: upgrade requests (an h2 connection cannot upgrade).
+    upgrade: UpstreamClient,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("base", &self.base())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Upstream {
+    /// Builds the forwarding clients from a kube config: its cluster URL, CA (`root_cert_file` first, then
+    /// `root_cert`, else the webpki roots), `accept_invalid_certs`, `tls_server_name` and `connect_timeout`.
+    /// The config's credentials (client certificate, token, exec plugin) are deliberately NOT used.
+    pub fn from_kube_config(config: &kube::Config) -> Result<Self, UpstreamError> {
+        let url = &config.cluster_url;
+        let invalid = |reason| UpstreamError::InvalidUrl {
+            url: url.to_string(),
+            reason,
+        };
+        let scheme = url.scheme().cloned().ok_or_else(|| invalid("no scheme"))?;
+        if scheme != Scheme::HTTPS && scheme != Scheme::HTTP {
+            return Err(invalid("the scheme must be https or http"));
+        }
+        let authority = url.authority().cloned().ok_or_else(|| invalid("no host"))?;
+        if url.query().is_some() {
+            return Err(invalid("a query is not allowed in the cluster URL"));
+        }
+        let base_path = url.path().trim_end_matches('/').to_string();
+
+        let tls = upstream_tls(config)?;
+        let server_name = match &config.tls_server_name {
+            Some(name) => Some(
+                ServerName::try_from(name.clone())
+                    .map_err(|_| UpstreamError::InvalidServerName(name.clone()))?,
+            ),
+            None => None,
+        };
+        let connect_timeout = config.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+
+        let connector = |http2: bool| {
+            let mut http = HttpConnector::new();
+            http.enforce_http(false);
+            http.set_nodelay(true);
+            let builder = hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config(tls.clone())
+                .https_or_http();
+            let builder = match &server_name {
+                Some(name) => {
+                    builder.with_server_name_resolver(FixedServerNameResolver::new(name.clone()))
+                }
+                None => builder,
+            };
+            let https = if http2 {
+                builder.enable_http1().enable_http2().wrap_connector(http)
+            } else {
+                builder.enable_http1().wrap_connector(http)
+            };
+            TimeoutConnector {
+                inner: https,
+                timeout: connect_timeout,
+            }
+        };
+
+        let pooled = Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .build(connector(true));
+        let upgrade = Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .pool_max_idle_per_host(0)
+            .build(connector(false));
+
+        Ok(Self {
+            inner: Arc::new(UpstreamInner {
+                scheme,
+                authority,
+                base_path,
+                pooled,
+                upgrade,
+            }),
+        })
+    }
+
+    /// The apiserver base URL requests are forwarded to.
+    pub fn base(&self) -> String {
+        format!(
+            "{}://{}{}",
+            self.inner.scheme, self.inner.authority, self.inner.base_path
+        )
+    }
+
+    /// The upstream URI for a request target: the apiserver base plus the target's path and query. The target
+    /// may be origin-form (`/api/v1/...`) or absolute-form naming the apiserver itself; anything else (another
+    /// host, authority-form, `*`) is refused.
+    pub fn target(&self, request_uri: &Uri) -> Result<Uri, TargetError> {
+        if let Some(authority) = request_uri.authority()
+            && !authority
+                .as_str()
+                .eq_ignore_ascii_case(self.inner.authority.as_str())
+        {
+            return Err(TargetError::OtherHost);
+        }
+        let path_and_query = request_uri
+            .path_and_query()
+            .map(PathAndQuery::as_str)
+            .unwrap_or("/");
+        if !path_and_query.starts_with('/') {
+            return Err(TargetError::NotAPath);
+        }
+        let joined = format!("{}{}", self.inner.base_path, path_and_query);
+        let path_and_query = PathAndQuery::try_from(joined).map_err(|_| TargetError::NotAPath)?;
+        Uri::builder()
+            .scheme(self.inner.scheme.clone())
+            .authority(self.inner.authority.clone())
+            .path_and_query(path_and_query)
+            .build()
+            .map_err(|_| TargetError::NotAPath)
+    }
+}
+
+/// Why a request target was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TargetError {
+    /// An absolute-form URI named a host other than the apiserver.
+    #[error(
+        "this agent forwards only to its own apiserver; absolute URIs naming another host are refused"
+    )]
+    OtherHost,
+    /// The target is not a path (authority-form or asterisk-form).
+    #[error("the request target must be a path")]
+    NotAPath,
+}
+
+fn upstream_tls(config: &kube::Config) -> Result<rustls::ClientConfig, UpstreamError> {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(UpstreamError::Tls)?;
+    let tls = if config.accept_invalid_certs {
+        tracing::warn!(
+            "the kube config disables apiserver certificate verification (insecure-skip-tls-verify)"
+        );
+        builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(danger::AcceptAnyCertificate(provider)))
+    } else {
+        let mut roots = rustls::RootCertStore::empty();
+        let certs: Vec<CertificateDer<'static>> = if let Some(path) = &config.root_cert_file {
+            let read_err = |reason: String| UpstreamError::ReadCa {
+                path: path.display().to_string(),
+                reason,
+            };
+            let pem = std::fs::read(path).map_err(|e| read_err(e.to_string()))?;
+            let certs = CertificateDer::pem_slice_iter(&pem)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| read_err(e.to_string()))?;
+            if certs.is_empty() {
+                return Err(read_err("no certificate in the file".into()));
+            }
+            certs
+        } else if let Some(ders) = &config.root_cert {
+            ders.iter()
+                .map(|der| CertificateDer::from(der.clone()))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if certs.is_empty() {
+            roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        }
+        for cert in certs {
+            roots.add(cert).map_err(UpstreamError::InvalidCa)?;
+        }
+        builder.with_root_certificates(roots)
+    };
+    // No client certificate, ever: in pass-through mode the user's identity is the only one the apiserver sees.
+    Ok(tls.with_no_client_auth())
+}
+
+/// Serves one stream as an HTTP/1.1 server whose every request goes to `upstream`. Returns when the exchange
+/// (and, after a `101 Switching Protocols`, the upgraded byte pipe) is over.
+pub async fn serve_stream<IO>(io: IO, upstream: Upstream) -> Result<(), hyper::Error>
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let pipes = TaskTracker::new();
+    let service = {
+        let pipes = pipes.clone();
+        hyper::service::service_fn(move |req| {
+            let upstream = upstream.clone();
+            let pipes = pipes.clone();
+            async move { Ok::<_, std::convert::Infallible>(forward(req, &upstream, &pipes).await) }
+        })
+    };
+    let result = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(MAX_HEADER_BYTES)
+        // One stream carries one exchange; closing after it lets both ends see the stream end.
+        .keep_alive(false)
+        // The relay may half-close its side once the request is sent; keep answering.
+        .half_close(true)
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades()
+        .await;
+    pipes.close();
+    pipes.wait().await;
+    result
+}
+
+/// Forwards one request and builds the response to send back; errors become Kubernetes `Status` responses.
+async fn forward(
+    mut req: Request<Incoming>,
+    upstream: &Upstream,
+    pipes: &TaskTracker,
+) -> Response<ResponseBody> {
+    if req.method() == Method::CONNECT {
+        return status_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "MethodNotAllowed",
+            "CONNECT is not supported",
+        );
+    }
+    let target = match upstream.target(req.uri()) {
+        Ok(target) => target,
+        Err(e) => return status_response(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+    };
+    let upgrade = is_upgrade(req.headers());
+    let downstream_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+
+    let (parts, body) = req.into_parts();
+    let mut out = Request::builder()
+        .method(parts.method)
+        .uri(target)
+        .version(http::Version::HTTP_11);
+    if let Some(headers) = out.headers_mut() {
+        *headers = forwarded_headers(&parts.headers, upgrade);
+    }
+    let out = match out.body(body) {
+        Ok(out) => out,
+        Err(e) => return status_response(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+    };
+
+    let client = if upgrade {
+        &upstream.inner.upgrade
+    } else {
+        &upstream.inner.pooled
+    };
+    let mut resp = match client.request(out).await {
+        Ok(resp) => resp,
+        Err(e) => return upstream_error(&e, &upstream.base()),
+    };
+
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let Some(downstream) = downstream_upgrade else {
+            // The apiserver switched protocols for a request that did not ask to: do not pass that on.
+            return status_response(
+                StatusCode::BAD_GATEWAY,
+                "InternalError",
+                "unexpected 101 from the apiserver",
+            );
+        };
+        let upstream_upgrade = hyper::upgrade::on(&mut resp);
+        let mut response = Response::new(Either::Right(Full::new(Bytes::new())));
+        *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+        *response.headers_mut() = resp.headers().clone();
+        pipes.spawn(async move {
+            let (down, up) = match tokio::try_join!(downstream, upstream_upgrade) {
+                Ok(pair) => pair,
+                Err(e) => {
+                    tracing::debug!(error = %e, "upgrade failed");
+                    return;
+                }
+            };
+            let mut down = TokioIo::new(down);
+            let mut up = TokioIo::new(up);
+            match tokio::io::copy_bidirectional(&mut down, &mut up).await {
+                Ok((to_apiserver, to_client)) => {
+                    tracing::debug!(to_apiserver, to_client, "upgraded stream finished");
+                }
+                Err(e) => tracing::debug!(error = %e, "upgraded stream ended with an error"),
+            }
+        });
+        return response;
+    }
+
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers, false);
+    Response::from_parts(parts, Either::Left(body))
+}
+
+/// True when the request asks to switch protocols (`Connection: upgrade` with an `Upgrade` header).
+fn is_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && connection_tokens(headers).any(|t| t.eq_ignore_ascii_case("upgrade"))
+}
+
+fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &str> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+}
+
+/// Headers that describe one hop, not the message (RFC 9110 §7.6.1), plus the legacy ones proxies drop.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+];
+
+/// Removes hop-by-hop headers and those named by `Connection`. With `keep_upgrade`, `Upgrade` and a
+/// `Connection: Upgrade` stay so the apiserver sees the upgrade request.
+fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    let named: Vec<HeaderName> = connection_tokens(headers)
+        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        if keep_upgrade && name == header::UPGRADE {
+            continue;
+        }
+        headers.remove(name);
+    }
+    if keep_upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    } else {
+        headers.remove(header::UPGRADE);
+    }
+}
+
+/// The headers to send upstream: the request's, minus hop-by-hop ones, minus `Host` (the client sets it from
+/// the apiserver URI). `Authorization` and everything else pass unchanged.
+fn forwarded_headers(incoming: &HeaderMap, upgrade: bool) -> HeaderMap {
+    let mut headers = incoming.clone();
+    strip_hop_by_hop(&mut headers, upgrade);
+    headers.remove(header::HOST);
+    headers
+}
+
+fn upstream_error(e: &hyper_util::client::legacy::Error, base: &str) -> Response<ResponseBody> {
+    if chain_has::<ConnectTimedOut>(e) {
+        tracing::warn!(apiserver = base, "apiserver connect timed out");
+        return status_response(
+            StatusCode::GATEWAY_TIMEOUT,
+            "Timeout",
+            &format!("the agent timed out connecting to the apiserver at {base}"),
+        );
+    }
+    let detail = crate::error_chain(e);
+    tracing::warn!(apiserver = base, error = %detail, "apiserver request failed");
+    let message = if e.is_connect() {
+        format!("the agent cannot reach the apiserver at {base}: {detail}")
+    } else {
+        format!("the apiserver at {base} failed the request: {detail}")
+    };
+    status_response(StatusCode::BAD_GATEWAY, "InternalError", &message)
+}
+
+fn chain_has<T: StdError + 'static>(e: &(dyn StdError + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.is::<T>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+/// A Kubernetes `Status` failure response, which kubectl and client libraries know how to show.
+pub(crate) fn status_response(
+    status: StatusCode,
+    reason: &str,
+    message: &str,
+) -> Response<ResponseBody> {
+    let body = serde_json::json!({
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": status.as_u16(),
+    });
+    let mut response = Response::new(Either::Right(Full::new(Bytes::from(body.to_string()))));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// Marks a connect attempt that ran out of time, so the caller can answer 504 instead of 502.
+#[derive(Debug, thiserror::Error)]
+#[error("connecting to the apiserver timed out after {0:?}")]
+struct ConnectTimedOut(Duration);
+
+/// Bounds the whole connect (TCP and TLS handshake) with one timeout.
+#[derive(Clone)]
+struct TimeoutConnector<C> {
+    inner: C,
+    timeout: Duration,
+}
+
+impl<C> tower::Service<Uri> for TimeoutConnector<C>
+where
+    C: tower::Service<Uri> + Send + 'static,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, dst: Uri) -> Self::Future {
+        let timeout = self.timeout;
+        let connecting = self.inner.call(dst);
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, connecting).await {
+                Ok(result) => result.map_err(Into::into),
+                Err(_) => Err(Box::new(ConnectTimedOut(timeout)) as BoxError),
+            }
+        })
+    }
+}
+
+mod danger {
+    use std::sync::Arc;
+
+    use rustls::DigitallySignedStruct;
+    use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+    use rustls::crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature};
+    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+
+    /// Accepts any apiserver certificate (the kube config's `insecure-skip-tls-verify`). Handshake signatures
+    /// are still checked, so the connection is encrypted, just not authenticated.
+    #[derive(Debug)]
+    pub(super) struct AcceptAnyCertificate(pub(super) Arc<CryptoProvider>);
+
+    impl ServerCertVerifier for AcceptAnyCertificate {
+        fn verify_server_cert(
+            &self,
+            _end_entity: &CertificateDer<'_>,
+            _intermediates: &[CertificateDer<'_>],
+            _server_name: &ServerName<'_>,
+            _ocsp_response: &[u8],
+            _now: UnixTime,
+        ) -> Result<ServerCertVerified, rustls::Error> {
+            Ok(ServerCertVerified::assertion())
+        }
+
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            verify_tls12_signature(
+                message,
+                cert,
+                dss,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            verify_tls13_signature(
+                message,
+                cert,
+                dss,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+            self.0.signature_verification_algorithms.supported_schemes()
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn upstream(url: &str) -> Upstream {
+        let config = kube::Config::new(url.parse().unwrap());
+        Upstream::from_kube_config(&config).unwrap()
+    }
+
+    #[test]
+    fn target_keeps_path_and_query_and_base_path() {
+        let up = upstream("https://api.example:6443");
+        let t = up
+            .target(&"/api/v1/pods?watch=1&limit=5".parse().unwrap())
+            .unwrap();
+        assert_eq!(
+            t.to_string(),
+            "https://api.example:6443/api/v1/pods?watch=1&limit=5"
+        );
+
+        let up = upstream("https://gw.example/k8s/prod/");
+        let t = up.target(&"/api/v1/namespaces".parse().unwrap()).unwrap();
+        assert_eq!(
+            t.to_string(),
+            "https://gw.example/k8s/prod/api/v1/namespaces"
+        );
+    }
+
+    #[test]
+    fn target_never_leaves_the_apiserver() {
+        let up = upstream("https://api.example:6443");
+        assert_eq!(
+            up.target(&"http://evil.example/api".parse().unwrap()),
+            Err(TargetError::OtherHost)
+        );
+        assert_eq!(
+            up.target(&"https://api.example:6444/api".parse().unwrap()),
+            Err(TargetError::OtherHost)
+        );
+        assert_eq!(
+            up.target(&"evil.example:443".parse().unwrap()),
+            Err(TargetError::OtherHost)
+        );
+        assert_eq!(up.target(&"*".parse().unwrap()), Err(TargetError::NotAPath));
+        // A path that looks like a network-path reference stays a path on the apiserver.
+        let t = up.target(&"//evil.example/x".parse().unwrap()).unwrap();
+        assert_eq!(
+            t.authority().map(Authority::as_str),
+            Some("api.example:6443")
+        );
+        // Absolute-form naming the apiserver itself is fine.
+        let t = up
+            .target(&"https://api.example:6443/version".parse().unwrap())
+            .unwrap();
+        assert_eq!(t.to_string(), "https://api.example:6443/version");
+    }
+
+    #[test]
+    fn rejects_unusable_cluster_urls() {
+        for url in ["ftp://x.example", "/relative"] {
+            let config = kube::Config::new(url.parse().unwrap());
+            assert!(Upstream::from_kube_config(&config).is_err(), "{url}");
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_dropped() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret-hop"),
+        );
+        h.insert("x-secret-hop", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer user"),
+        );
+        h.insert(header::HOST, HeaderValue::from_static("relay.example"));
+        let out = forwarded_headers(&h, false);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[header::AUTHORIZATION], "Bearer user");
+    }
+
+    #[test]
+    fn upgrade_headers_are_kept_for_upgrades() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("SPDY/3.1"));
+        h.insert(
+            "x-stream-protocol-version",
+            HeaderValue::from_static("v4.channel.k8s.io"),
+        );
+        assert!(is_upgrade(&h));
+        let out = forwarded_headers(&h, true);
+        assert_eq!(out[header::UPGRADE], "SPDY/3.1");
+        assert_eq!(out[header::CONNECTION], "Upgrade");
+        assert_eq!(out["x-stream-protocol-version"], "v4.channel.k8s.io");
+    }
+}
