@@ -1,1 +1,170 @@
-fn main() {}
+//! `tether-agent`: parses flags (or their environment variables), validates, and runs the agent until SIGINT or
+//! SIGTERM. Exit status: 0 after a clean drain, 64 for a bad configuration, 1 for a fatal error.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, ValueEnum};
+use tether_agent::{AgentError, Config, Secret};
+
+/// Exit status for a configuration that cannot be used (EX_USAGE).
+const EXIT_USAGE: u8 = 64;
+
+#[derive(Parser)]
+#[command(
+    name = "tether-agent",
+    version,
+    about = "Tether cluster agent: dials the relay and serves its apiserver"
+)]
+struct Args {
+    /// The relay's URL, e.g. https://relay.example:8443.
+    #[arg(long = "relay", env = "TETHER_RELAY")]
+    relay: String,
+    /// This cluster's name at the relay.
+    #[arg(long, env = "TETHER_CLUSTER")]
+    cluster: String,
+    /// The one-time onboarding token from `tether cluster connect` (needed only the first time).
+    #[arg(
+        long,
+        env = "TETHER_ONBOARDING_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "onboarding_token_file"
+    )]
+    onboarding_token: Option<String>,
+    /// A file holding the onboarding token.
+    #[arg(long, env = "TETHER_ONBOARDING_TOKEN_FILE")]
+    onboarding_token_file: Option<PathBuf>,
+    /// Where the agent keeps its credential.
+    #[arg(
+        long,
+        env = "TETHER_STATE_DIR",
+        default_value = "/var/lib/tether-agent"
+    )]
+    state_dir: PathBuf,
+    /// A PEM CA bundle to trust for the relay (default: the public web PKI roots).
+    #[arg(long, env = "TETHER_RELAY_CA")]
+    relay_ca: Option<PathBuf>,
+    /// The kubeconfig naming the apiserver (default: KUBECONFIG, ~/.kube/config, else in-cluster).
+    #[arg(long, env = "TETHER_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// Seconds open streams may keep running after a shutdown signal.
+    #[arg(long, env = "TETHER_DRAIN_TIMEOUT", default_value_t = 20)]
+    drain_timeout: u64,
+    /// Log format.
+    #[arg(long, env = "TETHER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(args) => args,
+        Err(e) => {
+            let usage_error = e.use_stderr();
+            let _ = e.print();
+            return if usage_error {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    init_tracing(args.log_format);
+    let config = match config_from(args) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("tether-agent: {e:#}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    if let Err(e) = config.validate() {
+        eprintln!("tether-agent: invalid configuration: {e}");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    tether_tunnel::tls::install_crypto_provider();
+
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("tether-agent: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(tether_agent::run(config, shutdown_signal())) {
+        Ok(()) => {
+            tracing::info!("stopped");
+            ExitCode::SUCCESS
+        }
+        Err(e @ AgentError::Config(_)) => {
+            eprintln!("tether-agent: {e}");
+            ExitCode::from(EXIT_USAGE)
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "fatal");
+            eprintln!("tether-agent: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn config_from(args: Args) -> anyhow::Result<Config> {
+    let mut config = Config::new(args.relay, args.cluster, args.state_dir);
+    config.onboarding_token = match (args.onboarding_token, args.onboarding_token_file) {
+        (Some(token), _) => Some(Secret::new(token.trim())),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(&path).with_context(|| {
+                format!("cannot read the onboarding token file {}", path.display())
+            })?;
+            Some(Secret::new(text.trim()))
+        }
+        (None, None) => None,
+    };
+    config.relay_ca = args.relay_ca;
+    config.kubeconfig = args.kubeconfig;
+    config.drain_timeout = Duration::from_secs(args.drain_timeout);
+    Ok(config)
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = interrupt => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+    tracing::info!("shutdown signal received");
+}

@@ -1,0 +1,324 @@
+//! Shared test support: a throwaway CA, an HTTPS "apiserver" that records what reaches it, and kubeconfigs.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use base64::Engine as _;
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode, Version};
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+/// A CA that issues server and client certificates.
+pub struct TestCa {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+/// A PEM certificate and its key.
+pub struct Issued {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl TestCa {
+    pub fn new() -> Result<Self> {
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "tether test CA");
+        Ok(Self {
+            issuer: CertifiedIssuer::self_signed(params, KeyPair::generate()?)?,
+        })
+    }
+
+    pub fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    pub fn der(&self) -> Vec<u8> {
+        self.issuer.der().to_vec()
+    }
+
+    pub fn issue(&self, names: &[&str]) -> Result<Issued> {
+        let key = KeyPair::generate()?;
+        let mut params =
+            CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())?;
+        params.distinguished_name.push(
+            rcgen::DnType::CommonName,
+            names.first().copied().unwrap_or("client"),
+        );
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok(Issued {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+
+    /// A rustls server config for `names`, ALPN h2 + http/1.1, asking (not requiring) a client certificate.
+    pub fn server_config(&self, names: &[&str]) -> Result<Arc<rustls::ServerConfig>> {
+        let issued = self.issue(names)?;
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(CertificateDer::from(self.der()))?;
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider.clone(),
+        )
+        .allow_unauthenticated()
+        .build()?;
+        let chain = CertificateDer::pem_slice_iter(issued.cert_pem.as_bytes())
+            .collect::<Result<Vec<_>, _>>()?;
+        let key = PrivateKeyDer::from_pem_slice(issued.key_pem.as_bytes())?;
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain, key)?;
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(Arc::new(config))
+    }
+}
+
+/// What one request looked like when it reached the test apiserver.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: String,
+    pub uri: String,
+    pub version: Version,
+    pub headers: HeaderMap,
+    /// Whether the TLS client presented a certificate.
+    pub client_cert: bool,
+}
+
+type Body = BoxBody<Bytes, Infallible>;
+
+/// An HTTPS server standing in for the apiserver.
+///
+/// - `/stream`: a body fed chunk by chunk from [`TestApiserver::stream_sender`];
+/// - `/upgrade`: 101 to `tether-test`, then reads to EOF and answers `bye:` + what it read, then closes;
+/// - anything else: 200 with a JSON echo of method, path and query.
+pub struct TestApiserver {
+    pub addr: SocketAddr,
+    pub ca: Arc<TestCa>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    stream_rx: Arc<Mutex<Option<mpsc::Receiver<Bytes>>>>,
+    stream_tx: mpsc::Sender<Bytes>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for TestApiserver {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl TestApiserver {
+    pub async fn start() -> Result<Self> {
+        let ca = Arc::new(TestCa::new()?);
+        let tls = tokio_rustls::TlsAcceptor::from(ca.server_config(&["localhost", "127.0.0.1"])?);
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (stream_tx, stream_rx) = mpsc::channel(16);
+        let stream_rx = Arc::new(Mutex::new(Some(stream_rx)));
+        let task = {
+            let seen = seen.clone();
+            let stream_rx = stream_rx.clone();
+            tokio::spawn(async move {
+                while let Ok((tcp, _)) = listener.accept().await {
+                    let tls = tls.clone();
+                    let seen = seen.clone();
+                    let stream_rx = stream_rx.clone();
+                    tokio::spawn(async move {
+                        let Ok(tls_stream) = tls.accept(tcp).await else {
+                            return;
+                        };
+                        let client_cert = tls_stream.get_ref().1.peer_certificates().is_some();
+                        let service = hyper::service::service_fn(move |req| {
+                            let seen = seen.clone();
+                            let stream_rx = stream_rx.clone();
+                            async move {
+                                Ok::<_, Infallible>(handle(req, client_cert, &seen, &stream_rx))
+                            }
+                        });
+                        let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                            .serve_connection_with_upgrades(TokioIo::new(tls_stream), service)
+                            .await;
+                    });
+                }
+            })
+        };
+        Ok(Self {
+            addr,
+            ca,
+            seen,
+            stream_rx,
+            stream_tx,
+            task,
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("https://127.0.0.1:{}", self.addr.port())
+    }
+
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Feeds the `/stream` response body; dropping every sender ends it.
+    pub fn stream_sender(&self) -> mpsc::Sender<Bytes> {
+        self.stream_tx.clone()
+    }
+
+    /// A kube config for this server as the agent would load it (through a kubeconfig file).
+    pub async fn kube_config(
+        &self,
+        dir: &Path,
+        creds: Option<&AgentCreds>,
+    ) -> Result<kube::Config> {
+        let path = write_kubeconfig(dir, &self.url(), &self.ca.pem(), creds)?;
+        let kubeconfig = kube::config::Kubeconfig::read_from(&path)?;
+        Ok(kube::Config::from_custom_kubeconfig(
+            kubeconfig,
+            &kube::config::KubeConfigOptions::default(),
+        )
+        .await?)
+    }
+}
+
+fn handle(
+    mut req: Request<Incoming>,
+    client_cert: bool,
+    seen: &Mutex<Vec<Seen>>,
+    stream_rx: &Mutex<Option<mpsc::Receiver<Bytes>>>,
+) -> Response<Body> {
+    if let Ok(mut seen) = seen.lock() {
+        seen.push(Seen {
+            method: req.method().to_string(),
+            uri: req.uri().to_string(),
+            version: req.version(),
+            headers: req.headers().clone(),
+            client_cert,
+        });
+    }
+    match req.uri().path() {
+        "/stream" => {
+            let Some(rx) = stream_rx.lock().ok().and_then(|mut rx| rx.take()) else {
+                return text(StatusCode::CONFLICT, "stream already taken");
+            };
+            let frames = futures_util::stream::unfold(rx, |mut rx| async move {
+                rx.recv()
+                    .await
+                    .map(|chunk| (Ok::<_, Infallible>(Frame::data(chunk)), rx))
+            });
+            let mut resp = Response::new(BodyExt::boxed(StreamBody::new(frames)));
+            resp.headers_mut()
+                .insert("content-type", http::HeaderValue::from_static("text/plain"));
+            resp
+        }
+        "/upgrade" => {
+            let on_upgrade = hyper::upgrade::on(&mut req);
+            tokio::spawn(async move {
+                let Ok(upgraded) = on_upgrade.await else {
+                    return;
+                };
+                let mut io = TokioIo::new(upgraded);
+                let mut got = Vec::new();
+                if io.read_to_end(&mut got).await.is_err() {
+                    return;
+                }
+                let mut reply = b"bye:".to_vec();
+                reply.extend_from_slice(&got);
+                let _ = io.write_all(&reply).await;
+                let _ = io.shutdown().await;
+            });
+            let mut resp = Response::new(BodyExt::boxed(Full::new(Bytes::new())));
+            *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+            let h = resp.headers_mut();
+            h.insert("upgrade", http::HeaderValue::from_static("tether-test"));
+            h.insert("connection", http::HeaderValue::from_static("Upgrade"));
+            h.insert("x-upstream", http::HeaderValue::from_static("yes"));
+            resp
+        }
+        _ => {
+            let body = serde_json::json!({
+                "method": req.method().as_str(),
+                "path": req.uri().path(),
+                "query": req.uri().query(),
+            });
+            let mut resp = text(StatusCode::OK, &body.to_string());
+            resp.headers_mut().insert(
+                "content-type",
+                http::HeaderValue::from_static("application/json"),
+            );
+            resp
+        }
+    }
+}
+
+fn text(status: StatusCode, body: &str) -> Response<Body> {
+    let mut resp = Response::new(BodyExt::boxed(Full::new(Bytes::from(body.to_string()))));
+    *resp.status_mut() = status;
+    resp
+}
+
+/// Credentials the agent's own kubeconfig user holds (which forwarding must never use).
+pub struct AgentCreds {
+    pub token: String,
+    pub client: Issued,
+}
+
+/// Writes a kubeconfig naming `server` with CA `ca_pem` and, optionally, a user with a token and client cert.
+pub fn write_kubeconfig(
+    dir: &Path,
+    server: &str,
+    ca_pem: &str,
+    creds: Option<&AgentCreds>,
+) -> Result<PathBuf> {
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s.as_bytes());
+    let user = match creds {
+        Some(c) => format!(
+            "    token: {}\n    client-certificate-data: {}\n    client-key-data: {}\n",
+            c.token,
+            b64(&c.client.cert_pem),
+            b64(&c.client.key_pem)
+        ),
+        None => "    {}\n".to_string(),
+    };
+    let yaml = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {server}\n    certificate-authority-data: {ca}\nusers:\n- name: agent\n  user:\n{user}contexts:\n- name: test\n  context:\n    cluster: test\n    user: agent\ncurrent-context: test\n",
+        ca = b64(ca_pem),
+    );
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join("kubeconfig");
+    std::fs::write(&path, yaml).context("writing kubeconfig")?;
+    Ok(path)
+}
+
+/// Polls `check` until it returns `Some`, failing after `deadline`.
+pub async fn eventually<T>(deadline: Duration, mut check: impl FnMut() -> Option<T>) -> Result<T> {
+    let give_up = tokio::time::Instant::now() + deadline;
+    loop {
+        if let Some(value) = check() {
+            return Ok(value);
+        }
+        if tokio::time::Instant::now() >= give_up {
+            anyhow::bail!("condition not met within {deadline:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

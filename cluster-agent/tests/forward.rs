@@ -1,0 +1,343 @@
+//! Serving a stream (here a `tokio::io::duplex`, as the tunnel's `Stream` would be) against a real HTTPS
+//! upstream: what reaches the apiserver, and what cannot.
+
+mod common;
+
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, ensure};
+use bytes::Bytes;
+use common::{AgentCreds, TestApiserver};
+use http::{Request, StatusCode, Version};
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tether_agent::forward::{Upstream, serve_stream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+const DEADLINE: Duration = Duration::from_secs(10);
+
+/// One stream: the agent side is served by `serve_stream`, the returned end is the relay's.
+fn stream(
+    upstream: &Upstream,
+) -> (
+    DuplexStream,
+    tokio::task::JoinHandle<Result<(), hyper::Error>>,
+) {
+    let (relay_end, agent_end) = tokio::io::duplex(64 * 1024);
+    let served = tokio::spawn(serve_stream(agent_end, upstream.clone()));
+    (relay_end, served)
+}
+
+/// Sends one request over a fresh stream with a hyper HTTP/1.1 client, as the relay does.
+async fn send<B>(upstream: &Upstream, req: Request<B>) -> Result<http::Response<Incoming>>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let (relay_end, _served) = stream(upstream);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(relay_end)).await?;
+    tokio::spawn(conn.with_upgrades());
+    Ok(sender.send_request(req).await?)
+}
+
+/// Writes a raw request and reads the raw response until the agent closes the stream.
+async fn raw(upstream: &Upstream, request: &str) -> Result<String> {
+    let (mut relay_end, _served) = stream(upstream);
+    relay_end.write_all(request.as_bytes()).await?;
+    let mut out = Vec::new();
+    tokio::time::timeout(DEADLINE, relay_end.read_to_end(&mut out)).await??;
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+async fn body_json(resp: http::Response<Incoming>) -> Result<serde_json::Value> {
+    let bytes = resp.into_body().collect().await?.to_bytes();
+    Ok(serde_json::from_slice(&bytes)?)
+}
+
+async fn setup() -> Result<(TestApiserver, Upstream, tempfile::TempDir)> {
+    tether_tunnel::tls::install_crypto_provider();
+    let api = TestApiserver::start().await?;
+    let dir = tempfile::tempdir()?;
+    // The agent's own kubeconfig user has a token and a client certificate: forwarding must use neither.
+    let creds = AgentCreds {
+        token: "agent-own-token".into(),
+        client: api.ca.issue(&["system:tether-agent"])?,
+    };
+    let kube_config = api.kube_config(dir.path(), Some(&creds)).await?;
+    let upstream = Upstream::from_kube_config(&kube_config)?;
+    Ok((api, upstream, dir))
+}
+
+#[tokio::test]
+async fn path_and_query_reach_the_apiserver_with_the_users_authorization_only() -> Result<()> {
+    let (api, upstream, _dir) = setup().await?;
+    let req = Request::get("/api/v1/namespaces/default/pods?labelSelector=app%3Dweb&limit=2")
+        .header("host", "relay.example")
+        .header("authorization", "Bearer user-token-123")
+        .header("impersonate-user", "alice")
+        .header("connection", "keep-alive, x-hop")
+        .header("x-hop", "drop me")
+        .body(Empty::<Bytes>::new())?;
+    let resp = send(&upstream, req).await?;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let json = body_json(resp).await?;
+    assert_eq!(json["path"], "/api/v1/namespaces/default/pods");
+    assert_eq!(json["query"], "labelSelector=app%3Dweb&limit=2");
+
+    let seen = api.seen();
+    assert_eq!(seen.len(), 1);
+    let s = &seen[0];
+    assert_eq!(s.headers["authorization"], "Bearer user-token-123");
+    assert_eq!(s.headers.get_all("authorization").iter().count(), 1);
+    assert_eq!(s.headers["impersonate-user"], "alice");
+    assert!(
+        s.headers.get("x-hop").is_none(),
+        "a header named by Connection is hop-by-hop"
+    );
+    assert!(
+        !s.client_cert,
+        "the agent must not present its own client certificate"
+    );
+    // Ordinary requests use the pooled client, which negotiates h2 with an apiserver that offers it.
+    assert_eq!(s.version, Version::HTTP_2);
+    // Host (or :authority on h2) is the apiserver's, never the relay's.
+    let host = s
+        .headers
+        .get("host")
+        .and_then(|h| h.to_str().ok())
+        .map(str::to_string);
+    let authority = s
+        .uri
+        .parse::<http::Uri>()?
+        .authority()
+        .map(|a| a.to_string());
+    let expected = format!("127.0.0.1:{}", api.addr.port());
+    assert!(
+        host.as_deref() == Some(expected.as_str())
+            || authority.as_deref() == Some(expected.as_str())
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn no_agent_credential_is_added_when_the_user_sends_none() -> Result<()> {
+    let (api, upstream, _dir) = setup().await?;
+    let resp = send(
+        &upstream,
+        Request::get("/version").body(Empty::<Bytes>::new())?,
+    )
+    .await?;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let seen = api.seen();
+    assert_eq!(seen.len(), 1);
+    assert!(seen[0].headers.get("authorization").is_none());
+    assert!(!seen[0].client_cert);
+    Ok(())
+}
+
+#[tokio::test]
+async fn request_bodies_are_forwarded() -> Result<()> {
+    let (api, upstream, _dir) = setup().await?;
+    let req = Request::post("/api/v1/namespaces/default/configmaps")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(br#"{"kind":"ConfigMap"}"#)))?;
+    let resp = send(&upstream, req).await?;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(body_json(resp).await?["method"], "POST");
+    assert_eq!(api.seen()[0].headers["content-length"], "20");
+    Ok(())
+}
+
+#[tokio::test]
+async fn absolute_uri_naming_another_host_is_refused() -> Result<()> {
+    let (api, upstream, _dir) = setup().await?;
+    // Another HTTPS server the agent can reach: it must never see a request.
+    let other = TestApiserver::start().await?;
+    let request = format!(
+        "GET https://127.0.0.1:{port}/api/v1/secrets HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n",
+        port = other.addr.port()
+    );
+    let response = raw(&upstream, &request).await?;
+    assert!(response.starts_with("HTTP/1.1 400"), "{response}");
+    assert!(response.contains(r#""kind":"Status""#), "{response}");
+    assert!(other.seen().is_empty());
+    assert!(api.seen().is_empty());
+
+    // A Host header naming the other server changes nothing: the request goes to the apiserver.
+    let request = format!(
+        "GET /version HTTP/1.1\r\nhost: 127.0.0.1:{}\r\n\r\n",
+        other.addr.port()
+    );
+    let response = raw(&upstream, &request).await?;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(other.seen().is_empty());
+    assert_eq!(api.seen().len(), 1);
+
+    // Absolute-form naming the apiserver itself is served.
+    let request = format!("GET {}/version HTTP/1.1\r\nhost: x\r\n\r\n", api.url());
+    let response = raw(&upstream, &request).await?;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn connect_is_refused() -> Result<()> {
+    let (api, upstream, _dir) = setup().await?;
+    let other = TestApiserver::start().await?;
+    let request = format!(
+        "CONNECT 127.0.0.1:{p} HTTP/1.1\r\nhost: 127.0.0.1:{p}\r\n\r\n",
+        p = other.addr.port()
+    );
+    let response = raw(&upstream, &request).await?;
+    assert!(response.starts_with("HTTP/1.1 405"), "{response}");
+    assert!(other.seen().is_empty());
+    assert!(api.seen().is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn streaming_response_is_delivered_chunk_by_chunk() -> Result<()> {
+    let (_api, upstream, _dir) = setup().await?;
+    let feed = _api.stream_sender();
+    let resp = send(
+        &upstream,
+        Request::get("/stream?follow=true").body(Empty::<Bytes>::new())?,
+    )
+    .await?;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+
+    // Each chunk is read before the next one exists upstream: nothing is buffered whole.
+    for i in 0..3 {
+        let chunk = format!("line {i}\n");
+        feed.send(Bytes::from(chunk.clone())).await?;
+        let mut got = Vec::new();
+        while got.len() < chunk.len() {
+            let frame = tokio::time::timeout(DEADLINE, body.frame())
+                .await?
+                .context("body ended early")??;
+            if let Some(data) = frame.data_ref() {
+                got.extend_from_slice(data);
+            }
+        }
+        assert_eq!(String::from_utf8(got)?, chunk);
+    }
+    drop(feed);
+    drop(_api);
+    Ok(())
+}
+
+#[tokio::test]
+async fn upgrade_becomes_a_byte_pipe_with_half_close() -> Result<()> {
+    let (api, upstream, _dir) = setup().await?;
+    let req = Request::get("/upgrade")
+        .header("connection", "Upgrade")
+        .header("upgrade", "tether-test")
+        .header("authorization", "Bearer user-token")
+        .body(Empty::<Bytes>::new())?;
+    let mut resp = send(&upstream, req).await?;
+    assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
+    assert_eq!(resp.headers()["x-upstream"], "yes");
+    assert_eq!(resp.headers()["upgrade"], "tether-test");
+
+    let upgraded = hyper::upgrade::on(&mut resp).await?;
+    let mut io = TokioIo::new(upgraded);
+    io.write_all(b"hello over the pipe").await?;
+    // Half-close: the apiserver side reads EOF, and can still answer afterwards.
+    io.shutdown().await?;
+    let mut reply = Vec::new();
+    tokio::time::timeout(DEADLINE, io.read_to_end(&mut reply)).await??;
+    assert_eq!(reply, b"bye:hello over the pipe");
+
+    let seen = api.seen();
+    assert_eq!(seen.len(), 1);
+    // Upgrades go over HTTP/1.1 (an h2 connection cannot upgrade).
+    assert_eq!(seen[0].version, Version::HTTP_11);
+    assert_eq!(seen[0].headers["upgrade"], "tether-test");
+    assert_eq!(seen[0].headers["authorization"], "Bearer user-token");
+    assert!(!seen[0].client_cert);
+    Ok(())
+}
+
+#[tokio::test]
+async fn stream_serving_ends_after_the_upgraded_pipe_ends() -> Result<()> {
+    let (_api, upstream, _dir) = setup().await?;
+    let (relay_end, served) = stream(&upstream);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(relay_end)).await?;
+    tokio::spawn(conn.with_upgrades());
+    let req = Request::get("/upgrade")
+        .header("connection", "Upgrade")
+        .header("upgrade", "tether-test")
+        .body(Empty::<Bytes>::new())?;
+    let mut resp = sender.send_request(req).await?;
+    let mut io = TokioIo::new(hyper::upgrade::on(&mut resp).await?);
+    assert!(
+        !served.is_finished(),
+        "the pipe is open, the stream is still being served"
+    );
+    io.shutdown().await?;
+    let mut reply = Vec::new();
+    io.read_to_end(&mut reply).await?;
+    drop(io);
+    tokio::time::timeout(DEADLINE, served).await???;
+    Ok(())
+}
+
+#[tokio::test]
+async fn unreachable_apiserver_is_a_502_status() -> Result<()> {
+    tether_tunnel::tls::install_crypto_provider();
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        listener.local_addr()?.port()
+    };
+    let upstream = Upstream::from_kube_config(&kube::Config::new(
+        format!("https://127.0.0.1:{port}").parse()?,
+    ))?;
+    let resp = send(&upstream, Request::get("/api").body(Empty::<Bytes>::new())?).await?;
+    assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+    let json = body_json(resp).await?;
+    assert_eq!(json["kind"], "Status");
+    assert_eq!(json["code"], 502);
+    let message = json["message"].as_str().unwrap_or_default();
+    ensure!(message.contains("cannot reach the apiserver"), "{message}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn apiserver_connect_timeout_is_a_504_status() -> Result<()> {
+    tether_tunnel::tls::install_crypto_provider();
+    // Accepts TCP but never answers the TLS handshake.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((tcp, _)) = listener.accept().await {
+            held.push(tcp);
+        }
+    });
+    let mut config = kube::Config::new(format!("https://127.0.0.1:{port}").parse()?);
+    config.connect_timeout = Some(Duration::from_millis(200));
+    let upstream = Upstream::from_kube_config(&config)?;
+    let resp = send(&upstream, Request::get("/api").body(Empty::<Bytes>::new())?).await?;
+    assert_eq!(resp.status(), StatusCode::GATEWAY_TIMEOUT);
+    let json = body_json(resp).await?;
+    assert_eq!(json["code"], 504);
+    hold.abort();
+    Ok(())
+}
+
+#[tokio::test]
+async fn untrusted_apiserver_certificate_is_a_502() -> Result<()> {
+    tether_tunnel::tls::install_crypto_provider();
+    let api = TestApiserver::start().await?;
+    // Trusts another CA than the one that issued the apiserver's certificate.
+    let mut config = kube::Config::new(api.url().parse()?);
+    config.root_cert = Some(vec![common::TestCa::new()?.der()]);
+    let upstream = Upstream::from_kube_config(&config)?;
+    let resp = send(&upstream, Request::get("/api").body(Empty::<Bytes>::new())?).await?;
+    assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+    assert!(api.seen().is_empty());
+    Ok(())
+}
