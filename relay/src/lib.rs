@@ -1,1 +1,153 @@
-//! placeholder
+//! The Tether relay: the cloud side of the reverse tunnel.
+//!
+//! One HTTPS listener (TLS with ALPN `h2` and `http/1.1`) serves:
+//! - agents: `POST /agent/v1/onboard` (one-time token → credential) and `GET /agent/v1/tunnel` (WebSocket
+//!   upgrade carrying a [`tether_tunnel::Connection`], one per cluster);
+//! - users: `/clusters/NAME/…`, each request forwarded as HTTP/1.1 over a new stream of NAME's tunnel, bodies
+//!   streamed, `101` upgrades (exec, attach, port-forward) turned into raw byte pipes;
+//! - operators: the admin REST API under `/api/v1/clusters` (bearer admin token), and `GET /healthz`.
+//!
+//! State lives in a [`store::Store`] (SQLite under the data dir by default). Without a configured
+//! certificate, the relay generates its own CA and server certificate once and reuses them.
+//!
+//! The relay does not authenticate users: the user's `Authorization` header goes through to the cluster's
+//! apiserver, which decides. It does not talk to any apiserver itself, and it does not dial agents: agents
+//! dial it.
+
+mod agent;
+mod api;
+mod auth;
+mod body;
+mod certs;
+mod config;
+mod error;
+mod forward;
+mod registry;
+mod server;
+pub mod store;
+mod user;
+
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+
+use tether_tunnel::Secret;
+use tokio::net::TcpListener;
+
+pub use config::{Config, ConfigError, Limits};
+pub use error::RelayError;
+
+use crate::store::{SqliteStore, Store, TokenHash};
+
+/// A configured relay, ready to [`serve`](Relay::serve).
+pub struct Relay {
+    config: Config,
+    store: Arc<dyn Store>,
+    admin_token: Secret,
+    tls: certs::TlsIdentity,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("data_dir", &self.config.data_dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Relay {
+    /// Validates `config`, creates the data dir (0700), opens and migrates the store, and loads or generates
+    /// the TLS identity and the admin token.
+    pub async fn new(config: Config) -> Result<Relay, RelayError> {
+        config.validate()?;
+        create_private_dir(&config.data_dir)?;
+        let store = SqliteStore::open(&config.effective_database_url())
+            .await
+            .map_err(RelayError::Store)?;
+        Self::with_store(config, Arc::new(store)).await
+    }
+
+    /// Like [`Relay::new`], with a store opened by the caller (another backend, or a shared one in tests).
+    pub async fn with_store(config: Config, store: Arc<dyn Store>) -> Result<Relay, RelayError> {
+        config.validate()?;
+        create_private_dir(&config.data_dir)?;
+        tether_tunnel::tls::install_crypto_provider();
+        let tls = certs::load(&config)?;
+        let admin_token = load_admin_token(&config)?;
+        Ok(Relay {
+            config,
+            store,
+            admin_token,
+            tls,
+        })
+    }
+
+    /// The token the admin API requires.
+    pub fn admin_token(&self) -> &Secret {
+        &self.admin_token
+    }
+
+    /// The generated CA certificate (PEM; also in `DATA_DIR/ca.pem`), `None` when a certificate was given.
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.tls.ca_pem.as_deref()
+    }
+
+    /// Serves on `listener` until `shutdown` resolves, then stops gracefully: no new connections, tunnels
+    /// get GOAWAY, in-flight requests get `limits.shutdown_grace` to finish.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), RelayError> {
+        let shared = Arc::new(server::Shared::new(
+            self.config,
+            self.store,
+            TokenHash::of(self.admin_token.expose()),
+        ));
+        server::serve(shared, self.tls.server_config, listener, shutdown).await
+    }
+}
+
+fn create_private_dir(dir: &Path) -> Result<(), RelayError> {
+    std::fs::create_dir_all(dir).map_err(|e| RelayError::io("cannot create", dir, e))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| RelayError::io("cannot restrict permissions of", dir, e))?;
+    }
+    Ok(())
+}
+
+/// The admin token from the configured file, else from `DATA_DIR/admin-token`, generated the first time.
+fn load_admin_token(config: &Config) -> Result<Secret, RelayError> {
+    let (path, generate) = match &config.admin_token_file {
+        Some(path) => (path.clone(), false),
+        None => (config.data_dir.join("admin-token"), true),
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            let token = text.trim();
+            if token.is_empty() {
+                return Err(RelayError::io(
+                    "empty admin token file",
+                    &path,
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, "the file holds no token"),
+                ));
+            }
+            Ok(Secret::new(token))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && generate => {
+            let token = auth::generate_token();
+            certs::write_file(
+                &config.data_dir,
+                "admin-token",
+                format!("{}\n", token.expose()).as_bytes(),
+                0o600,
+            )?;
+            tracing::info!(path = %path.display(), "generated the admin token");
+            Ok(token)
+        }
+        Err(e) => Err(RelayError::io("cannot read the admin token", &path, e)),
+    }
+}

@@ -1,1 +1,194 @@
-fn main() {}
+//! `tether-relay`: parses the configuration, sets up logging, binds, and serves until SIGINT/SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// The Tether relay: agents dial in, kubectl requests go out over their tunnels.
+#[derive(Debug, Parser)]
+#[command(name = "tether-relay", version)]
+struct Args {
+    /// Address to listen on (HTTPS).
+    #[arg(long, env = "TETHER_RELAY_LISTEN", default_value = "0.0.0.0:8443")]
+    listen: SocketAddr,
+    /// Directory for the database, generated TLS material and admin token.
+    #[arg(
+        long,
+        env = "TETHER_RELAY_DATA_DIR",
+        default_value = "./tether-relay-data"
+    )]
+    data_dir: PathBuf,
+    /// PEM certificate chain to serve (with --tls-key); otherwise a CA and certificate are generated.
+    #[arg(long, env = "TETHER_RELAY_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key for --tls-cert.
+    #[arg(long, env = "TETHER_RELAY_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// Hostname or IP for the generated certificate (repeatable; default localhost, 127.0.0.1, ::1).
+    #[arg(
+        long = "hostname",
+        env = "TETHER_RELAY_HOSTNAMES",
+        value_delimiter = ','
+    )]
+    hostnames: Vec<String>,
+    /// File holding the admin token (default: DATA_DIR/admin-token, generated once).
+    #[arg(long, env = "TETHER_RELAY_ADMIN_TOKEN_FILE")]
+    admin_token_file: Option<PathBuf>,
+    /// How long an agent has to accept a request before the user gets a 504 (e.g. 10s, 500ms).
+    #[arg(long, env = "TETHER_RELAY_OPEN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    open_timeout: Duration,
+    /// Database URL (default sqlite://DATA_DIR/relay.db).
+    #[arg(long, env = "TETHER_RELAY_DATABASE_URL")]
+    database_url: Option<String>,
+    /// Log format.
+    #[arg(
+        long,
+        env = "TETHER_RELAY_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    log_format: LogFormat,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, "s"), |i| s.split_at(i));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (expected e.g. 10s, 500ms, 1m)"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        _ => Err(format!("invalid duration unit in {s:?} (use ms, s or m)")),
+    }
+}
+
+impl Args {
+    fn config(&self) -> tether_relay::Config {
+        let mut config = tether_relay::Config::new(self.data_dir.clone());
+        config.tls_cert = self.tls_cert.clone();
+        config.tls_key = self.tls_key.clone();
+        if !self.hostnames.is_empty() {
+            config.hostnames = self.hostnames.clone();
+        }
+        config.admin_token_file = self.admin_token_file.clone();
+        config.open_timeout = self.open_timeout;
+        config.database_url = self.database_url.clone();
+        config
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+    tracing::info!("shutdown signal received");
+}
+
+async fn run(args: Args, config: tether_relay::Config) -> anyhow::Result<()> {
+    let relay = tether_relay::Relay::new(config)
+        .await
+        .context("cannot start the relay")?;
+    if let Some(ca) = relay.ca_pem() {
+        tracing::info!(ca = %args.data_dir.join("ca.pem").display(), "serving a generated certificate; agents and kubectl must trust this CA");
+        let _ = ca;
+    }
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    relay.serve(listener, shutdown_signal()).await?;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_tracing(args.log_format);
+    tether_tunnel::tls::install_crypto_provider();
+    let config = args.config();
+    if let Err(e) = config.validate() {
+        eprintln!("tether-relay: invalid configuration: {e}");
+        return ExitCode::from(64);
+    }
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tether-relay: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args, config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("tether-relay: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+        assert!(parse_duration("fast").is_err());
+        assert!(parse_duration("1h").is_err());
+    }
+
+    #[test]
+    fn cli_parses() {
+        Args::command_for_test();
+    }
+
+    impl Args {
+        fn command_for_test() {
+            use clap::CommandFactory;
+            Args::command().debug_assert();
+        }
+    }
+}

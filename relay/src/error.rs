@@ -1,0 +1,329 @@
+//! Errors, and the one place where request errors become HTTP responses (Kubernetes `Status` JSON).
+
+use std::time::Duration;
+
+use http::{HeaderValue, Response, StatusCode, header};
+use serde_json::json;
+
+use crate::body::{self, Body};
+use crate::config::ConfigError;
+use crate::store::StoreError;
+
+/// Why the relay could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The data directory or a file in it could not be created, read or written.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file or directory.
+        path: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The store could not be opened or migrated.
+    #[error("cannot open the store: {0}")]
+    Store(#[source] StoreError),
+    /// TLS material could not be loaded or generated.
+    #[error("TLS setup failed: {0}")]
+    Tls(String),
+    /// Accepting connections failed.
+    #[error("accepting connections failed: {0}")]
+    Accept(#[source] std::io::Error),
+}
+
+impl RelayError {
+    pub(crate) fn io(what: &'static str, path: &std::path::Path, source: std::io::Error) -> Self {
+        Self::Io {
+            what,
+            path: path.display().to_string(),
+            source,
+        }
+    }
+}
+
+/// Where a request error came from; it picks the log level and tells the user who to look at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Origin {
+    /// The request itself is wrong (auth, unknown name, bad body).
+    Client,
+    /// The cluster side: no tunnel, the agent refused or did not answer, the tunnel broke.
+    Tunnel,
+    /// The relay itself (store, bug).
+    Internal,
+}
+
+impl Origin {
+    fn as_str(self) -> &'static str {
+        match self {
+            Origin::Client => "client",
+            Origin::Tunnel => "tunnel",
+            Origin::Internal => "internal",
+        }
+    }
+}
+
+/// A request that failed, with everything needed to answer it: status, Kubernetes reason, message, origin
+/// and whether retrying can help.
+#[derive(Debug, Clone)]
+pub(crate) struct ApiError {
+    pub(crate) status: StatusCode,
+    pub(crate) reason: &'static str,
+    pub(crate) message: String,
+    pub(crate) origin: Origin,
+    pub(crate) retryable: bool,
+    /// Sent as `Retry-After` (and `details.retryAfterSeconds`); clients such as client-go retry on it.
+    pub(crate) retry_after: Option<Duration>,
+}
+
+impl ApiError {
+    fn new(
+        status: StatusCode,
+        reason: &'static str,
+        message: impl Into<String>,
+        origin: Origin,
+    ) -> Self {
+        Self {
+            status,
+            reason,
+            message: message.into(),
+            origin,
+            retryable: false,
+            retry_after: None,
+        }
+    }
+
+    fn retryable(mut self) -> Self {
+        self.retryable = true;
+        self
+    }
+
+    pub(crate) fn retry_after(mut self, after: Duration) -> Self {
+        self.retryable = true;
+        self.retry_after = Some(after);
+        self
+    }
+
+    pub(crate) fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized",
+            message,
+            Origin::Client,
+        )
+    }
+
+    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            message,
+            Origin::Client,
+        )
+    }
+
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "Invalid", message, Origin::Client)
+    }
+
+    pub(crate) fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "NotFound", message, Origin::Client)
+    }
+
+    pub(crate) fn cluster_not_found(name: &str) -> Self {
+        Self::not_found(format!("clusters \"{name}\" not found"))
+    }
+
+    pub(crate) fn already_exists(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::CONFLICT,
+            "AlreadyExists",
+            message,
+            Origin::Client,
+        )
+    }
+
+    pub(crate) fn method_not_allowed() -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "MethodNotAllowed",
+            "method not allowed on this path",
+            Origin::Client,
+        )
+    }
+
+    pub(crate) fn too_large(limit: usize) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "RequestEntityTooLarge",
+            format!("request body is larger than {limit} bytes"),
+            Origin::Client,
+        )
+    }
+
+    pub(crate) fn not_connected(name: &str) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            format!("cluster {name} is not connected to the relay"),
+            Origin::Tunnel,
+        )
+        .retryable()
+    }
+
+    pub(crate) fn shutting_down() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            "the relay is shutting down",
+            Origin::Internal,
+        )
+        .retry_after(Duration::from_secs(1))
+    }
+
+    pub(crate) fn tunnel(
+        status: StatusCode,
+        reason: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self::new(status, reason, message, Origin::Tunnel)
+    }
+
+    pub(crate) fn internal(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalError",
+            message,
+            Origin::Internal,
+        )
+    }
+
+    /// Whether the failure is the tunnel's doing and retrying may help.
+    pub(crate) fn mark_retryable(self) -> Self {
+        self.retryable()
+    }
+
+    /// The one mapping from an error to what the client sees: a Kubernetes `Status` object.
+    pub(crate) fn into_response(self) -> Response<Body> {
+        match self.origin {
+            Origin::Client => {
+                tracing::debug!(status = %self.status, message = %self.message, "request refused")
+            }
+            Origin::Tunnel => {
+                tracing::info!(status = %self.status, message = %self.message, "request failed on the tunnel side")
+            }
+            Origin::Internal => {
+                tracing::warn!(status = %self.status, message = %self.message, "request failed inside the relay")
+            }
+        }
+        let mut details = serde_json::Map::new();
+        if let Some(after) = self.retry_after {
+            details.insert("retryAfterSeconds".into(), json!(after.as_secs().max(1)));
+        }
+        let mut status = json!({
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.status.as_u16(),
+        });
+        if !details.is_empty()
+            && let Some(obj) = status.as_object_mut()
+        {
+            obj.insert("details".into(), serde_json::Value::Object(details));
+        }
+        let mut resp = Response::new(body::full(status.to_string()));
+        *resp.status_mut() = self.status;
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        h.insert(
+            "tether-error-origin",
+            HeaderValue::from_static(self.origin.as_str()),
+        );
+        h.insert(
+            "tether-error-retryable",
+            HeaderValue::from_static(if self.retryable { "true" } else { "false" }),
+        );
+        if self.status == StatusCode::UNAUTHORIZED {
+            h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if let Some(after) = self.retry_after {
+            h.insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(after.as_secs().max(1)),
+            );
+        }
+        resp
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::AlreadyExists(name) => {
+                ApiError::already_exists(format!("clusters \"{name}\" already exists"))
+            }
+            other => ApiError::internal(format!("store error: {other}")).mark_retryable(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    async fn body_json(resp: Response<Body>) -> serde_json::Value {
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        serde_json::from_slice(&bytes).unwrap_or_default()
+    }
+
+    #[tokio::test]
+    async fn status_json_shape() {
+        let resp = ApiError::cluster_not_found("prod").into_response();
+        assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+        assert_eq!(resp.headers()["tether-error-origin"], "client");
+        let v = body_json(resp).await;
+        assert_eq!(v["kind"], "Status");
+        assert_eq!(v["apiVersion"], "v1");
+        assert_eq!(v["status"], "Failure");
+        assert_eq!(v["reason"], "NotFound");
+        assert_eq!(v["code"], 404);
+        assert_eq!(v["message"], "clusters \"prod\" not found");
+        assert!(v["metadata"].is_object());
+    }
+
+    #[tokio::test]
+    async fn retry_after_is_sent() {
+        let resp = ApiError::shutting_down().into_response();
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "1");
+        assert_eq!(resp.headers()["tether-error-retryable"], "true");
+        let v = body_json(resp).await;
+        assert_eq!(v["details"]["retryAfterSeconds"], 1);
+    }
+
+    #[tokio::test]
+    async fn not_connected_is_retryable_but_not_delayed() {
+        let resp = ApiError::not_connected("prod").into_response();
+        assert_eq!(resp.headers()["tether-error-origin"], "tunnel");
+        assert_eq!(resp.headers()["tether-error-retryable"], "true");
+        assert!(resp.headers().get(header::RETRY_AFTER).is_none());
+    }
+}

@@ -1,0 +1,640 @@
+//! One user request → one HTTP/1.1 exchange over one byte stream (a tunnel stream in production, any
+//! `AsyncRead + AsyncWrite` in tests).
+//!
+//! The request line loses the `/clusters/NAME` prefix, hop-by-hop headers are dropped, `Host` becomes the
+//! cluster name, and bodies stream both ways without being collected. A `101 Switching Protocols` answer
+//! turns the user's connection and the stream into one raw byte pipe (WebSocket, SPDY), half-close included.
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode, Uri, Version};
+use http_body_util::BodyExt;
+use hyper_util::rt::TokioIo;
+use tether_tunnel::{TunnelError, code};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::body::{Body, BoxError};
+use crate::error::ApiError;
+
+/// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1, plus the legacy proxy ones).
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+];
+
+/// How long a request may be left without an answer to its OPEN beyond the stream's own deadline (which
+/// the tunnel enforces); only a safety net against a lost answer.
+const ACCEPT_GRACE: Duration = Duration::from_secs(5);
+
+/// Where the request goes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Target<'a> {
+    /// The cluster name (becomes `Host`).
+    pub(crate) cluster: &'a str,
+    /// Path and query to send, starting with `/`.
+    pub(crate) path_and_query: &'a str,
+    /// The stream's open deadline, for the 504 message.
+    pub(crate) open_timeout: Duration,
+}
+
+/// Sends `req` over `io` as HTTP/1.1 and returns the response to give the user. `accepted` resolves when
+/// the peer answers the stream's OPEN; until it does, the response is not awaited alone, so a stream that
+/// is refused or never accepted maps to 502/504 rather than to a confusing I/O error. `guard` is kept alive
+/// as long as an upgraded byte pipe runs (the connection slot).
+pub(crate) async fn forward<IO, B, A, G>(
+    io: IO,
+    accepted: A,
+    mut req: Request<B>,
+    target: Target<'_>,
+    guard: G,
+) -> Result<Response<Body>, ApiError>
+where
+    G: Send + 'static,
+    IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    A: Future<Output = Result<Bytes, TunnelError>>,
+{
+    let upgrade = is_upgrade_request(&req);
+    let user_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    let out = outgoing_request(req, target, upgrade)?;
+
+    let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
+        .max_buf_size(1024 * 1024)
+        .handshake::<_, B>(TokioIo::new(io))
+        .await
+        .map_err(|e| ApiError::internal(format!("cannot start HTTP on the tunnel stream: {e}")))?;
+    let cluster = target.cluster.to_owned();
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(cluster = %cluster, error = %e, "tunnel stream HTTP connection ended with an error");
+        }
+    });
+
+    let accepted = async {
+        let limit = target.open_timeout + ACCEPT_GRACE;
+        tokio::time::timeout(limit, accepted)
+            .await
+            .unwrap_or(Err(TunnelError::TimedOut(target.open_timeout)))
+    };
+    let response = sender.send_request(out);
+    tokio::pin!(accepted, response);
+    let mut resp = tokio::select! {
+        biased;
+        answer = &mut accepted => match answer {
+            Ok(_) => response.await.map_err(|e| response_error(&e, target))?,
+            Err(e) => return Err(tunnel_error(e, target)),
+        },
+        result = &mut response => match result {
+            Ok(resp) => resp,
+            Err(e) => {
+                // The answer to the OPEN explains a failed exchange better than the HTTP error, when it is in.
+                if let Some(Err(te)) = accepted.now_or_never() {
+                    return Err(tunnel_error(te, target));
+                }
+                return Err(response_error(&e, target));
+            }
+        },
+    };
+
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let Some(user_upgrade) = user_upgrade else {
+            return Err(ApiError::tunnel(
+                StatusCode::BAD_GATEWAY,
+                "BadGateway",
+                "the cluster answered 101 Switching Protocols to a request that did not ask to upgrade",
+            ));
+        };
+        let agent_upgrade = hyper::upgrade::on(&mut resp);
+        let cluster = target.cluster.to_owned();
+        tokio::spawn(async move {
+            let _guard = guard;
+            let (user, agent) = tokio::join!(user_upgrade, agent_upgrade);
+            match (user, agent) {
+                (Ok(user), Ok(agent)) => {
+                    let (mut user, mut agent) = (TokioIo::new(user), TokioIo::new(agent));
+                    match tokio::io::copy_bidirectional(&mut user, &mut agent).await {
+                        Ok((up, down)) => {
+                            tracing::debug!(cluster = %cluster, up, down, "upgraded stream finished")
+                        }
+                        Err(e) => {
+                            tracing::debug!(cluster = %cluster, error = %e, "upgraded stream ended with an error")
+                        }
+                    }
+                }
+                (user, agent) => tracing::debug!(
+                    cluster = %cluster,
+                    user = ?user.err(),
+                    agent = ?agent.err(),
+                    "upgrade did not complete on both sides"
+                ),
+            }
+        });
+        let (parts, _) = resp.into_parts();
+        return Ok(Response::from_parts(parts, crate::body::empty()));
+    }
+
+    strip_hop_by_hop(resp.headers_mut(), false);
+    Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
+}
+
+/// HTTP/1.1 `Connection: upgrade` + `Upgrade: …` (kubectl exec/attach/port-forward, WebSocket, SPDY).
+fn is_upgrade_request<B>(req: &Request<B>) -> bool {
+    req.version() <= Version::HTTP_11
+        && req.headers().contains_key(header::UPGRADE)
+        && connection_tokens(req.headers()).any(|t| t.eq_ignore_ascii_case("upgrade"))
+}
+
+fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &str> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+}
+
+/// Removes hop-by-hop headers, including those the `Connection` header names. For an upgrade request,
+/// `Upgrade` and `Connection: upgrade` stay (they are what asks the far end to switch).
+fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    let named: Vec<HeaderName> = connection_tokens(headers)
+        .filter(|t| !(keep_upgrade && t.eq_ignore_ascii_case("upgrade")))
+        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+    if keep_upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    } else {
+        headers.remove(header::UPGRADE);
+    }
+}
+
+fn outgoing_request<B>(
+    req: Request<B>,
+    target: Target<'_>,
+    upgrade: bool,
+) -> Result<Request<B>, ApiError> {
+    let (mut parts, body) = req.into_parts();
+    let uri: Uri = target.path_and_query.parse().map_err(|e| {
+        ApiError::bad_request(format!(
+            "invalid request path {:?}: {e}",
+            target.path_and_query
+        ))
+    })?;
+    let host = HeaderValue::from_str(target.cluster)
+        .map_err(|_| ApiError::bad_request(format!("invalid cluster name {:?}", target.cluster)))?;
+    parts.uri = uri;
+    parts.version = Version::HTTP_11;
+    strip_hop_by_hop(&mut parts.headers, upgrade);
+    parts.headers.insert(header::HOST, host);
+    // Extensions belong to the incoming connection (e.g. its upgrade handle), not to the outgoing one.
+    parts.extensions = http::Extensions::new();
+    Ok(Request::from_parts(parts, body))
+}
+
+/// The first [`TunnelError`] in an error's chain (the tunnel stream reports its failures as
+/// `io::Error::other(TunnelError)`).
+fn find_tunnel_error<'a>(e: &'a (dyn StdError + 'static)) -> Option<&'a TunnelError> {
+    let mut cur: Option<&(dyn StdError + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(te) = err.downcast_ref::<TunnelError>() {
+            return Some(te);
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && let Some(inner) = io.get_ref()
+            && let Some(te) = inner.downcast_ref::<TunnelError>()
+        {
+            return Some(te);
+        }
+        cur = err.source();
+    }
+    None
+}
+
+fn response_error(e: &hyper::Error, target: Target<'_>) -> ApiError {
+    if let Some(te) = find_tunnel_error(e) {
+        return tunnel_error(te.clone(), target);
+    }
+    ApiError::tunnel(
+        StatusCode::BAD_GATEWAY,
+        "BadGateway",
+        format!(
+            "the agent of cluster {} did not return a valid HTTP response: {e}",
+            target.cluster
+        ),
+    )
+    .mark_retryable()
+}
+
+/// How a tunnel failure looks to the user.
+pub(crate) fn tunnel_error(e: TunnelError, target: Target<'_>) -> ApiError {
+    let cluster = target.cluster;
+    match e {
+        TunnelError::Refused {
+            code: code::REFUSED_TOO_MANY_STREAMS,
+            ..
+        }
+        | TunnelError::TooManyStreams => ApiError::tunnel(
+            StatusCode::TOO_MANY_REQUESTS,
+            "TooManyRequests",
+            format!("too many concurrent requests to cluster {cluster} through the relay"),
+        )
+        .retry_after(Duration::from_secs(1)),
+        TunnelError::Refused {
+            code: code::SHUTDOWN,
+            reason,
+        } => ApiError::tunnel(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            format!("the agent of cluster {cluster} is shutting down: {reason}"),
+        )
+        .retry_after(Duration::from_secs(1)),
+        TunnelError::Refused { reason, code } => ApiError::tunnel(
+            StatusCode::BAD_GATEWAY,
+            "BadGateway",
+            format!("the agent of cluster {cluster} refused the request (code {code}): {reason}"),
+        ),
+        TunnelError::TimedOut(_) => ApiError::tunnel(
+            StatusCode::GATEWAY_TIMEOUT,
+            "Timeout",
+            format!(
+                "the agent of cluster {cluster} did not answer within {:?}",
+                target.open_timeout
+            ),
+        )
+        .mark_retryable(),
+        TunnelError::Reset(code) => ApiError::tunnel(
+            StatusCode::BAD_GATEWAY,
+            "BadGateway",
+            format!("the agent of cluster {cluster} reset the request stream (code {code})"),
+        )
+        .mark_retryable(),
+        TunnelError::Closed(why) => ApiError::tunnel(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            format!("the tunnel to cluster {cluster} closed: {why}"),
+        )
+        .mark_retryable(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::{Arc, Mutex};
+
+    use http_body_util::{BodyExt, Full, StreamBody};
+    use hyper::body::{Frame, Incoming};
+    use hyper::service::service_fn;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    type Seen = Arc<Mutex<Vec<Request<()>>>>;
+
+    fn target() -> Target<'static> {
+        Target {
+            cluster: "prod",
+            path_and_query: "/api/v1/pods?watch=1",
+            open_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Serves HTTP/1.1 on `io` like an agent's apiserver would, with `handler`.
+    fn serve_agent<F, Fut>(io: DuplexStream, handler: F)
+    where
+        F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Response<Body>> + Send + 'static,
+    {
+        let handler = Arc::new(handler);
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let handler = handler.clone();
+                async move { Ok::<_, Infallible>(handler(req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(io), svc)
+                .with_upgrades()
+                .await;
+        });
+    }
+
+    fn ok() -> impl Future<Output = Result<Bytes, TunnelError>> {
+        std::future::ready(Ok(Bytes::new()))
+    }
+
+    #[tokio::test]
+    async fn rewrites_path_and_headers() -> anyhow::Result<()> {
+        let (relay_side, agent_side) = tokio::io::duplex(64 * 1024);
+        let seen: Seen = Arc::default();
+        let seen2 = seen.clone();
+        serve_agent(agent_side, move |req| {
+            let seen = seen2.clone();
+            async move {
+                let (parts, body) = req.into_parts();
+                let body = body
+                    .collect()
+                    .await
+                    .map(|c| c.to_bytes())
+                    .unwrap_or_default();
+                seen.lock()
+                    .map(|mut s| s.push(Request::from_parts(parts, ())))
+                    .ok();
+                let mut resp = Response::new(crate::body::full(body));
+                resp.headers_mut()
+                    .insert("x-from-agent", HeaderValue::from_static("yes"));
+                resp.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("x-secret-hop"));
+                resp.headers_mut()
+                    .insert("x-secret-hop", HeaderValue::from_static("1"));
+                resp
+            }
+        });
+        let req = Request::builder()
+            .method("POST")
+            .uri("https://relay.example/clusters/prod/api/v1/pods?watch=1")
+            .version(Version::HTTP_2)
+            .header(header::AUTHORIZATION, "Bearer user-token")
+            .header(header::CONNECTION, "keep-alive, x-custom-hop")
+            .header("x-custom-hop", "drop me")
+            .header("keep-alive", "timeout=5")
+            .header(header::TE, "trailers")
+            .header(header::PROXY_AUTHORIZATION, "Basic abc")
+            .header(header::HOST, "relay.example")
+            .header("x-kept", "kept")
+            .body(Full::new(Bytes::from_static(b"{\"hello\":1}")))?;
+        let resp = forward(relay_side, ok(), req, target(), ())
+            .await
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.headers()["x-from-agent"], "yes");
+        assert!(resp.headers().get("x-secret-hop").is_none());
+        assert!(resp.headers().get(header::CONNECTION).is_none());
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .to_bytes();
+        assert_eq!(&body[..], b"{\"hello\":1}");
+
+        let seen = seen.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        let got = seen
+            .first()
+            .ok_or_else(|| anyhow::anyhow!("agent saw no request"))?;
+        assert_eq!(got.method(), "POST");
+        assert_eq!(got.uri(), "/api/v1/pods?watch=1");
+        assert_eq!(got.version(), Version::HTTP_11);
+        assert_eq!(got.headers()[header::HOST], "prod");
+        assert_eq!(got.headers()[header::AUTHORIZATION], "Bearer user-token");
+        assert_eq!(got.headers()["x-kept"], "kept");
+        for gone in [
+            "x-custom-hop",
+            "keep-alive",
+            "te",
+            "proxy-authorization",
+            "upgrade",
+        ] {
+            assert!(got.headers().get(gone).is_none(), "{gone} was forwarded");
+        }
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn streams_a_chunked_response_incrementally() -> anyhow::Result<()> {
+        let (relay_side, agent_side) = tokio::io::duplex(64 * 1024);
+        // The agent sends a chunk, then waits for the test to ask for the next one: the first chunk must
+        // reach the user while the response is still open (a watch).
+        let (next_tx, next_rx) = mpsc::channel::<Bytes>(1);
+        let next_rx = Arc::new(tokio::sync::Mutex::new(Some(next_rx)));
+        serve_agent(agent_side, move |_req| {
+            let next_rx = next_rx.clone();
+            async move {
+                let rx = next_rx.lock().await.take();
+                let stream = futures_util::stream::unfold(rx, |rx| async move {
+                    let mut rx = rx?;
+                    let chunk = rx.recv().await?;
+                    Some((Ok::<_, BoxError>(Frame::data(chunk)), Some(rx)))
+                });
+                Response::new(BodyExt::boxed(StreamBody::new(stream)))
+            }
+        });
+        let req = Request::builder()
+            .uri("/clusters/prod/api/v1/pods?watch=1")
+            .body(http_body_util::Empty::<Bytes>::new())?;
+        let resp = forward(relay_side, ok(), req, target(), ())
+            .await
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        assert!(resp.headers().get(header::TRANSFER_ENCODING).is_none());
+        let mut body = resp.into_body();
+        for i in 0..3 {
+            let line = Bytes::from(format!("{{\"type\":\"ADDED\",\"n\":{i}}}\n"));
+            next_tx.send(line.clone()).await?;
+            let frame = body
+                .frame()
+                .await
+                .ok_or_else(|| anyhow::anyhow!("body ended early"))?;
+            let data = frame
+                .map_err(|e| anyhow::anyhow!("{e}"))?
+                .into_data()
+                .map_err(|_| anyhow::anyhow!("not data"))?;
+            assert_eq!(data, line);
+        }
+        drop(next_tx);
+        assert!(
+            body.frame().await.is_none(),
+            "body ends when the agent ends it"
+        );
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn refused_and_timed_out_streams_map_to_502_and_504() -> anyhow::Result<()> {
+        let (relay_side, _agent_side) = tokio::io::duplex(1024);
+        let refused = std::future::ready(Err(TunnelError::Refused {
+            code: code::REFUSED,
+            reason: "forbidden".into(),
+        }));
+        let req = Request::builder()
+            .uri("/x")
+            .body(http_body_util::Empty::<Bytes>::new())?;
+        let err = forward(relay_side, refused, req, target(), ())
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("no error"))?;
+        assert_eq!(err.status, StatusCode::BAD_GATEWAY);
+        assert!(err.message.contains("forbidden"), "{}", err.message);
+
+        let (relay_side, _agent_side) = tokio::io::duplex(1024);
+        let timed_out = std::future::ready(Err(TunnelError::TimedOut(Duration::from_secs(10))));
+        let req = Request::builder()
+            .uri("/x")
+            .body(http_body_util::Empty::<Bytes>::new())?;
+        let err = forward(relay_side, timed_out, req, target(), ())
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("no error"))?;
+        assert_eq!(err.status, StatusCode::GATEWAY_TIMEOUT);
+        assert!(
+            err.message.contains("did not answer within 10s"),
+            "{}",
+            err.message
+        );
+
+        let (relay_side, _agent_side) = tokio::io::duplex(1024);
+        let busy = std::future::ready(Err(TunnelError::TooManyStreams));
+        let req = Request::builder()
+            .uri("/x")
+            .body(http_body_util::Empty::<Bytes>::new())?;
+        let err = forward(relay_side, busy, req, target(), ())
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("no error"))?;
+        assert_eq!(err.status, StatusCode::TOO_MANY_REQUESTS);
+        assert!(err.retry_after.is_some());
+        Ok(())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_accept_still_ends_in_504() -> anyhow::Result<()> {
+        // Safety net: even if the tunnel never answered, the request does not hang (virtual time).
+        let (relay_side, _agent_side) = tokio::io::duplex(1024);
+        let req = Request::builder()
+            .uri("/x")
+            .body(http_body_util::Empty::<Bytes>::new())?;
+        let never = std::future::pending::<Result<Bytes, TunnelError>>();
+        let err = forward(relay_side, never, req, target(), ())
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("no error"))?;
+        assert_eq!(err.status, StatusCode::GATEWAY_TIMEOUT);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn agent_closing_without_answer_is_502() -> anyhow::Result<()> {
+        let (relay_side, agent_side) = tokio::io::duplex(1024);
+        drop(agent_side);
+        let req = Request::builder()
+            .uri("/x")
+            .body(http_body_util::Empty::<Bytes>::new())?;
+        let err = forward(relay_side, ok(), req, target(), ())
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("no error"))?;
+        assert_eq!(err.status, StatusCode::BAD_GATEWAY);
+        Ok(())
+    }
+
+    #[test]
+    fn tunnel_errors_found_in_io_chains() {
+        let io = std::io::Error::from(TunnelError::Reset(8));
+        assert!(matches!(
+            find_tunnel_error(&io),
+            Some(TunnelError::Reset(8))
+        ));
+        let plain = std::io::Error::other("nope");
+        assert!(find_tunnel_error(&plain).is_none());
+    }
+
+    /// The full upgrade path needs a real user-side connection (hyper's upgrade handle lives in the
+    /// incoming request): user client ⇄ duplex ⇄ hyper server calling `forward` ⇄ duplex ⇄ agent server.
+    #[tokio::test]
+    async fn upgrade_becomes_a_byte_pipe_with_half_close() -> anyhow::Result<()> {
+        let (relay_side, agent_side) = tokio::io::duplex(64 * 1024);
+        serve_agent(agent_side, |mut req| async move {
+            assert!(is_upgrade_request(&req));
+            let on = hyper::upgrade::on(&mut req);
+            tokio::spawn(async move {
+                let Ok(upgraded) = on.await else { return };
+                let mut io = TokioIo::new(upgraded);
+                // Echo everything upper-cased until the user half-closes, then say goodbye and close.
+                let mut all = Vec::new();
+                let _ = io.read_to_end(&mut all).await;
+                let _ = io.write_all(&all.to_ascii_uppercase()).await;
+                let _ = io.write_all(b"|bye").await;
+                let _ = io.shutdown().await;
+            });
+            let mut resp = Response::new(crate::body::empty());
+            *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+            resp.headers_mut()
+                .insert(header::UPGRADE, HeaderValue::from_static("SPDY/3.1"));
+            resp.headers_mut().insert(
+                "x-stream-protocol-version",
+                HeaderValue::from_static("v4.channel.k8s.io"),
+            );
+            resp
+        });
+
+        // The relay's user-facing side.
+        let (user_side, relay_server_side) = tokio::io::duplex(64 * 1024);
+        let relay_io = Arc::new(Mutex::new(Some(relay_side)));
+        tokio::spawn(async move {
+            let svc = service_fn(move |req: Request<Incoming>| {
+                let io = relay_io.lock().ok().and_then(|mut g| g.take());
+                async move {
+                    let Some(io) = io else {
+                        return Ok::<_, Infallible>(Response::new(crate::body::empty()));
+                    };
+                    Ok(forward(io, ok(), req, target(), ())
+                        .await
+                        .unwrap_or_else(ApiError::into_response))
+                }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(relay_server_side), svc)
+                .with_upgrades()
+                .await;
+        });
+
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(user_side)).await?;
+        tokio::spawn(conn.with_upgrades());
+        let req = Request::builder()
+            .uri("/clusters/prod/api/v1/namespaces/default/pods/p/exec?command=sh")
+            .header(header::HOST, "relay")
+            .header(header::CONNECTION, "Upgrade")
+            .header(header::UPGRADE, "SPDY/3.1")
+            .header("x-stream-protocol-version", "v4.channel.k8s.io")
+            .body(http_body_util::Empty::<Bytes>::new())?;
+        let resp = sender.send_request(req).await?;
+        assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
+        assert_eq!(resp.headers()[header::UPGRADE], "SPDY/3.1");
+        assert_eq!(
+            resp.headers()["x-stream-protocol-version"],
+            "v4.channel.k8s.io"
+        );
+        let mut io = TokioIo::new(hyper::upgrade::on(resp).await?);
+        let payload: Vec<u8> = (0..=255u8)
+            .cycle()
+            .take(100_000)
+            .map(|b| b & 0x7f)
+            .collect();
+        io.write_all(&payload).await?;
+        io.shutdown().await?; // half-close: the agent sees EOF, and can still answer
+        let mut back = Vec::new();
+        io.read_to_end(&mut back).await?;
+        let mut expected = payload.to_ascii_uppercase();
+        expected.extend_from_slice(b"|bye");
+        assert_eq!(back.len(), expected.len());
+        assert!(back == expected, "bytes changed on the way");
+        Ok(())
+    }
+}

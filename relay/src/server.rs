@@ -1,0 +1,296 @@
+//! The HTTPS listener: TLS, HTTP/1.1 and HTTP/2, limits, graceful shutdown, and routing.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use serde::de::DeserializeOwned;
+use tether_tunnel::code;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::body::{self, Body};
+use crate::config::Config;
+use crate::error::{ApiError, RelayError};
+use crate::registry::Registry;
+use crate::store::{Store, TokenHash};
+use crate::{agent, api, user};
+
+/// State shared by every connection and tunnel task.
+pub(crate) struct Shared {
+    pub(crate) config: Config,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) registry: Registry,
+    pub(crate) admin_token_hash: TokenHash,
+    /// Tunnel tasks, awaited on shutdown.
+    pub(crate) tasks: TaskTracker,
+    shutting_down: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn new(config: Config, store: Arc<dyn Store>, admin_token_hash: TokenHash) -> Self {
+        Self {
+            config,
+            store,
+            registry: Registry::default(),
+            admin_token_hash,
+            tasks: TaskTracker::new(),
+            shutting_down: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Acquire)
+    }
+}
+
+/// What a request handler knows about its connection.
+#[derive(Clone)]
+pub(crate) struct ConnCtx {
+    /// Held for as long as anything uses the connection, upgraded byte pipes and tunnels included, so
+    /// `max_connections` counts them too.
+    pub(crate) permit: Arc<OwnedSemaphorePermit>,
+    pub(crate) peer: SocketAddr,
+}
+
+/// Accepts connections until `shutdown` resolves, then shuts down gracefully.
+pub(crate) async fn serve(
+    shared: Arc<Shared>,
+    tls: Arc<rustls::ServerConfig>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RelayError> {
+    let acceptor = TlsAcceptor::from(tls);
+    let limits = shared.config.limits.clone();
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let graceful = CancellationToken::new();
+    let hard = CancellationToken::new();
+    let connections = TaskTracker::new();
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "relay listening");
+    }
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            () = &mut shutdown => break,
+            permit = slots.clone().acquire_owned() => match permit {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let (tcp, peer) = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) if is_transient_accept_error(&e) => {
+                    // Typically out of file descriptors: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+                Err(e) => return Err(RelayError::Accept(e)),
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        connections.spawn(serve_connection(
+            shared.clone(),
+            acceptor.clone(),
+            tcp,
+            ConnCtx {
+                permit: Arc::new(permit),
+                peer,
+            },
+            graceful.clone(),
+            hard.clone(),
+        ));
+    }
+    drop(listener);
+    tracing::info!("relay shutting down");
+
+    shared.shutting_down.store(true, Ordering::Release);
+    for tunnel in shared.registry.all() {
+        tunnel.conn.go_away(code::SHUTDOWN, "relay shutting down");
+    }
+    graceful.cancel();
+    connections.close();
+    shared.tasks.close();
+    let grace = limits.shutdown_grace;
+    let drained = tokio::time::timeout(grace, async {
+        connections.wait().await;
+        shared.tasks.wait().await;
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            ?grace,
+            "requests or tunnels still open after the shutdown grace period; closing them"
+        );
+        for tunnel in shared.registry.all() {
+            tunnel.conn.close(code::SHUTDOWN, "relay shutting down");
+        }
+        hard.cancel();
+        let cut = tokio::time::timeout(grace, async {
+            connections.wait().await;
+            shared.tasks.wait().await;
+        })
+        .await;
+        if cut.is_err() {
+            tracing::warn!("some tasks did not stop after being cut; leaving them");
+        }
+    }
+    if let Err(e) = shared.store.close().await {
+        tracing::warn!(error = %e, "closing the store failed");
+    }
+    tracing::info!("relay stopped");
+    Ok(())
+}
+
+fn is_transient_accept_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionAborted | ConnectionReset | Interrupted | WouldBlock | OutOfMemory
+    ) || matches!(e.raw_os_error(), Some(23 | 24)) // ENFILE, EMFILE
+}
+
+async fn serve_connection(
+    shared: Arc<Shared>,
+    acceptor: TlsAcceptor,
+    tcp: TcpStream,
+    ctx: ConnCtx,
+    graceful: CancellationToken,
+    hard: CancellationToken,
+) {
+    let limits = &shared.config.limits;
+    let tls = tokio::select! {
+        () = graceful.cancelled() => return,
+        r = tokio::time::timeout(limits.tls_handshake_timeout, acceptor.accept(tcp)) => match r {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                tracing::debug!(peer = %ctx.peer, error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(peer = %ctx.peer, "TLS handshake timed out");
+                return;
+            }
+        },
+    };
+
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.max_header_bytes);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(limits.h2_max_concurrent_streams)
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        .keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(20));
+
+    let svc_shared = shared.clone();
+    let svc_ctx = ctx.clone();
+    let svc = service_fn(move |req: Request<Incoming>| {
+        let shared = svc_shared.clone();
+        let ctx = svc_ctx.clone();
+        async move { Ok::<_, Infallible>(route(shared, ctx, req).await) }
+    });
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), svc);
+    tokio::pin!(conn);
+    let result = tokio::select! {
+        r = conn.as_mut() => r,
+        () = graceful.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            tokio::select! {
+                r = conn.as_mut() => r,
+                () = hard.cancelled() => return,
+            }
+        }
+        () = hard.cancelled() => return,
+    };
+    if let Err(e) = result {
+        tracing::debug!(peer = %ctx.peer, error = %e, "connection ended with an error");
+    }
+}
+
+/// Dispatches a request; every error becomes a `Status` response here.
+async fn route(shared: Arc<Shared>, ctx: ConnCtx, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_owned();
+    let result = if path == "/healthz" {
+        Ok(text(StatusCode::OK, "ok"))
+    } else if let Some(rest) = path.strip_prefix("/clusters/") {
+        user::handle(&shared, ctx, req, rest).await
+    } else if path == "/agent/v1/onboard" {
+        if req.method() == Method::POST {
+            agent::onboard(&shared, req).await
+        } else {
+            Err(ApiError::method_not_allowed())
+        }
+    } else if path == "/agent/v1/tunnel" {
+        if req.method() == Method::GET {
+            agent::tunnel(&shared, ctx, req).await
+        } else {
+            Err(ApiError::method_not_allowed())
+        }
+    } else if path == "/api/v1/clusters" {
+        api::handle(&shared, req, None).await
+    } else if let Some(name) = path.strip_prefix("/api/v1/clusters/") {
+        let name = name.to_owned();
+        api::handle(&shared, req, Some(&name)).await
+    } else {
+        Err(ApiError::not_found(format!("the relay serves no {path}")))
+    };
+    result.unwrap_or_else(ApiError::into_response)
+}
+
+pub(crate) fn text(status: StatusCode, s: &'static str) -> Response<Body> {
+    let mut resp = Response::new(body::full(s));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}
+
+pub(crate) fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
+    let mut resp = Response::new(body::full(value.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// Reads a JSON body of at most `max_control_body_bytes`.
+pub(crate) async fn read_json<T: DeserializeOwned>(
+    shared: &Shared,
+    body: Incoming,
+) -> Result<T, ApiError> {
+    let limit = shared.config.limits.max_control_body_bytes;
+    let bytes = Limited::new(body, limit).collect().await.map_err(|e| {
+        if e.is::<http_body_util::LengthLimitError>() {
+            ApiError::too_large(limit)
+        } else {
+            ApiError::bad_request(format!("cannot read the request body: {e}"))
+        }
+    })?;
+    serde_json::from_slice(&bytes.to_bytes())
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+}
