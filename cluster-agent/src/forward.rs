@@ -10,7 +10,7 @@
 use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -26,7 +26,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio_util::task::TaskTracker;
 
 type BoxError = Box<dyn StdError + Send + Sync>;
@@ -40,6 +40,8 @@ const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bound on the buffered request head (request line and headers).
 const MAX_HEADER_BYTES: usize = 64 * 1024;
+/// How long a served stream waits for the relay to finish with it.
+const LINGER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Idle pooled connections to the apiserver are closed after this long.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
@@ -272,11 +274,13 @@ fn upstream_tls(config: &kube::Config) -> Result<rustls::ClientConfig, UpstreamE
 }
 
 /// Serves one stream as an HTTP/1.1 server whose every request goes to `upstream`. Returns when the exchange
-/// (and, after a `101 Switching Protocols`, the upgraded byte pipe) is over.
+/// (and, after a `101 Switching Protocols`, the upgraded byte pipe) is over and the peer has finished with the
+/// stream.
 pub async fn serve_stream<IO>(io: IO, upstream: Upstream) -> Result<(), hyper::Error>
 where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let io = SharedIo(Arc::new(Mutex::new(io)));
     let pipes = TaskTracker::new();
     let service = {
         let pipes = pipes.clone();
@@ -294,12 +298,97 @@ where
         .keep_alive(false)
         // The relay may half-close its side once the request is sent; keep answering.
         .half_close(true)
-        .serve_connection(TokioIo::new(io), service)
+        .serve_connection(TokioIo::new(io.clone()), service)
         .with_upgrades()
         .await;
     pipes.close();
     pipes.wait().await;
+    linger(io).await;
     result
+}
+
+/// Half-closes our side, then waits (bounded) until the peer is done with the stream: EOF or an error.
+///
+/// A tunnel stream dropped before it is both finished and read to the end is reset, and a reset may discard
+/// response bytes still queued for sending; the relay's HTTP client does not half-close its side, it drops
+/// (resets) the stream once it has read the whole response. Lingering until then delivers every byte.
+async fn linger<IO>(mut io: SharedIo<IO>)
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    let wait = async {
+        let _ = io.shutdown().await;
+        let mut sink = [0u8; 4096];
+        loop {
+            match io.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    };
+    if tokio::time::timeout(LINGER_TIMEOUT, wait).await.is_err() {
+        tracing::debug!("the relay kept a finished stream open; dropping it");
+    }
+}
+
+/// One stream shared by the HTTP server (or the upgraded pipe) and the final [`linger`]; never used by two
+/// tasks at once, so the lock is uncontended.
+struct SharedIo<IO>(Arc<Mutex<IO>>);
+
+impl<IO> Clone for SharedIo<IO> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<IO> SharedIo<IO> {
+    fn with<R>(&self, f: impl FnOnce(&mut IO) -> R) -> R {
+        let mut guard = match self.0.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        f(&mut guard)
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for SharedIo<IO> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        self.with(|io| Pin::new(io).poll_read(cx, buf))
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for SharedIo<IO> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.with(|io| Pin::new(io).poll_write(cx, buf))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.with(|io| Pin::new(io).poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.with(|io| Pin::new(io).poll_shutdown(cx))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        self.with(|io| Pin::new(io).poll_write_vectored(cx, bufs))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.with(|io| io.is_write_vectored())
+    }
 }
 
 /// Forwards one request and builds the response to send back; errors become Kubernetes `Status` responses.

@@ -22,6 +22,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
+pub mod relay;
+
 /// A CA that issues server and client certificates.
 pub struct TestCa {
     issuer: CertifiedIssuer<'static, KeyPair>,
