@@ -1,0 +1,304 @@
+//! Test support: a relay on 127.0.0.1:0 in a temp dir, and a small HTTPS client that trusts its CA.
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, anyhow};
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode, Version};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::Value;
+use tether_relay::{Config, Relay, RelayError};
+use tether_tunnel::Secret;
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_rustls::TlsConnector;
+
+/// A running relay.
+pub struct TestRelay {
+    pub addr: SocketAddr,
+    pub ca_pem: String,
+    pub admin_token: Secret,
+    stop: Option<oneshot::Sender<()>>,
+    join: Option<JoinHandle<Result<(), RelayError>>>,
+}
+
+impl TestRelay {
+    /// Starts a relay with default settings on `dir`.
+    pub async fn start(dir: &Path) -> anyhow::Result<Self> {
+        Self::start_with(Config::new(dir.to_path_buf())).await
+    }
+
+    /// Starts a relay with `config`.
+    pub async fn start_with(config: Config) -> anyhow::Result<Self> {
+        tether_tunnel::tls::install_crypto_provider();
+        let relay = Relay::new(config).await?;
+        let ca_pem = relay.ca_pem().map(str::to_owned).unwrap_or_default();
+        let admin_token = relay.admin_token().clone();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (tx, rx) = oneshot::channel::<()>();
+        let join = tokio::spawn(relay.serve(listener, async move {
+            let _ = rx.await;
+        }));
+        Ok(Self {
+            addr,
+            ca_pem,
+            admin_token,
+            stop: Some(tx),
+            join: Some(join),
+        })
+    }
+
+    /// Signals shutdown and waits for `serve` to return.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        match self.join.take() {
+            Some(join) => Ok(join.await??),
+            None => Ok(()),
+        }
+    }
+
+    pub fn client(&self) -> anyhow::Result<Client> {
+        Client::new(self.addr, self.ca_pem.as_bytes(), "localhost")
+    }
+
+    pub fn admin(&self) -> anyhow::Result<Admin> {
+        Ok(Admin {
+            client: self.client()?,
+            token: self.admin_token.expose().to_owned(),
+        })
+    }
+
+    /// The `wss://` URL of the tunnel endpoint.
+    pub fn tunnel_url(&self) -> String {
+        format!("wss://localhost:{}/agent/v1/tunnel", self.addr.port())
+    }
+}
+
+/// A response, fully read.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub version: Version,
+}
+
+impl Reply {
+    pub fn json(&self) -> anyhow::Result<Value> {
+        serde_json::from_slice(&self.body)
+            .with_context(|| format!("not JSON: {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// Asserts a Kubernetes `Status` failure with `code`, returns its message.
+    pub fn status_message(&self, code: u16) -> anyhow::Result<String> {
+        anyhow::ensure!(
+            self.status.as_u16() == code,
+            "expected {code}, got {} {:?}",
+            self.status,
+            self.body
+        );
+        let v = self.json()?;
+        anyhow::ensure!(
+            v["kind"] == "Status" && v["apiVersion"] == "v1" && v["status"] == "Failure",
+            "{v}"
+        );
+        anyhow::ensure!(v["code"] == code, "{v}");
+        Ok(v["message"].as_str().unwrap_or_default().to_owned())
+    }
+}
+
+/// An HTTPS client that opens one connection per request.
+#[derive(Clone)]
+pub struct Client {
+    addr: SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+    server_name: String,
+}
+
+impl Client {
+    pub fn new(addr: SocketAddr, ca_pem: &[u8], server_name: &str) -> anyhow::Result<Self> {
+        let tls = tether_tunnel::tls::client_config(Some(ca_pem), &[b"h2", b"http/1.1"])?;
+        Ok(Self {
+            addr,
+            tls,
+            server_name: server_name.to_owned(),
+        })
+    }
+
+    async fn tls(&self, alpn: &[u8]) -> anyhow::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let mut config = (*self.tls).clone();
+        config.alpn_protocols = vec![alpn.to_vec()];
+        let tcp = TcpStream::connect(self.addr).await?;
+        let name = rustls::pki_types::ServerName::try_from(self.server_name.clone())?;
+        Ok(TlsConnector::from(Arc::new(config))
+            .connect(name, tcp)
+            .await?)
+    }
+
+    /// Sends one request over HTTP/1.1 (`h2 = false`) or HTTP/2 and reads the whole response.
+    pub async fn send(&self, h2: bool, req: Request<Full<Bytes>>) -> anyhow::Result<Reply> {
+        let resp = if h2 {
+            let io = TokioIo::new(self.tls(b"h2").await?);
+            let (mut sender, conn) =
+                hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await?;
+            tokio::spawn(conn);
+            sender.send_request(req).await?
+        } else {
+            let io = TokioIo::new(self.tls(b"http/1.1").await?);
+            let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await?;
+            tokio::spawn(conn);
+            sender.send_request(req).await?
+        };
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await?.to_bytes();
+        Ok(Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+            version: parts.version,
+        })
+    }
+
+    /// A request builder with the right URI form for either protocol.
+    pub fn request(&self, h2: bool, method: Method, path: &str) -> http::request::Builder {
+        let builder = Request::builder().method(method);
+        if h2 {
+            builder
+                .uri(format!(
+                    "https://{}:{}{}",
+                    self.server_name,
+                    self.addr.port(),
+                    path
+                ))
+                .version(Version::HTTP_2)
+        } else {
+            builder.uri(path).header(
+                http::header::HOST,
+                format!("{}:{}", self.server_name, self.addr.port()),
+            )
+        }
+    }
+
+    pub async fn get(&self, path: &str, token: Option<&str>) -> anyhow::Result<Reply> {
+        let mut b = self.request(false, Method::GET, path);
+        if let Some(t) = token {
+            b = b.header(http::header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        self.send(false, b.body(Full::default())?).await
+    }
+
+    pub async fn post_json(
+        &self,
+        path: &str,
+        token: Option<&str>,
+        body: &Value,
+    ) -> anyhow::Result<Reply> {
+        let mut b = self
+            .request(false, Method::POST, path)
+            .header(http::header::CONTENT_TYPE, "application/json");
+        if let Some(t) = token {
+            b = b.header(http::header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        self.send(false, b.body(Full::new(Bytes::from(body.to_string())))?)
+            .await
+    }
+}
+
+/// The admin API, with the admin token.
+pub struct Admin {
+    pub client: Client,
+    pub token: String,
+}
+
+impl Admin {
+    pub async fn create(&self, name: &str) -> anyhow::Result<Reply> {
+        self.client
+            .post_json(
+                "/api/v1/clusters",
+                Some(&self.token),
+                &serde_json::json!({ "name": name }),
+            )
+            .await
+    }
+
+    /// Creates `name` and returns its onboarding token.
+    pub async fn create_ok(&self, name: &str) -> anyhow::Result<String> {
+        let reply = self.create(name).await?;
+        anyhow::ensure!(
+            reply.status == StatusCode::CREATED,
+            "create {name}: {reply:?}"
+        );
+        reply.json()?["onboardingToken"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| anyhow!("no onboardingToken"))
+    }
+
+    /// Creates `name` and onboards it; returns the agent credential.
+    pub async fn onboarded(&self, name: &str) -> anyhow::Result<String> {
+        let token = self.create_ok(name).await?;
+        let reply = self
+            .client
+            .post_json(
+                "/agent/v1/onboard",
+                None,
+                &serde_json::json!({ "cluster": name, "token": token }),
+            )
+            .await?;
+        anyhow::ensure!(reply.status == StatusCode::OK, "onboard {name}: {reply:?}");
+        reply.json()?["credential"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| anyhow!("no credential"))
+    }
+
+    pub async fn show(&self, name: &str) -> anyhow::Result<Reply> {
+        self.client
+            .get(&format!("/api/v1/clusters/{name}"), Some(&self.token))
+            .await
+    }
+
+    pub async fn list(&self) -> anyhow::Result<Reply> {
+        self.client.get("/api/v1/clusters", Some(&self.token)).await
+    }
+
+    pub async fn delete(&self, name: &str) -> anyhow::Result<Reply> {
+        let req = self
+            .client
+            .request(false, Method::DELETE, &format!("/api/v1/clusters/{name}"))
+            .header(
+                http::header::AUTHORIZATION,
+                format!("Bearer {}", self.token),
+            )
+            .body(Full::default())?;
+        self.client.send(false, req).await
+    }
+
+    /// Waits until the API reports `name` as `connected == want`.
+    pub async fn wait_connected(&self, name: &str, want: bool) -> anyhow::Result<Value> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let reply = self.show(name).await?;
+            if reply.status == StatusCode::OK {
+                let v = reply.json()?;
+                if v["connected"] == want {
+                    return Ok(v);
+                }
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "cluster {name} never became connected={want}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
