@@ -10,15 +10,16 @@
 //!
 //! The wire format is specified in `docs/PROTOCOL.md`.
 
-// CONTRACT NOTE (remove when implemented): the public API below is the contract the tunnel crate is built
-// against. Keep these names and signatures; add to them if needed, do not rename or remove.
-
 mod frame;
 mod session;
 
-pub use frame::{DecodeError, Frame, FrameHeader, SettingId, Settings};
+pub use frame::{
+    DecodeError, FLAG_ACK, FLAG_FIN, Frame, FrameHeader, MAX_FRAME_SIZE_LIMIT, MAX_REASON_LEN,
+    MAX_SETTINGS_ENTRIES, MAX_WINDOW, MIN_MAX_FRAME_SIZE, SettingId, Settings,
+};
 pub use session::{
-    Config, ConnectionError, Event, OpenError, Priority, ReadResult, Role, Session, Stats, StreamError,
+    Config, ConnectionError, Event, OpenError, Priority, ReadResult, Role, Session, Stats,
+    StreamError, StreamState,
 };
 
 /// Magic bytes at the start of every HELLO frame ("TTHR").
