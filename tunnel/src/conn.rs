@@ -1,14 +1,29 @@
-//! Transport-independent connection and stream handles.
+//! Transport-independent connection and stream handles, and the task that drives a [`Session`].
+//!
+//! A [`Connection`] is an `Arc` of one shared state (the session behind a mutex, plus per-stream wakers and
+//! status) and one driver task per connection. Stream operations lock the state, call the session, and
+//! wake the driver when the session may have something to send; the driver pumps bytes between the session
+//! and a [`Transport`], fires the session timer, and turns session events into wake-ups. The mutex is never
+//! held across an `.await`.
 
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
+use tokio::time::Sleep;
 
-use tether_proto::{ConnectionError, Priority, StreamId};
+use tether_proto::{
+    ConnectionError, Event, OpenError, Priority, ReadResult, Session, StreamError, StreamId, code,
+};
+
+use crate::SessionConfig;
 
 /// Why a tunnel operation failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -36,15 +51,52 @@ pub enum TunnelError {
 }
 
 impl TunnelError {
-    /// True when trying again (on this or a new tunnel) may succeed.
+    /// True when trying again (on this or a new tunnel) may succeed: too many streams, a closed tunnel, and
+    /// a reset or refusal because the peer is shutting down (or, for a refusal, has too many streams).
     pub fn is_retryable(&self) -> bool {
-        todo!()
+        match self {
+            TunnelError::TooManyStreams | TunnelError::Closed(_) => true,
+            TunnelError::Reset(c) => *c == code::SHUTDOWN,
+            TunnelError::Refused { code: c, .. } => {
+                *c == code::SHUTDOWN || *c == code::REFUSED_TOO_MANY_STREAMS
+            }
+            TunnelError::TimedOut(_) => false,
+        }
+    }
+
+    fn from_stream_error(e: StreamError, closed: &Option<CloseInfo>) -> Self {
+        match e {
+            StreamError::Reset(c) => TunnelError::Reset(c),
+            StreamError::ConnectionClosed => TunnelError::Closed(close_reason(closed)),
+            // The session forgot the stream; the reason was recorded when its event arrived, so reaching
+            // this means it vanished without one: report it as cancelled.
+            StreamError::UnknownStream(_) => TunnelError::Reset(code::CANCEL),
+            StreamError::Finished => TunnelError::Closed("stream already finished".to_owned()),
+            StreamError::InvalidState(what) => {
+                TunnelError::Closed(format!("invalid stream state: {what}"))
+            }
+        }
     }
 }
 
 impl From<TunnelError> for io::Error {
     fn from(e: TunnelError) -> Self {
-        io::Error::other(e)
+        let kind = match e {
+            TunnelError::Reset(_) => io::ErrorKind::ConnectionReset,
+            TunnelError::Refused { .. } => io::ErrorKind::ConnectionRefused,
+            TunnelError::TimedOut(_) => io::ErrorKind::TimedOut,
+            TunnelError::Closed(_) => io::ErrorKind::ConnectionAborted,
+            TunnelError::TooManyStreams => io::ErrorKind::Other,
+        };
+        io::Error::new(kind, e)
+    }
+}
+
+fn close_reason(closed: &Option<CloseInfo>) -> String {
+    match closed {
+        Some(CloseInfo { error: Some(e) }) => e.to_string(),
+        Some(CloseInfo { error: None }) => "connection closed".to_owned(),
+        None => "connection closing".to_owned(),
     }
 }
 
@@ -68,54 +120,443 @@ pub struct CloseInfo {
     pub error: Option<ConnectionError>,
 }
 
+/// What the driver needs from a byte transport. The WebSocket transport implements it in [`crate::ws`];
+/// a message-oriented transport maps one message to one chunk.
+pub(crate) trait Transport: Send + Unpin + 'static {
+    /// Largest chunk [`Transport::start_send`] accepts; larger session output is split (the peer's decoder
+    /// is streaming, so chunk boundaries do not matter).
+    const MAX_CHUNK: usize;
+
+    /// The next chunk of bytes from the peer, or why there is none.
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Recv>;
+
+    /// Ready to take a chunk with [`Transport::start_send`].
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+
+    /// Queues one chunk (at most [`Transport::MAX_CHUNK`] bytes).
+    fn start_send(&mut self, chunk: Bytes) -> io::Result<()>;
+
+    /// Writes out everything queued.
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+
+    /// Closes the transport in an orderly way (sending `violation` as the reason if the peer misbehaved at
+    /// the transport level), discarding anything still received. Errors are not interesting at this point.
+    fn poll_close(&mut self, cx: &mut Context<'_>, violation: Option<&str>) -> Poll<()>;
+}
+
+/// What [`Transport::poll_recv`] found.
+pub(crate) enum Recv {
+    /// Bytes for the session.
+    Data(Bytes),
+    /// The peer closed the transport (orderly close or EOF).
+    Closed,
+    /// The transport failed.
+    Failed(String),
+    /// The peer broke the transport's rules (e.g. a text WebSocket message).
+    Violation(String),
+}
+
+/// How long the driver keeps trying to close the transport politely once the session is over.
+const CLOSE_LINGER: Duration = Duration::from_secs(5);
+
+/// How many transport reads the driver handles in one poll before yielding to other tasks.
+const READ_BUDGET: usize = 64;
+
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// Per-stream state kept beside the session (which forgets streams once they end).
+struct Slot {
+    read_waker: Option<Waker>,
+    write_waker: Option<Waker>,
+    /// Resolves [`StreamControl::accepted`] waiters.
+    notify: Arc<Notify>,
+    answer: Answer,
+    /// Set once the stream can no longer be used: reads and writes fail with it.
+    failed: Option<TunnelError>,
+    /// The deadline we asked for, to report [`TunnelError::TimedOut`].
+    deadline: Option<Duration>,
+}
+
+enum Answer {
+    Pending,
+    Accepted(Bytes),
+    Failed(TunnelError),
+}
+
+impl Slot {
+    fn new(answer: Answer, deadline: Option<Duration>) -> Self {
+        Self {
+            read_waker: None,
+            write_waker: None,
+            notify: Arc::new(Notify::new()),
+            answer,
+            failed: None,
+            deadline,
+        }
+    }
+
+    fn fail(&mut self, error: TunnelError) {
+        if self.failed.is_none() {
+            self.failed = Some(error.clone());
+        }
+        if matches!(self.answer, Answer::Pending) {
+            self.answer = Answer::Failed(error);
+            self.notify.notify_waiters();
+        }
+        self.wake();
+    }
+
+    fn wake(&mut self) {
+        if let Some(w) = self.read_waker.take() {
+            w.wake();
+        }
+        if let Some(w) = self.write_waker.take() {
+            w.wake();
+        }
+    }
+}
+
+/// A stream the peer opened that nobody took with [`Connection::accept`] yet.
+struct Queued {
+    id: StreamId,
+    kind: u16,
+    priority: Priority,
+    deadline: Option<Instant>,
+    metadata: Bytes,
+}
+
+struct State {
+    session: Session,
+    streams: HashMap<StreamId, Slot>,
+    incoming: VecDeque<Queued>,
+    /// Registered by the driver at the start of each poll; taken (and woken) by whoever gives the session
+    /// something to do.
+    driver_waker: Option<Waker>,
+    /// We stopped taking new streams (local go-away or close).
+    going_away: bool,
+    /// The peer sent GOAWAY: it will not open new streams.
+    peer_going_away: bool,
+    /// The session reported [`Event::Closed`].
+    closed: Option<CloseInfo>,
+    /// The driver is done: the session is closed and the transport flushed and closed (or dead).
+    finished: bool,
+}
+
+impl State {
+    fn wake_driver(&mut self) {
+        if let Some(w) = self.driver_waker.take() {
+            w.wake();
+        }
+    }
+
+    /// Refuses every queued incoming stream (we are going away or nobody is left to accept them).
+    fn refuse_queued(&mut self, reason: &str) {
+        while let Some(q) = self.incoming.pop_front() {
+            let _ = self.session.refuse_stream(q.id, code::SHUTDOWN, reason);
+        }
+    }
+
+    fn handle_event(&mut self, event: Event, notify: &Notify) {
+        match event {
+            Event::Connected { version } => tracing::debug!(version, "tunnel session established"),
+            Event::StreamOpened {
+                id,
+                kind,
+                priority,
+                deadline,
+                metadata,
+            } => {
+                if self.going_away {
+                    let _ =
+                        self.session
+                            .refuse_stream(id, code::SHUTDOWN, "connection is going away");
+                } else {
+                    self.incoming.push_back(Queued {
+                        id,
+                        kind,
+                        priority,
+                        deadline,
+                        metadata,
+                    });
+                    notify.notify_waiters();
+                }
+            }
+            Event::StreamAccepted { id, metadata } => {
+                if let Some(slot) = self.streams.get_mut(&id)
+                    && matches!(slot.answer, Answer::Pending)
+                {
+                    slot.answer = Answer::Accepted(metadata);
+                    slot.notify.notify_waiters();
+                }
+            }
+            Event::StreamRefused { id, code, reason } => {
+                self.fail_stream(id, TunnelError::Refused { code, reason })
+            }
+            Event::StreamTimedOut { id } => {
+                let waited = self
+                    .streams
+                    .get(&id)
+                    .and_then(|s| s.deadline)
+                    .unwrap_or_default();
+                self.fail_stream(id, TunnelError::TimedOut(waited));
+            }
+            Event::StreamReset { id, code } => self.fail_stream(id, TunnelError::Reset(code)),
+            Event::Readable { id } => {
+                if let Some(w) = self.streams.get_mut(&id).and_then(|s| s.read_waker.take()) {
+                    w.wake();
+                }
+            }
+            Event::Writable { id } => {
+                if let Some(w) = self.streams.get_mut(&id).and_then(|s| s.write_waker.take()) {
+                    w.wake();
+                }
+            }
+            Event::GoAway {
+                last_stream,
+                code,
+                reason,
+            } => {
+                tracing::debug!(?last_stream, code, %reason, "peer is going away");
+                self.peer_going_away = true;
+                notify.notify_waiters();
+            }
+            Event::Closed { error } => {
+                match &error {
+                    None => tracing::debug!("tunnel session closed"),
+                    Some(e) => tracing::debug!(error = %e, "tunnel session closed with an error"),
+                }
+                let info = CloseInfo { error };
+                let reason = close_reason(&Some(info.clone()));
+                self.closed = Some(info);
+                self.incoming.clear();
+                for slot in self.streams.values_mut() {
+                    slot.fail(TunnelError::Closed(reason.clone()));
+                }
+                notify.notify_waiters();
+            }
+        }
+    }
+
+    fn fail_stream(&mut self, id: StreamId, error: TunnelError) {
+        if let Some(slot) = self.streams.get_mut(&id) {
+            slot.fail(error);
+        } else {
+            // Not taken by `accept` yet: forget it.
+            self.incoming.retain(|q| q.id != id);
+        }
+    }
+}
+
+/// The state shared by handles and the driver.
+struct Shared {
+    state: Mutex<State>,
+    /// Wakes `accept()` and `closed()` waiters.
+    notify: Notify,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves the session in some state; later calls report whatever
+        // that state says rather than propagating the panic to every handle.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// One per connection, shared by `Connection` clones, streams and incoming streams: when the last one goes,
+/// nobody can use the connection any more and it is shut down.
+struct Handle {
+    shared: Arc<Shared>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let mut st = self.shared.lock();
+        if st.closed.is_none() {
+            st.refuse_queued("connection dropped");
+            if !st.going_away {
+                st.going_away = true;
+                st.session.go_away(code::NO_ERROR, "connection dropped");
+            }
+            st.wake_driver();
+        }
+    }
+}
+
 /// A tunnel connection. Cheap to clone; all clones are the same connection. Dropping every clone and every
 /// stream closes it.
 #[derive(Clone)]
 pub struct Connection {
-    _private: (),
+    handle: Arc<Handle>,
 }
 
-#[allow(unused_variables, clippy::todo)]
 impl Connection {
+    /// Starts a connection: a session with `config` and a driver task pumping it over the transport that
+    /// `transport` resolves to. Must be called within a Tokio runtime.
+    pub(crate) fn spawn<T, F>(config: SessionConfig, transport: F) -> Connection
+    where
+        T: Transport,
+        F: Future<Output = T> + Send + 'static,
+    {
+        let state = State {
+            session: Session::new(config, now()),
+            streams: HashMap::new(),
+            incoming: VecDeque::new(),
+            driver_waker: None,
+            going_away: false,
+            peer_going_away: false,
+            closed: None,
+            finished: false,
+        };
+        let shared = Arc::new(Shared {
+            state: Mutex::new(state),
+            notify: Notify::new(),
+        });
+        let driver_shared = shared.clone();
+        tokio::spawn(async move {
+            let transport = transport.await;
+            Driver::new(driver_shared, transport).await;
+        });
+        Connection {
+            handle: Arc::new(Handle { shared }),
+        }
+    }
+
+    fn shared(&self) -> &Shared {
+        &self.handle.shared
+    }
+
     /// Opens a stream. Returns at once: data may be written before the peer accepts. Use
     /// [`StreamControl::accepted`] to wait for the answer.
     pub fn open(&self, options: OpenOptions) -> Result<Stream, TunnelError> {
-        todo!()
+        let mut st = self.shared().lock();
+        let opened = st.session.open_stream(
+            now(),
+            options.kind,
+            options.priority,
+            options.deadline,
+            options.metadata,
+        );
+        let id = match opened {
+            Ok(id) => id,
+            Err(OpenError::TooManyStreams(_)) => return Err(TunnelError::TooManyStreams),
+            Err(OpenError::Closing) => return Err(TunnelError::Closed(close_reason(&st.closed))),
+            Err(OpenError::IdsExhausted) => {
+                return Err(TunnelError::Closed(
+                    "stream ids exhausted, open a new connection".to_owned(),
+                ));
+            }
+            Err(OpenError::MetadataTooLarge) => {
+                return Err(TunnelError::Refused {
+                    code: code::REFUSED,
+                    reason: "stream metadata larger than the session allows".to_owned(),
+                });
+            }
+        };
+        let slot = Slot::new(Answer::Pending, options.deadline);
+        let notify = slot.notify.clone();
+        st.streams.insert(id, slot);
+        st.wake_driver();
+        drop(st);
+        Ok(Stream::new(self.handle.clone(), id, notify))
     }
 
     /// The next stream the peer opened, or `None` once the connection is closed or going away.
     pub async fn accept(&self) -> Option<Incoming> {
-        todo!()
+        loop {
+            let notified = self.shared().notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut st = self.shared().lock();
+                if let Some(q) = st.incoming.pop_front() {
+                    let slot = Slot::new(Answer::Pending, None);
+                    let notify = slot.notify.clone();
+                    st.streams.insert(q.id, slot);
+                    drop(st);
+                    return Some(Incoming {
+                        kind: q.kind,
+                        priority: q.priority,
+                        deadline: q.deadline,
+                        metadata: q.metadata,
+                        inner: Some(Arc::new(StreamInner {
+                            id: q.id,
+                            handle: self.handle.clone(),
+                            notify,
+                        })),
+                    });
+                }
+                if st.going_away || st.peer_going_away || st.closed.is_some() {
+                    return None;
+                }
+            }
+            notified.await;
+        }
     }
 
-    /// Graceful shutdown: no new streams; resolves [`Connection::closed`] once open streams finish.
+    /// Graceful shutdown: no new streams; resolves [`Connection::closed`] once open streams finish. Streams
+    /// the peer opened that were not accepted yet are refused with code SHUTDOWN (retryable elsewhere).
     pub fn go_away(&self, code: u32, reason: &str) {
-        todo!()
+        let mut st = self.shared().lock();
+        if st.closed.is_none() && !st.going_away {
+            st.going_away = true;
+            st.refuse_queued(reason);
+            st.session.go_away(code, reason);
+        }
+        st.wake_driver();
+        drop(st);
+        self.shared().notify.notify_waiters();
     }
 
     /// Immediate close: every stream fails.
     pub fn close(&self, code: u32, reason: &str) {
-        todo!()
+        let mut st = self.shared().lock();
+        st.going_away = true;
+        st.session.close(code, reason);
+        st.wake_driver();
+        drop(st);
+        self.shared().notify.notify_waiters();
     }
 
-    /// Resolves when the connection has ended.
+    /// Resolves when the connection has ended: the session is closed and what it had to send was flushed
+    /// (or the transport died).
     pub async fn closed(&self) -> CloseInfo {
-        todo!()
+        loop {
+            let notified = self.shared().notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let st = self.shared().lock();
+                if st.finished {
+                    return st.closed.clone().unwrap_or(CloseInfo {
+                        error: Some(ConnectionError::TransportClosed),
+                    });
+                }
+            }
+            notified.await;
+        }
     }
 
     /// True once the connection has ended.
     pub fn is_closed(&self) -> bool {
-        todo!()
+        let st = self.shared().lock();
+        st.finished || st.closed.is_some()
     }
 
     /// Smoothed round-trip time measured by the protocol's pings.
     pub fn rtt(&self) -> Option<Duration> {
-        todo!()
+        self.shared().lock().session.rtt()
     }
 
     /// Number of streams currently open.
     pub fn open_streams(&self) -> usize {
-        todo!()
+        self.shared().lock().session.stats().open_streams as usize
+    }
+
+    /// Protocol counters (frames and bytes in and out, open streams).
+    pub fn stats(&self) -> tether_proto::Stats {
+        self.shared().lock().session.stats()
     }
 }
 
@@ -125,7 +566,26 @@ impl std::fmt::Debug for Connection {
     }
 }
 
-/// A stream the peer opened, waiting for an answer.
+/// What `Stream`, `StreamControl` and `Incoming` share; the stream's slot goes when the last one does.
+struct StreamInner {
+    id: StreamId,
+    handle: Arc<Handle>,
+    notify: Arc<Notify>,
+}
+
+impl StreamInner {
+    fn shared(&self) -> &Shared {
+        &self.handle.shared
+    }
+}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        self.shared().lock().streams.remove(&self.id);
+    }
+}
+
+/// A stream the peer opened, waiting for an answer. Dropping it unanswered refuses it (code REFUSED).
 pub struct Incoming {
     /// Its kind (see [`crate::kind`]).
     pub kind: u16,
@@ -135,78 +595,569 @@ pub struct Incoming {
     pub deadline: Option<Instant>,
     /// Opaque metadata from the opener.
     pub metadata: Bytes,
-    _private: (),
+    inner: Option<Arc<StreamInner>>,
 }
 
-#[allow(unused_variables, clippy::todo)]
 impl Incoming {
+    /// The stream id (for logs).
+    pub fn id(&self) -> Option<StreamId> {
+        self.inner.as_ref().map(|i| i.id)
+    }
+
     /// Accepts the stream.
-    pub fn accept(self, metadata: Bytes) -> Result<Stream, TunnelError> {
-        todo!()
+    pub fn accept(mut self, metadata: Bytes) -> Result<Stream, TunnelError> {
+        let Some(inner) = self.inner.take() else {
+            return Err(TunnelError::Closed("stream already answered".to_owned()));
+        };
+        let mut st = inner.shared().lock();
+        let closed = st.closed.clone();
+        let failed = st.streams.get(&inner.id).and_then(|s| s.failed.clone());
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        if let Err(e) = st.session.accept_stream(inner.id, metadata.clone()) {
+            return Err(TunnelError::from_stream_error(e, &closed));
+        }
+        if let Some(slot) = st.streams.get_mut(&inner.id) {
+            slot.answer = Answer::Accepted(metadata);
+        }
+        st.wake_driver();
+        drop(st);
+        Ok(Stream {
+            inner,
+            finished: false,
+            eof: false,
+        })
     }
 
     /// Refuses the stream with a code and reason.
-    pub fn refuse(self, code: u32, reason: &str) {
-        todo!()
+    pub fn refuse(mut self, code: u32, reason: &str) {
+        if let Some(inner) = self.inner.take() {
+            refuse(&inner, code, reason);
+        }
+    }
+}
+
+fn refuse(inner: &StreamInner, code: u32, reason: &str) {
+    let mut st = inner.shared().lock();
+    let _ = st.session.refuse_stream(inner.id, code, reason);
+    st.wake_driver();
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.take() {
+            refuse(&inner, code::REFUSED, "not accepted");
+        }
+    }
+}
+
+impl std::fmt::Debug for Incoming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Incoming")
+            .field("id", &self.id())
+            .field("kind", &self.kind)
+            .field("priority", &self.priority)
+            .field("deadline", &self.deadline)
+            .field("metadata_len", &self.metadata.len())
+            .finish()
     }
 }
 
 /// One logical byte stream. `shutdown()` half-closes our side (the peer reads EOF); dropping a stream that
 /// was not finished and fully read resets it (code CANCEL).
+///
+/// `poll_flush` returns at once: written bytes are in the session, which sends them without further calls
+/// (as quinn's streams do).
 pub struct Stream {
-    _private: (),
+    inner: Arc<StreamInner>,
+    /// We called `finish` (shutdown).
+    finished: bool,
+    /// We read the peer's end of data.
+    eof: bool,
 }
 
 impl Stream {
+    fn new(handle: Arc<Handle>, id: StreamId, notify: Arc<Notify>) -> Self {
+        Self {
+            inner: Arc::new(StreamInner { id, handle, notify }),
+            finished: false,
+            eof: false,
+        }
+    }
+
     /// A handle to watch or reset the stream while another task owns the reader/writer.
     pub fn control(&self) -> StreamControl {
-        todo!()
+        StreamControl {
+            inner: self.inner.clone(),
+        }
     }
 
     /// The stream id (for logs).
     pub fn id(&self) -> StreamId {
-        todo!()
+        self.inner.id
+    }
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("id", &self.inner.id)
+            .field("finished", &self.finished)
+            .field("eof", &self.eof)
+            .finish()
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if self.finished && self.eof {
+            return;
+        }
+        let mut st = self.inner.shared().lock();
+        let already_failed = st
+            .streams
+            .get(&self.inner.id)
+            .is_some_and(|s| s.failed.is_some());
+        if !already_failed && st.closed.is_none() {
+            st.session.reset(self.inner.id, code::CANCEL);
+            st.wake_driver();
+        }
     }
 }
 
 /// A handle on a stream that does not own its bytes. Cheap to clone.
 #[derive(Clone)]
 pub struct StreamControl {
-    _private: (),
+    inner: Arc<StreamInner>,
 }
 
-#[allow(unused_variables, clippy::todo)]
 impl StreamControl {
     /// Waits for the peer's answer to a stream we opened: accept metadata, or why it failed
-    /// (refused, timed out, reset, tunnel closed). Resolves at once for streams the peer opened.
+    /// (refused, timed out, reset, tunnel closed). Resolves at once for streams the peer opened (with the
+    /// metadata we accepted them with).
     pub async fn accepted(&self) -> Result<Bytes, TunnelError> {
-        todo!()
+        loop {
+            let notified = self.inner.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let st = self.inner.shared().lock();
+                match st.streams.get(&self.inner.id).map(|s| &s.answer) {
+                    Some(Answer::Accepted(metadata)) => return Ok(metadata.clone()),
+                    Some(Answer::Failed(e)) => return Err(e.clone()),
+                    Some(Answer::Pending) => {}
+                    None => return Err(TunnelError::Reset(code::CANCEL)),
+                }
+            }
+            notified.await;
+        }
     }
 
-    /// Resets the stream.
+    /// Resets the stream: both directions fail at once, here with [`TunnelError::Reset`], at the peer too.
     pub fn reset(&self, code: u32) {
-        todo!()
+        let mut st = self.inner.shared().lock();
+        let Some(slot) = st.streams.get_mut(&self.inner.id) else {
+            return;
+        };
+        if slot.failed.is_some() {
+            return;
+        }
+        slot.fail(TunnelError::Reset(code));
+        if st.closed.is_none() {
+            st.session.reset(self.inner.id, code);
+            st.wake_driver();
+        }
+    }
+
+    /// The stream id (for logs).
+    pub fn id(&self) -> StreamId {
+        self.inner.id
     }
 }
 
-#[allow(unused_variables, clippy::todo)]
+impl std::fmt::Debug for StreamControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamControl")
+            .field("id", &self.inner.id)
+            .finish()
+    }
+}
+
 impl AsyncRead for Stream {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        todo!()
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.eof || buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        let id = this.inner.id;
+        let mut guard = this.inner.shared().lock();
+        let st = &mut *guard;
+        let Some(slot) = st.streams.get_mut(&id) else {
+            return Poll::Ready(Err(TunnelError::Reset(code::CANCEL).into()));
+        };
+        if let Some(e) = &slot.failed {
+            return Poll::Ready(Err(e.clone().into()));
+        }
+        match st.session.read(id, buf.remaining()) {
+            Ok(ReadResult::Data(data)) => {
+                buf.put_slice(&data);
+                // Reading grants the peer credit: the session may have a window update to send.
+                st.wake_driver();
+                Poll::Ready(Ok(()))
+            }
+            Ok(ReadResult::Finished) => {
+                this.eof = true;
+                st.wake_driver();
+                Poll::Ready(Ok(()))
+            }
+            Ok(ReadResult::Blocked) => {
+                set_waker(&mut slot.read_waker, cx);
+                Poll::Pending
+            }
+            Err(e) => Poll::Ready(Err(TunnelError::from_stream_error(e, &st.closed).into())),
+        }
     }
 }
 
-#[allow(unused_variables, clippy::todo)]
+fn set_waker(slot: &mut Option<Waker>, cx: &Context<'_>) {
+    match slot {
+        Some(w) if w.will_wake(cx.waker()) => {}
+        _ => *slot = Some(cx.waker().clone()),
+    }
+}
+
 impl AsyncWrite for Stream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        todo!()
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        if this.finished {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "write after shutdown",
+            )));
+        }
+        let id = this.inner.id;
+        let mut guard = this.inner.shared().lock();
+        let st = &mut *guard;
+        let Some(slot) = st.streams.get_mut(&id) else {
+            return Poll::Ready(Err(TunnelError::Reset(code::CANCEL).into()));
+        };
+        if let Some(e) = &slot.failed {
+            return Poll::Ready(Err(e.clone().into()));
+        }
+        match st.session.write(id, buf) {
+            Ok(0) => {
+                set_waker(&mut slot.write_waker, cx);
+                Poll::Pending
+            }
+            Ok(n) => {
+                st.wake_driver();
+                Poll::Ready(Ok(n))
+            }
+            Err(e) => Poll::Ready(Err(TunnelError::from_stream_error(e, &st.closed).into())),
+        }
     }
 
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        todo!()
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
     }
 
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        todo!()
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.finished {
+            return Poll::Ready(Ok(()));
+        }
+        let id = this.inner.id;
+        let mut st = this.inner.shared().lock();
+        if let Some(e) = st.streams.get(&id).and_then(|s| s.failed.clone()) {
+            return Poll::Ready(Err(e.into()));
+        }
+        match st.session.finish(id) {
+            Ok(()) | Err(StreamError::Finished) => {
+                this.finished = true;
+                st.wake_driver();
+                Poll::Ready(Ok(()))
+            }
+            Err(e) => Poll::Ready(Err(TunnelError::from_stream_error(e, &st.closed).into())),
+        }
+    }
+}
+
+/// Where the driver is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Pumping bytes both ways.
+    Running,
+    /// The session is over; closing the transport politely, at most until the linger timer fires.
+    Closing,
+    /// Done.
+    Finished,
+}
+
+/// The task that pumps one session over one transport. Hand-written rather than a `select!` loop because
+/// reading, writing, the timer and wake-ups all need the transport or the session at once; polling each
+/// source in turn from one `poll` is the same thing without the borrow juggling.
+struct Driver<T: Transport> {
+    shared: Arc<Shared>,
+    transport: T,
+    phase: Phase,
+    /// The session timer, or the close linger in [`Phase::Closing`].
+    timer: Pin<Box<Sleep>>,
+    timer_armed: Option<Instant>,
+    /// The transport said the peer is gone; nothing more to read.
+    input_done: bool,
+    /// The peer went away gracefully and closed the transport, but streams here may still hold data the
+    /// application has not read: the session keeps serving reads without a transport (output is
+    /// discarded) and is told the transport is gone once no stream is left, or its idle timeout ends it.
+    detached: bool,
+    /// [`Transport::poll_close`] completed.
+    transport_closed: bool,
+    /// A session chunk, or the rest of one larger than the transport's message limit, waiting for the sink.
+    pending: Option<Bytes>,
+    /// Chunks were queued since the last flush.
+    unflushed: bool,
+    /// The peer broke the transport's rules: close with this reason.
+    violation: Option<String>,
+}
+
+impl<T: Transport> Driver<T> {
+    fn new(shared: Arc<Shared>, transport: T) -> Self {
+        Self {
+            shared,
+            transport,
+            phase: Phase::Running,
+            timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            timer_armed: None,
+            input_done: false,
+            detached: false,
+            transport_closed: false,
+            pending: None,
+            unflushed: false,
+            violation: None,
+        }
+    }
+
+    /// One step of input: returns true if something happened.
+    fn poll_input(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.input_done {
+            return false;
+        }
+        let Poll::Ready(recv) = self.transport.poll_recv(cx) else {
+            return false;
+        };
+        let mut st = self.shared.lock();
+        match recv {
+            Recv::Data(bytes) => st.session.handle_input(now(), bytes),
+            Recv::Closed => {
+                self.input_done = true;
+                while let Some(event) = st.session.poll_event() {
+                    st.handle_event(event, &self.shared.notify);
+                }
+                if st.peer_going_away && st.closed.is_none() {
+                    // An orderly close after the peer's GOAWAY: everything it sent has arrived, but telling
+                    // the session now would fail streams whose data is still unread.
+                    self.detached = true;
+                } else {
+                    st.session.handle_transport_closed();
+                }
+            }
+            Recv::Failed(reason) => {
+                tracing::debug!(%reason, "tunnel transport failed");
+                self.input_done = true;
+                st.session.handle_transport_closed();
+            }
+            Recv::Violation(reason) => {
+                tracing::debug!(%reason, "peer broke the transport rules");
+                self.input_done = true;
+                st.session.close(code::PROTOCOL_ERROR, &reason);
+                self.violation = Some(reason);
+            }
+        }
+        true
+    }
+
+    /// Sends what the session has while the transport takes it (never pulling more from the session while
+    /// the transport is not ready), then flushes. A transport failure is reported to the session.
+    fn poll_output(&mut self, cx: &mut Context<'_>) {
+        if self.detached {
+            self.pending = None;
+            let mut st = self.shared.lock();
+            while st.session.poll_transmit(now()).is_some() {}
+            if st.session.stats().open_streams == 0 && st.closed.is_none() {
+                st.session.handle_transport_closed();
+            }
+            return;
+        }
+        loop {
+            match self.transport.poll_ready(cx) {
+                Poll::Pending => return,
+                Poll::Ready(Err(e)) => return self.output_failed(e),
+                Poll::Ready(Ok(())) => {}
+            }
+            let chunk = match self.pending.take() {
+                Some(chunk) => Some(chunk),
+                None => self.shared.lock().session.poll_transmit(now()),
+            };
+            let Some(mut chunk) = chunk else { break };
+            if chunk.len() > T::MAX_CHUNK {
+                self.pending = Some(chunk.split_off(T::MAX_CHUNK));
+            }
+            if let Err(e) = self.transport.start_send(chunk) {
+                return self.output_failed(e);
+            }
+            self.unflushed = true;
+        }
+        if self.unflushed {
+            match self.transport.poll_flush(cx) {
+                Poll::Ready(Ok(())) => self.unflushed = false,
+                Poll::Ready(Err(e)) => self.output_failed(e),
+                Poll::Pending => {}
+            }
+        }
+    }
+
+    fn output_failed(&mut self, e: io::Error) {
+        tracing::debug!(error = %e, "tunnel transport write failed");
+        self.pending = None;
+        self.unflushed = false;
+        self.input_done = true;
+        self.shared.lock().session.handle_transport_closed();
+    }
+
+    /// Delivers session events and runs the session timer; returns true if anything happened (events may
+    /// have queued output, e.g. a refusal).
+    fn poll_session(&mut self, cx: &mut Context<'_>) -> bool {
+        let mut st = self.shared.lock();
+        let mut progress = false;
+        while let Some(event) = st.session.poll_event() {
+            st.handle_event(event, &self.shared.notify);
+            progress = true;
+        }
+        if st.session.is_closed() && self.pending.is_none() {
+            drop(st);
+            self.start_closing();
+            return true;
+        }
+        let deadline = st.session.poll_timeout();
+        drop(st);
+        let Some(deadline) = deadline else {
+            self.timer_armed = None;
+            return progress;
+        };
+        // The idle deadline moves with every frame received; re-arming the timer each time would be
+        // per-frame work, so a later deadline keeps the earlier sleep, which is re-armed when it fires.
+        if self.timer_armed.is_none_or(|armed| deadline < armed) {
+            self.timer
+                .as_mut()
+                .reset(tokio::time::Instant::from_std(deadline));
+            self.timer_armed = Some(deadline);
+        }
+        if self.timer.as_mut().poll(cx).is_ready() {
+            self.timer_armed = None;
+            let now = now();
+            if now >= deadline {
+                self.shared.lock().session.handle_timeout(now);
+            }
+            return true;
+        }
+        progress
+    }
+
+    fn start_closing(&mut self) {
+        self.phase = Phase::Closing;
+        self.timer
+            .as_mut()
+            .reset(tokio::time::Instant::now() + CLOSE_LINGER);
+        self.timer_armed = None;
+    }
+
+    fn finish(&mut self) {
+        self.phase = Phase::Finished;
+        let mut st = self.shared.lock();
+        st.finished = true;
+        if st.closed.is_none() {
+            // The session never reported Closed (e.g. the task is being torn down): the transport is gone.
+            st.closed = Some(CloseInfo {
+                error: Some(ConnectionError::TransportClosed),
+            });
+        }
+        let reason = close_reason(&st.closed);
+        for slot in st.streams.values_mut() {
+            slot.fail(TunnelError::Closed(reason.clone()));
+        }
+        st.incoming.clear();
+        drop(st);
+        self.shared.notify.notify_waiters();
+    }
+}
+
+impl<T: Transport> Future for Driver<T> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        if this.phase == Phase::Running {
+            // Registered first so that an operation made while this poll runs wakes us again.
+            {
+                let mut st = this.shared.lock();
+                set_waker(&mut st.driver_waker, cx);
+            }
+            let mut budget = READ_BUDGET;
+            loop {
+                let mut progress = this.poll_input(cx);
+                progress |= this.poll_session(cx);
+                if this.phase != Phase::Running {
+                    break;
+                }
+                this.poll_output(cx);
+                if this.detached && !this.transport_closed {
+                    this.transport_closed = this.transport.poll_close(cx, None).is_ready();
+                }
+                // Output may have failed the transport, and stream operations may have queued events.
+                progress |= this.poll_session(cx);
+                if this.phase != Phase::Running || !progress {
+                    break;
+                }
+                budget -= 1;
+                if budget == 0 {
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+            }
+        }
+        if this.phase == Phase::Closing {
+            let violation = this.violation.clone();
+            let closed = this
+                .transport
+                .poll_close(cx, violation.as_deref())
+                .is_ready();
+            if closed || this.timer.as_mut().poll(cx).is_ready() {
+                this.finish();
+            }
+        }
+        if this.phase == Phase::Finished {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+impl<T: Transport> Drop for Driver<T> {
+    fn drop(&mut self) {
+        if self.phase != Phase::Finished {
+            self.finish();
+        }
     }
 }

@@ -8,10 +8,13 @@
 //!
 //! Also here, because both sides need them: TLS configuration helpers ([`tls`]) and the [`Secret`] type.
 //!
-//! This crate does not know about HTTP requests, Kubernetes or clusters.
-
-// CONTRACT NOTE (remove when implemented): relay and agent are built against the public API below.
-// Keep these names and signatures; add to them if needed, do not rename or remove.
+//! Each [`Connection`] runs one driver task (so it must be created inside a Tokio runtime); stream handles
+//! talk to it through a shared, briefly locked session. Timers follow Tokio's clock, so tests may use
+//! `tokio::time::pause()`.
+//!
+//! This crate does not know about HTTP requests, Kubernetes or clusters, does not authenticate anyone (the
+//! relay's HTTP server checks credentials before calling [`ws::upgrade_response`]) and does not retry or
+//! reconnect (the agent does).
 
 mod conn;
 mod secret;
@@ -20,7 +23,7 @@ pub mod ws;
 
 pub use conn::{CloseInfo, Connection, Incoming, OpenOptions, Stream, StreamControl, TunnelError};
 pub use secret::Secret;
-pub use tether_proto::{Priority, Role, code, kind};
+pub use tether_proto::{ConnectionError, Priority, Role, Stats, code, kind};
 
 /// Session configuration, re-exported so callers can tune limits without depending on proto directly.
 pub use tether_proto::Config as SessionConfig;
