@@ -380,7 +380,7 @@ impl Frame {
             }
             ty::SETTINGS => {
                 on_connection("SETTINGS")?;
-                if p.len() % 6 != 0 {
+                if !p.len().is_multiple_of(6) {
                     return malformed("SETTINGS", "length is not a multiple of 6");
                 }
                 if p.len() / 6 > MAX_SETTINGS_ENTRIES {
@@ -783,7 +783,7 @@ mod tests {
         );
         assert!(wire.is_empty());
 
-        let mut big = raw(200, 0, 0, &vec![0; 100]);
+        let mut big = raw(200, 0, 0, &[0; 100]);
         assert!(matches!(
             Frame::decode(&mut big, 99),
             Err(DecodeError::FrameTooLarge { .. })

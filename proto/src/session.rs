@@ -479,7 +479,7 @@ impl Stream {
         while !data.is_empty() {
             let take = data.len().min(QUANTUM);
             let mut chunk =
-                BytesMut::with_capacity(FrameHeader::LEN + take.max(MIN_CHUNK).min(QUANTUM));
+                BytesMut::with_capacity(FrameHeader::LEN + take.clamp(MIN_CHUNK, QUANTUM));
             chunk.put_bytes(0, FrameHeader::LEN);
             chunk.extend_from_slice(&data[..take]);
             self.chunks.push_back(chunk);
@@ -1759,5 +1759,128 @@ impl Session {
         self.ready_normal.clear();
         self.rx = BytesMut::new();
         self.events.push_back(Event::Closed { error });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connected_client(peer: Settings) -> (Session, Instant) {
+        let now = Instant::now();
+        let mut s = Session::new(Config::new(Role::Client), now);
+        let mut wire = BytesMut::new();
+        Frame::Hello {
+            min_version: 1,
+            max_version: 1,
+        }
+        .encode(&mut wire);
+        Frame::Settings(peer).encode(&mut wire);
+        s.handle_input(now, wire.freeze());
+        while s.poll_transmit(now).is_some() {}
+        (s, now)
+    }
+
+    #[test]
+    fn whole_chunks_are_sent_without_a_copy() {
+        let (mut s, now) = connected_client(Settings::default());
+        let id = s
+            .open_stream(now, 1, Priority::Normal, None, Bytes::new())
+            .expect("open");
+        assert!(s.poll_transmit(now).is_some(), "OPEN");
+        s.write(id, &[7; 1000]).expect("write");
+        let chunk_ptr = s.streams[&id.0].chunks[0].as_ptr() as usize;
+        let frame = s.poll_transmit(now).expect("DATA");
+        assert_eq!(frame.len(), FrameHeader::LEN + 1000);
+        assert_eq!(
+            frame.as_ptr() as usize,
+            chunk_ptr,
+            "the frame is the chunk, header in its headroom"
+        );
+    }
+
+    #[test]
+    fn small_writes_coalesce_and_big_ones_split_at_the_quantum() {
+        let (mut s, now) = connected_client(Settings::default());
+        let id = s
+            .open_stream(now, 1, Priority::Normal, None, Bytes::new())
+            .expect("open");
+        for _ in 0..10 {
+            s.write(id, b"0123456789").expect("write");
+        }
+        assert_eq!(s.streams[&id.0].chunks.len(), 1);
+        s.write(id, &[0; 100_000]).expect("write");
+        let sizes: Vec<usize> = s.streams[&id.0]
+            .chunks
+            .iter()
+            .map(|c| c.len() - FrameHeader::LEN)
+            .collect();
+        assert!(sizes.iter().all(|&n| n <= QUANTUM), "{sizes:?}");
+        assert_eq!(sizes.iter().sum::<usize>(), 100_100);
+    }
+
+    #[test]
+    fn a_chunk_split_by_credit_keeps_its_headroom() {
+        let peer = Settings {
+            initial_stream_window: 300,
+            ..Settings::default()
+        };
+        let (mut s, now) = connected_client(peer);
+        let id = s
+            .open_stream(now, 1, Priority::Normal, None, Bytes::new())
+            .expect("open");
+        assert!(s.poll_transmit(now).is_some(), "OPEN");
+        let data: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        s.write(id, &data).expect("write");
+        s.finish(id).expect("finish");
+        let mut wire = s.poll_transmit(now).expect("first 300 bytes");
+        assert_eq!(s.poll_transmit(now), None, "out of stream credit");
+        let mut wu = BytesMut::new();
+        Frame::WindowUpdate {
+            stream: id,
+            increment: 700,
+        }
+        .encode(&mut wu);
+        s.handle_input(now, wu.freeze());
+        let chunk_ptr = s.streams[&id.0].chunks[0].as_ptr() as usize;
+        let rest = s.poll_transmit(now).expect("rest");
+        assert_eq!(
+            rest.as_ptr() as usize,
+            chunk_ptr,
+            "the remainder went out without a copy"
+        );
+        let mut got = Vec::new();
+        let mut fin = false;
+        for mut bytes in [wire.split_off(0), rest] {
+            while let Some(Frame::Data {
+                payload, fin: f, ..
+            }) = Frame::decode(&mut bytes, 1 << 20).expect("decode")
+            {
+                got.extend_from_slice(&payload);
+                fin = f;
+            }
+        }
+        assert_eq!(got, data);
+        assert!(fin);
+    }
+
+    #[test]
+    fn frames_respect_the_peer_max_frame_size() {
+        let peer = Settings {
+            max_frame_size: MIN_MAX_FRAME_SIZE,
+            ..Settings::default()
+        };
+        let (mut s, now) = connected_client(peer);
+        let id = s
+            .open_stream(now, 1, Priority::Normal, None, Bytes::new())
+            .expect("open");
+        s.write(id, &[1; 200_000]).expect("write");
+        while let Some(mut chunk) = s.poll_transmit(now) {
+            while let Some(f) =
+                Frame::decode(&mut chunk, MIN_MAX_FRAME_SIZE).expect("within the peer's limit")
+            {
+                assert!(f.encoded_len() - FrameHeader::LEN <= MIN_MAX_FRAME_SIZE as usize);
+            }
+        }
     }
 }
