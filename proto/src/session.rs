@@ -324,6 +324,11 @@ const RAPID_RESET_WINDOW: Duration = Duration::from_secs(10);
 const TOMBSTONES: usize = 256;
 /// Soft limit of one control batch; the rest goes in the next chunk (still before any data).
 const CONTROL_BATCH: usize = 64 * 1024;
+/// Received payloads smaller than this are copied (and coalesced) rather than kept as slices of the input.
+const MIN_ZERO_COPY: usize = 512;
+/// A received payload is kept as a slice only if it is at least 1/`PIN_RATIO` of the input chunk it came in,
+/// so that buffered slices never pin more than `PIN_RATIO` times their size.
+const PIN_RATIO: usize = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -385,8 +390,10 @@ struct Stream {
     want_writable: bool,
     /// In a ready queue.
     queued: bool,
-    /// Received data not yet read.
+    /// Received data not yet read: zero-copy slices of the input, then `recv_tail`.
     recv: VecDeque<Bytes>,
+    /// Small payloads, copied and coalesced (see [`MIN_ZERO_COPY`]).
+    recv_tail: BytesMut,
     recv_buffered: usize,
     /// Credit the peer still has for this stream.
     recv_window: u32,
@@ -418,6 +425,7 @@ impl Stream {
             want_writable: false,
             queued: false,
             recv: VecDeque::new(),
+            recv_tail: BytesMut::new(),
             recv_buffered: 0,
             recv_window,
             recv_unacked: 0,
@@ -441,6 +449,21 @@ impl Stream {
         } else {
             self.send_window > 0
         }
+    }
+
+    /// Buffers a received payload. Large payloads stay slices of the input (no copy); small ones, or ones
+    /// that would pin a much larger input buffer, are copied into a coalescing tail, so that memory held is
+    /// bounded by the bytes buffered and never by how the peer cut its frames.
+    fn receive(&mut self, payload: Bytes, input_len: usize) {
+        self.recv_buffered += payload.len();
+        if payload.len() < MIN_ZERO_COPY || payload.len().saturating_mul(PIN_RATIO) < input_len {
+            self.recv_tail.extend_from_slice(&payload);
+            return;
+        }
+        if !self.recv_tail.is_empty() {
+            self.recv.push_back(self.recv_tail.split().freeze());
+        }
+        self.recv.push_back(payload);
     }
 
     fn is_done(&self) -> bool {
@@ -566,6 +589,15 @@ fn reason_bytes(reason: &str) -> Bytes {
     Bytes::copy_from_slice(&reason.as_bytes()[..end])
 }
 
+/// Metadata that would pin a much larger input buffer while it waits in an event is copied.
+fn unpin(bytes: Bytes, input_len: usize) -> Bytes {
+    if bytes.len().saturating_mul(PIN_RATIO) < input_len {
+        Bytes::copy_from_slice(&bytes)
+    } else {
+        bytes
+    }
+}
+
 fn len_u32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
@@ -684,11 +716,12 @@ impl Session {
     }
 
     fn decode_frames(&mut self, now: Instant, buf: &mut Bytes) {
+        let input_len = buf.len();
         while self.phase != Phase::Closed {
             match Frame::decode(buf, self.config.max_frame_size) {
                 Ok(Some(frame)) => {
                     self.stats.frames_in += 1;
-                    self.handle_frame(now, frame);
+                    self.handle_frame(now, frame, input_len);
                 }
                 Ok(None) => return,
                 Err(e) => {
@@ -715,7 +748,8 @@ impl Session {
             .saturating_add(4096)
     }
 
-    fn handle_frame(&mut self, now: Instant, frame: Frame) {
+    /// `input_len` is the size of the input chunk the frame was decoded from (see [`Stream::receive`]).
+    fn handle_frame(&mut self, now: Instant, frame: Frame, input_len: usize) {
         if self.phase == Phase::Handshaking {
             match (self.version.is_some(), frame) {
                 (
@@ -741,9 +775,12 @@ impl Session {
                 deadline_ms,
                 metadata,
             } => {
+                let metadata = unpin(metadata, input_len);
                 self.on_open(now, stream.0, kind, priority, deadline_ms, metadata);
             }
-            Frame::Accept { stream, metadata } => self.on_accept(stream.0, metadata),
+            Frame::Accept { stream, metadata } => {
+                self.on_accept(stream.0, unpin(metadata, input_len))
+            }
             Frame::Refuse {
                 stream,
                 code,
@@ -753,7 +790,7 @@ impl Session {
                 stream,
                 fin,
                 payload,
-            } => self.on_data(stream.0, fin, payload),
+            } => self.on_data(stream.0, fin, payload, input_len),
             Frame::WindowUpdate { stream, increment } => self.on_window_update(stream.0, increment),
             Frame::Reset { stream, code } => self.on_reset(now, stream.0, code),
             Frame::Ping { ack, data } => self.on_ping(now, ack, data),
@@ -950,7 +987,7 @@ impl Session {
         });
     }
 
-    fn on_data(&mut self, id: u32, fin: bool, payload: Bytes) {
+    fn on_data(&mut self, id: u32, fin: bool, payload: Bytes, input_len: usize) {
         let len = len_u32(payload.len());
         if len > self.conn_recv_window {
             return self.fatal(
@@ -972,8 +1009,7 @@ impl Session {
         }
         s.recv_window -= len;
         if len > 0 {
-            s.recv_buffered += payload.len();
-            s.recv.push_back(payload);
+            s.receive(payload, input_len);
         }
         if fin {
             s.recv_half = RecvHalf::FinReceived;
@@ -1447,6 +1483,7 @@ impl Session {
         });
         self.schedule(id.0);
         self.maybe_forget(id.0);
+        self.after_op();
         Ok(())
     }
 
@@ -1530,6 +1567,10 @@ impl Session {
             Err(StreamError::Finished) => return Ok(ReadResult::Finished),
             other => other?,
         };
+        if s.recv.is_empty() && !s.recv_tail.is_empty() {
+            let tail = s.recv_tail.split().freeze();
+            s.recv.push_back(tail);
+        }
         let Some(front) = s.recv.front_mut() else {
             if s.recv_half == RecvHalf::Open {
                 s.readable_notified = false;

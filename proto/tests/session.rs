@@ -1024,6 +1024,68 @@ fn received_payloads_share_the_input_buffer() {
 }
 
 #[test]
+fn tiny_frames_are_coalesced_not_pinned() {
+    let mut raw = Raw::connected(config(Role::Server));
+    raw.feed(&[Frame::Open {
+        stream: StreamId(1),
+        kind: 1,
+        priority: 1,
+        deadline_ms: 0,
+        metadata: Bytes::new(),
+    }]);
+    // 10 000 one-byte DATA frames in one input.
+    let mut wire = bytes::BytesMut::new();
+    for i in 0..10_000u32 {
+        Frame::Data {
+            stream: StreamId(1),
+            fin: false,
+            payload: Bytes::from(vec![i as u8]),
+        }
+        .encode(&mut wire);
+    }
+    raw.feed_bytes(wire.freeze());
+    // Then a 1000-byte DATA frame inside a much larger input: copied rather than pinning the input.
+    let mut wire = bytes::BytesMut::new();
+    Frame::Data {
+        stream: StreamId(1),
+        fin: false,
+        payload: Bytes::from(vec![9; 1000]),
+    }
+    .encode(&mut wire);
+    for _ in 0..1000 {
+        Frame::WindowUpdate {
+            stream: StreamId(0),
+            increment: 1,
+        }
+        .encode(&mut wire);
+    }
+    let big = wire.freeze();
+    let range = big.as_ptr() as usize..big.as_ptr() as usize + big.len();
+    raw.feed_bytes(big);
+    assert!(raw.closed().is_none());
+    let mut segments = Vec::new();
+    while let Ok(ReadResult::Data(d)) = raw.session.read(StreamId(1), usize::MAX) {
+        segments.push(d);
+    }
+    assert_eq!(segments.iter().map(Bytes::len).sum::<usize>(), 11_000);
+    assert!(
+        segments.len() <= 2,
+        "{} segments for 10 001 frames",
+        segments.len()
+    );
+    assert!(
+        segments
+            .iter()
+            .all(|d| !range.contains(&(d.as_ptr() as usize)))
+    );
+    let expected: Vec<u8> = (0..10_000u32)
+        .map(|i| i as u8)
+        .chain(std::iter::repeat_n(9, 1000))
+        .collect();
+    assert_eq!(segments.concat(), expected);
+}
+
+#[test]
 fn chunked_input_one_byte_at_a_time() {
     let mut pair = Pair::connected();
     pair.split = Some((Rng::new(3), 1));
