@@ -1161,3 +1161,58 @@ impl<T: Transport> Drop for Driver<T> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>(_: &T) {}
+    fn assert_send<T: Send>(_: &T) {}
+
+    #[test]
+    fn handles_and_futures_can_move_between_tasks() -> anyhow::Result<()> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let _guard = runtime.enter();
+        let (io, _peer) = tokio::io::duplex(1024);
+        let conn = crate::ws::accept_upgraded(io, SessionConfig::new(tether_proto::Role::Server));
+        assert_send_sync(&conn);
+        assert_send(&conn.accept());
+        assert_send(&conn.closed());
+        let stream = conn.open(OpenOptions {
+            kind: crate::kind::HTTP,
+            priority: Priority::Normal,
+            deadline: None,
+            metadata: Bytes::new(),
+        })?;
+        assert_send_sync(&stream);
+        let control = stream.control();
+        assert_send_sync(&control);
+        assert_send(&control.accepted());
+        Ok(())
+    }
+
+    #[test]
+    fn retryable_errors() {
+        assert!(TunnelError::TooManyStreams.is_retryable());
+        assert!(TunnelError::Closed("gone".to_owned()).is_retryable());
+        assert!(TunnelError::Reset(code::SHUTDOWN).is_retryable());
+        assert!(
+            TunnelError::Refused {
+                code: code::SHUTDOWN,
+                reason: String::new()
+            }
+            .is_retryable()
+        );
+        assert!(!TunnelError::Reset(code::CANCEL).is_retryable());
+        assert!(
+            !TunnelError::Refused {
+                code: code::REFUSED,
+                reason: String::new()
+            }
+            .is_retryable()
+        );
+        assert!(!TunnelError::TimedOut(Duration::from_secs(1)).is_retryable());
+    }
+}

@@ -11,7 +11,7 @@ use common::{
     ServerOptions, accept, echo, open_options, pair, pair_with, pattern, round_trip,
     spawn_echo_server, tunnel_error, within,
 };
-use tether_tunnel::{Priority, Role, SessionConfig, TunnelError, code, kind};
+use tether_tunnel::{ConnectionError, Priority, Role, SessionConfig, TunnelError, code, kind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]
@@ -460,5 +460,94 @@ async fn small_windows_still_move_large_data() -> anyhow::Result<()> {
     let data = pattern(1024 * 1024, 3);
     let stream = p.client.open(open_options("small windows"))?;
     assert!(within("echo", round_trip(stream, data.clone())).await?? == data);
+    Ok(())
+}
+
+#[tokio::test]
+async fn close_fails_every_stream_on_both_sides() -> anyhow::Result<()> {
+    let p = pair().await?;
+    let mut stream = p.client.open(open_options("doomed"))?;
+    stream.write_all(b"x").await?;
+    let mut served = within("accept", accept(&p.server)).await??;
+    let mut one = [0u8; 1];
+    served.read_exact(&mut one).await?;
+
+    p.client
+        .close(code::INTERNAL_ERROR, "agent crashed politely");
+    let err = stream
+        .read(&mut one)
+        .await
+        .err()
+        .context("local read after close")?;
+    assert!(
+        matches!(tunnel_error(&err), Some(TunnelError::Closed(_))),
+        "{err:?}"
+    );
+    let err = within("peer read", served.read(&mut one))
+        .await?
+        .err()
+        .context("peer read after close")?;
+    assert!(
+        matches!(tunnel_error(&err), Some(TunnelError::Closed(_))),
+        "{err:?}"
+    );
+    let end = within("server closed", p.server.closed()).await?;
+    assert!(
+        matches!(&end.error, Some(ConnectionError::ClosedByPeer { code, reason }) if *code == code::INTERNAL_ERROR && reason == "agent crashed politely"),
+        "{:?}",
+        end.error
+    );
+    let end = within("client closed", p.client.closed()).await?;
+    assert!(
+        matches!(end.error, Some(ConnectionError::ClosedLocally { .. })),
+        "{:?}",
+        end.error
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn too_many_streams_is_retryable() -> anyhow::Result<()> {
+    let mut server = ServerOptions::new();
+    server.config.max_concurrent_streams = 2;
+    let p = pair_with(SessionConfig::new(Role::Client), server).await?;
+    let first = p.client.open(open_options("1"))?;
+    let second = p.client.open(open_options("2"))?;
+    let _a = within("accept", accept(&p.server)).await??;
+    let _b = within("accept", accept(&p.server)).await??;
+    within("accepted", first.control().accepted()).await??;
+    within("accepted", second.control().accepted()).await??;
+    let err = p
+        .client
+        .open(open_options("3"))
+        .err()
+        .context("a third stream was allowed")?;
+    assert!(matches!(err, TunnelError::TooManyStreams), "{err:?}");
+    assert!(err.is_retryable());
+    // Finishing one makes room again.
+    drop(first);
+    within("room for a stream", async {
+        loop {
+            match p.client.open(open_options("3 again")) {
+                Ok(stream) => return stream,
+                Err(_) => tokio::task::yield_now().await,
+            }
+        }
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_connection_stays_up_through_keepalives() -> anyhow::Result<()> {
+    let p = pair().await?;
+    assert!(p.client.rtt().is_none());
+    // Virtual time: several keepalive intervals and idle timeouts pass.
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    assert!(!p.client.is_closed() && !p.server.is_closed());
+    assert!(p.client.rtt().is_some() || p.server.rtt().is_some());
+    let _server = spawn_echo_server(p.server.clone());
+    let stream = p.client.open(open_options("after a quiet spell"))?;
+    assert_eq!(round_trip(stream, b"awake".to_vec()).await?, b"awake");
     Ok(())
 }
