@@ -143,7 +143,7 @@ async fn run_tunnel(shared: &Shared, cluster: &str, version: &str, conn: Connect
     // A delete that ran between authentication and registration must still win.
     if !matches!(shared.store.cluster(cluster).await, Ok(Some(_))) {
         shared.registry.remove_if(cluster, id);
-        conn.close(code::SHUTDOWN, "cluster deleted at the relay");
+        conn.close(code::REFUSED, "cluster deleted at the relay");
         return;
     }
     tracing::info!(cluster, agent_version = version, "agent tunnel connected");

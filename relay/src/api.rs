@@ -104,9 +104,10 @@ async fn delete(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
         return Err(ApiError::cluster_not_found(name));
     }
     if let Some(tunnel) = shared.registry.remove(name) {
+        // Not SHUTDOWN: the agent would take that as a graceful GOAWAY and keep its streams open.
         tunnel
             .conn
-            .close(code::SHUTDOWN, "cluster deleted at the relay");
+            .close(code::REFUSED, "cluster deleted at the relay");
     }
     tracing::info!(cluster = %name, "cluster deleted");
     let mut resp = Response::new(crate::body::empty());

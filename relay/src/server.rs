@@ -138,7 +138,9 @@ pub(crate) async fn serve(
             "requests or tunnels still open after the shutdown grace period; closing them"
         );
         for tunnel in shared.registry.all() {
-            tunnel.conn.close(code::SHUTDOWN, "relay shutting down");
+            tunnel
+                .conn
+                .close(code::CANCEL, "relay shutting down: grace period over");
         }
         hard.cancel();
         let cut = tokio::time::timeout(grace, async {

@@ -37,6 +37,11 @@ impl TestRelay {
     /// Starts a relay with `config`.
     pub async fn start_with(config: Config) -> anyhow::Result<Self> {
         tether_tunnel::tls::install_crypto_provider();
+        // RUST_LOG=debug shows the relay's logs for a failing test.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
         let relay = Relay::new(config).await?;
         let ca_pem = relay.ca_pem().map(str::to_owned).unwrap_or_default();
         let admin_token = relay.admin_token().clone();
@@ -134,7 +139,10 @@ impl Client {
         })
     }
 
-    async fn tls(&self, alpn: &[u8]) -> anyhow::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+    pub async fn raw_tls(
+        &self,
+        alpn: &[u8],
+    ) -> anyhow::Result<tokio_rustls::client::TlsStream<TcpStream>> {
         let mut config = (*self.tls).clone();
         config.alpn_protocols = vec![alpn.to_vec()];
         let tcp = TcpStream::connect(self.addr).await?;
@@ -147,13 +155,13 @@ impl Client {
     /// Sends one request over HTTP/1.1 (`h2 = false`) or HTTP/2 and reads the whole response.
     pub async fn send(&self, h2: bool, req: Request<Full<Bytes>>) -> anyhow::Result<Reply> {
         let resp = if h2 {
-            let io = TokioIo::new(self.tls(b"h2").await?);
+            let io = TokioIo::new(self.raw_tls(b"h2").await?);
             let (mut sender, conn) =
                 hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await?;
             tokio::spawn(conn);
             sender.send_request(req).await?
         } else {
-            let io = TokioIo::new(self.tls(b"http/1.1").await?);
+            let io = TokioIo::new(self.raw_tls(b"http/1.1").await?);
             let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await?;
             tokio::spawn(conn);
             sender.send_request(req).await?
