@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use tether_tunnel::ws::{self, ConnectError};
 use tether_tunnel::{Connection, Incoming, Role, Secret, SessionConfig, code, kind, tls};
-use tokio_util::task::TaskTracker;
+use tokio::task::JoinSet;
 
 use crate::backoff::Reconnect;
 use crate::config::{Config, ConfigError};
@@ -95,6 +95,8 @@ pub async fn run(
     };
     let headers = tunnel_headers(&config.cluster, &credential);
 
+    // Every stream task, across tunnels: a stream of a tunnel the relay is retiring still drains on shutdown.
+    let mut streams = JoinSet::new();
     let mut last_failure: Option<String> = None;
     loop {
         if last_failure.is_none() {
@@ -109,6 +111,7 @@ pub async fn run(
             result = connecting => result,
             () = shutdown.as_mut() => {
                 tracing::info!("shut down while connecting");
+                drain(&mut streams, config.drain_timeout).await;
                 return Ok(());
             }
         };
@@ -117,7 +120,15 @@ pub async fn run(
                 tracing::info!("connected to the relay");
                 last_failure = None;
                 reconnect.connected();
-                match serve(conn, &upstream, &mut shutdown, config.drain_timeout).await {
+                match serve(
+                    conn,
+                    &upstream,
+                    &mut streams,
+                    &mut shutdown,
+                    config.drain_timeout,
+                )
+                .await
+                {
                     Ended::Shutdown => return Ok(()),
                     Ended::Disconnected(reason) => {
                         let delay = reconnect.next_delay();
@@ -144,6 +155,7 @@ pub async fn run(
             () = tokio::time::sleep(failure) => {}
             () = shutdown.as_mut() => {
                 tracing::info!("shut down while waiting to reconnect");
+                drain(&mut streams, config.drain_timeout).await;
                 return Ok(());
             }
         }
@@ -271,20 +283,21 @@ enum Ended {
 async fn serve(
     conn: Connection,
     upstream: &Upstream,
+    streams: &mut JoinSet<()>,
     shutdown: &mut Pin<Box<dyn Future<Output = ()> + Send>>,
     drain_timeout: Duration,
 ) -> Ended {
-    let streams = TaskTracker::new();
     let shutting_down = loop {
         tokio::select! {
             incoming = conn.accept() => match incoming {
-                Some(incoming) => handle_incoming(incoming, upstream, &streams),
+                Some(incoming) => handle_incoming(incoming, upstream, streams),
                 None => break false,
             },
+            // Reap finished streams so the set does not grow.
+            Some(_) = streams.join_next(), if !streams.is_empty() => {}
             () = shutdown.as_mut() => break true,
         }
     };
-    streams.close();
     if !shutting_down {
         // Streams already accepted keep running on the old tunnel while it lasts.
         let reason = if conn.is_closed() {
@@ -300,22 +313,31 @@ async fn serve(
 
     tracing::info!(open_streams = streams.len(), drain_timeout = ?drain_timeout, "shutting down: draining streams");
     conn.go_away(code::SHUTDOWN, "agent shutting down");
-    if tokio::time::timeout(drain_timeout, streams.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            open_streams = streams.len(),
-            "drain timeout reached; closing the tunnel with streams open"
-        );
-    } else {
-        tracing::info!("all streams finished");
-    }
+    drain(streams, drain_timeout).await;
     conn.close(code::NO_ERROR, "agent shut down");
     Ended::Shutdown
 }
 
-fn handle_incoming(incoming: Incoming, upstream: &Upstream, streams: &TaskTracker) {
+/// Waits up to `drain_timeout` for the streams to finish, then cuts the rest.
+async fn drain(streams: &mut JoinSet<()>, drain_timeout: Duration) {
+    if streams.is_empty() {
+        return;
+    }
+    let drained = tokio::time::timeout(drain_timeout, async {
+        while streams.join_next().await.is_some() {}
+    });
+    if drained.await.is_err() {
+        tracing::warn!(
+            open_streams = streams.len(),
+            "drain timeout reached; cutting the remaining streams"
+        );
+        streams.shutdown().await;
+    } else {
+        tracing::info!("all streams finished");
+    }
+}
+
+fn handle_incoming(incoming: Incoming, upstream: &Upstream, streams: &mut JoinSet<()>) {
     if incoming.kind != kind::HTTP {
         tracing::debug!(
             kind = incoming.kind,

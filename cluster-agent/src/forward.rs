@@ -27,7 +27,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio_util::task::TaskTracker;
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -281,13 +280,13 @@ where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let io = SharedIo(Arc::new(Mutex::new(io)));
-    let pipes = TaskTracker::new();
+    let pipe = PipeSlot::default();
     let service = {
-        let pipes = pipes.clone();
+        let pipe = pipe.clone();
         hyper::service::service_fn(move |req| {
             let upstream = upstream.clone();
-            let pipes = pipes.clone();
-            async move { Ok::<_, std::convert::Infallible>(forward(req, &upstream, &pipes).await) }
+            let pipe = pipe.clone();
+            async move { Ok::<_, std::convert::Infallible>(forward(req, &upstream, &pipe).await) }
         })
     };
     let result = hyper::server::conn::http1::Builder::new()
@@ -301,8 +300,12 @@ where
         .serve_connection(TokioIo::new(io.clone()), service)
         .with_upgrades()
         .await;
-    pipes.close();
-    pipes.wait().await;
+    // After a 101 the connection future has handed the stream over; the byte pipe runs here, in this task,
+    // so that cancelling the task (drain timeout) ends the pipe too.
+    let pipe = pipe.0.lock().ok().and_then(|mut slot| slot.take());
+    if let Some(pipe) = pipe {
+        pipe.await;
+    }
     linger(io).await;
     result
 }
@@ -391,11 +394,18 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for SharedIo<IO> {
     }
 }
 
+/// Where the service leaves the byte pipe of an upgraded exchange for [`serve_stream`] to run.
+#[derive(Clone, Default)]
+struct PipeSlot(Arc<Mutex<Option<Pipe>>>);
+
+/// The byte pipe of an upgraded exchange.
+type Pipe = Pin<Box<dyn Future<Output = ()> + Send>>;
+
 /// Forwards one request and builds the response to send back; errors become Kubernetes `Status` responses.
 async fn forward(
     mut req: Request<Incoming>,
     upstream: &Upstream,
-    pipes: &TaskTracker,
+    pipe: &PipeSlot,
 ) -> Response<ResponseBody> {
     if req.method() == Method::CONNECT {
         return status_response(
@@ -447,7 +457,7 @@ async fn forward(
         let mut response = Response::new(Either::Right(Full::new(Bytes::new())));
         *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
         *response.headers_mut() = resp.headers().clone();
-        pipes.spawn(async move {
+        let run_pipe = async move {
             let (down, up) = match tokio::try_join!(downstream, upstream_upgrade) {
                 Ok(pair) => pair,
                 Err(e) => {
@@ -463,7 +473,10 @@ async fn forward(
                 }
                 Err(e) => tracing::debug!(error = %e, "upgraded stream ended with an error"),
             }
-        });
+        };
+        if let Ok(mut slot) = pipe.0.lock() {
+            *slot = Some(Box::pin(run_pipe));
+        }
         return response;
     }
 

@@ -354,12 +354,7 @@ async fn drain_timeout_bounds_shutdown() -> Result<()> {
     agent.finished().await??;
     let mut body = resp.into_body();
     let end = tokio::time::timeout(DEADLINE, async {
-        loop {
-            match body.frame().await {
-                Some(Ok(_)) => continue,
-                Some(Err(_)) | None => break,
-            }
-        }
+        while let Some(Ok(_)) = body.frame().await {}
     })
     .await;
     assert!(
