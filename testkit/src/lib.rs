@@ -1,1 +1,309 @@
-//! placeholder
+//! Test support for Tether: certificates ([`certs`]), a sample Kubernetes apiserver ([`SampleApiserver`], also the
+//! `tether-sample-apiserver` binary and the demo cluster of `tether up`), and a harness for the real `kubectl`
+//! binary ([`kubectl`]).
+//!
+//! The sample apiserver implements the part of the Kubernetes API our tests and the quickstart exercise, the way
+//! kube-apiserver does where real clients (kubectl, kube-rs, python-kubernetes) look: bearer-token authentication,
+//! discovery, namespaces, nodes, pods and configmaps with CRUD, paging, selectors, patches and watches, pod logs,
+//! and exec over WebSocket (`v5.channel.k8s.io` / `v4.channel.k8s.io`). It serves HTTPS only, HTTP/1.1 and h2.
+//!
+//! What it does not do: persistence (everything lives in memory), API groups other than core `v1`, admission,
+//! RBAC (every authenticated request is allowed; see [`auth`] for where authorization goes), protobuf, SPDY
+//! (kubectl ≥ 1.30 uses WebSockets for exec), port-forward and attach. It is test support, never used by the relay
+//! or the agent.
+
+pub mod auth;
+mod body;
+pub mod certs;
+mod exec;
+mod handlers;
+pub mod kubectl;
+mod logs;
+mod openapi;
+mod patch;
+mod protobuf;
+mod resources;
+mod selector;
+mod server;
+mod status;
+mod store;
+mod util;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use auth::User;
+use resources::Resource;
+use server::Shared;
+
+/// Why the sample apiserver (or a testkit helper) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TestkitError {
+    /// Certificate generation or TLS configuration failed.
+    #[error(transparent)]
+    Certs(#[from] certs::CertError),
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file in the state directory could not be written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kubeconfig could not be rendered.
+    #[error("cannot render kubeconfig: {0}")]
+    Kubeconfig(#[from] serde_yaml::Error),
+    /// A kubectl process could not be started or waited for.
+    #[error("kubectl: {0}")]
+    Kubectl(String),
+    /// Something did not happen before its deadline.
+    #[error("timed out: {0}")]
+    Timeout(String),
+}
+
+/// How to start a [`SampleApiserver`].
+#[derive(Debug, Clone)]
+pub struct SampleOptions {
+    /// Where `kubeconfig`, `ca.pem` and `token` are written (created if missing).
+    pub dir: PathBuf,
+    /// The address to listen on; port 0 picks a free port.
+    pub listen: SocketAddr,
+    /// The bearer token of user `admin`; None generates a random one.
+    pub token: Option<String>,
+}
+
+impl SampleOptions {
+    /// Options for a test: `dir`, `127.0.0.1:0`, a random token.
+    pub fn new(dir: impl Into<PathBuf>) -> SampleOptions {
+        SampleOptions {
+            dir: dir.into(),
+            listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            token: None,
+        }
+    }
+}
+
+/// A running sample apiserver. Stops on [`SampleApiserver::shutdown`] or when dropped.
+pub struct SampleApiserver {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    url: String,
+    token: String,
+    ca_pem: String,
+    kubeconfig: PathBuf,
+    shutdown: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl std::fmt::Debug for SampleApiserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SampleApiserver")
+            .field("url", &self.url)
+            .field("token", &"***")
+            .finish_non_exhaustive()
+    }
+}
+
+impl SampleApiserver {
+    /// Generates a CA and a serving certificate (SANs: localhost, 127.0.0.1, ::1 and the listen IP if it is not
+    /// unspecified), binds, serves in background tasks, and writes `DIR/kubeconfig` (server URL, CA data embedded,
+    /// user token), `DIR/ca.pem` and `DIR/token`. Returns when ready to serve.
+    pub async fn start(opts: SampleOptions) -> Result<SampleApiserver, TestkitError> {
+        let ca = certs::Ca::new("tether-sample-apiserver-ca")?;
+        let mut names = vec![
+            "localhost".to_string(),
+            "127.0.0.1".into(),
+            "::1".into(),
+            "kubernetes.default.svc".into(),
+        ];
+        let ip = opts.listen.ip();
+        if !ip.is_unspecified() && !names.contains(&ip.to_string()) {
+            names.push(ip.to_string());
+        }
+        let serving = ca.issue_server(&names)?;
+        let tls = certs::server_config(
+            vec![serving.cert_der(), ca.certified().cert_der()],
+            serving.key_der(),
+        )?;
+
+        let listener = tokio::net::TcpListener::bind(opts.listen)
+            .await
+            .map_err(|source| TestkitError::Bind {
+                addr: opts.listen,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| TestkitError::Bind {
+            addr: opts.listen,
+            source,
+        })?;
+        let url_ip = if ip.is_unspecified() {
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        } else {
+            ip
+        };
+        let url = format!("https://{}", SocketAddr::new(url_ip, addr.port()));
+
+        let token = opts.token.clone().unwrap_or_else(util::random_token);
+        let shutdown = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let shared = Arc::new(Shared::new(addr, shutdown.clone(), tracker.clone()));
+        shared
+            .tokens
+            .add(&token, auth::user("admin", &["system:masters"]));
+
+        let kubeconfig = write_state(&opts.dir, &url, ca.cert_pem(), &token)?;
+        tracker.spawn(server::accept_loop(
+            listener,
+            tokio_rustls::TlsAcceptor::from(tls),
+            shared.clone(),
+        ));
+        tracing::info!(%url, dir = %opts.dir.display(), "sample apiserver listening");
+        Ok(SampleApiserver {
+            shared,
+            addr,
+            url,
+            token,
+            ca_pem: ca.cert_pem().to_string(),
+            kubeconfig,
+            shutdown,
+            tracker,
+        })
+    }
+
+    /// The bound address (port 0 resolved).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `https://IP:PORT`: the listen IP, or 127.0.0.1 when listening on an unspecified address.
+    pub fn url(&self) -> String {
+        self.url.clone()
+    }
+
+    /// The bearer token of user `admin` (groups `system:masters`, `system:authenticated`).
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// The CA certificate (PEM) that signed the serving certificate.
+    pub fn ca_pem(&self) -> &str {
+        &self.ca_pem
+    }
+
+    /// `DIR/kubeconfig`.
+    pub fn kubeconfig_path(&self) -> PathBuf {
+        self.kubeconfig.clone()
+    }
+
+    /// Adds an identity: requests with bearer `token` act as `user` in `groups` (plus `system:authenticated`).
+    pub fn add_token(&self, token: &str, user: &str, groups: &[&str]) {
+        self.shared.tokens.add(token, auth::user(user, groups));
+    }
+
+    /// Creates `count` configmaps named `{prefix}{i}` (i from 0) in `namespace` directly in the store (creating
+    /// the namespace if needed); fast seeding for list and paging tests. Existing names are left alone.
+    pub fn create_configmaps(&self, namespace: &str, prefix: &str, count: usize) {
+        let store = &self.shared.store;
+        if !store.exists(Resource::Namespaces, "", namespace) {
+            let ns =
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}});
+            if let Err(e) = handlers::create_object(store, Resource::Namespaces, ns) {
+                tracing::warn!(namespace, error = %e.message, "cannot create namespace for seeding");
+                return;
+            }
+        }
+        for i in 0..count {
+            let cm = json!({
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": format!("{prefix}{i}"), "namespace": namespace, "labels": {"seeded": "true"}},
+                "data": {"index": i.to_string()},
+            });
+            match handlers::create_object(store, Resource::ConfigMaps, cm) {
+                Ok(_) => {}
+                Err(e) if e.reason == "AlreadyExists" => {}
+                Err(e) => {
+                    tracing::warn!(namespace, error = %e.message, "cannot seed configmap");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// How many requests reached the server (authenticated or not).
+    pub fn requests_seen(&self) -> u64 {
+        self.shared
+            .requests
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Stops accepting, ends every connection and stream, and waits for the background tasks.
+    pub async fn shutdown(self) {
+        self.shutdown.cancel();
+        self.tracker.close();
+        self.tracker.wait().await;
+        tracing::info!(url = %self.url, "sample apiserver stopped");
+    }
+}
+
+impl Drop for SampleApiserver {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Writes `ca.pem`, `token` and `kubeconfig` into `dir`; returns the kubeconfig path.
+fn write_state(
+    dir: &std::path::Path,
+    url: &str,
+    ca_pem: &str,
+    token: &str,
+) -> Result<PathBuf, TestkitError> {
+    use base64::Engine as _;
+    std::fs::create_dir_all(dir).map_err(|source| TestkitError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let kubeconfig = json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "tether-sample", "cluster": {
+            "server": url,
+            "certificate-authority-data": base64::engine::general_purpose::STANDARD.encode(ca_pem),
+        }}],
+        "users": [{"name": "admin", "user": {"token": token}}],
+        "contexts": [{"name": "tether-sample", "context": {"cluster": "tether-sample", "user": "admin", "namespace": "default"}}],
+        "current-context": "tether-sample",
+        "preferences": {},
+    });
+    let text = serde_yaml::to_string(&kubeconfig)?;
+    let write = |name: &str, bytes: &[u8]| -> Result<PathBuf, TestkitError> {
+        let path = dir.join(name);
+        certs::write_private(&path, bytes).map_err(|e| match e {
+            certs::CertError::Io { source, .. } => TestkitError::Write {
+                path: path.clone(),
+                source,
+            },
+            other => TestkitError::Certs(other),
+        })?;
+        Ok(path)
+    };
+    write("ca.pem", ca_pem.as_bytes())?;
+    write("token", format!("{token}\n").as_bytes())?;
+    write("kubeconfig", text.as_bytes())
+}

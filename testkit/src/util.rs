@@ -1,0 +1,186 @@
+//! Small helpers: ids, timestamps, durations the way kubectl prints them, query strings.
+
+use std::time::Duration;
+
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+/// A random RFC 4122 version 4 UUID, as Kubernetes uses for `metadata.uid`.
+pub(crate) fn uid() -> String {
+    let mut b: [u8; 16] = rand::random();
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h = hex(&b);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+/// A random token of 32 hex characters.
+pub(crate) fn random_token() -> String {
+    hex(&rand::random::<[u8; 16]>())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Five characters from the alphabet Kubernetes uses for `generateName` suffixes.
+pub(crate) fn name_suffix() -> String {
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    (0..5)
+        .map(|_| ALPHABET[rand::random_range(0..ALPHABET.len())] as char)
+        .collect()
+}
+
+/// `t` as RFC 3339 with second precision (`metav1.Time`).
+pub(crate) fn timestamp(t: OffsetDateTime) -> String {
+    let t = t
+        .replace_nanosecond(0)
+        .unwrap_or(t)
+        .to_offset(time::UtcOffset::UTC);
+    t.format(&Rfc3339).unwrap_or_default()
+}
+
+/// `t` as RFC 3339 with nanoseconds (`time.RFC3339Nano`, as in log timestamps).
+pub(crate) fn timestamp_nanos(t: OffsetDateTime) -> String {
+    t.to_offset(time::UtcOffset::UTC)
+        .format(&Rfc3339)
+        .unwrap_or_default()
+}
+
+/// Parses an RFC 3339 timestamp.
+pub(crate) fn parse_timestamp(s: &str) -> Option<OffsetDateTime> {
+    OffsetDateTime::parse(s, &Rfc3339).ok()
+}
+
+/// A duration the way kube-apiserver's tables print ages (`duration.HumanDuration`).
+pub(crate) fn human_duration(d: Duration) -> String {
+    let seconds = d.as_secs();
+    if seconds < 120 {
+        return format!("{seconds}s");
+    }
+    let minutes = seconds / 60;
+    if minutes < 10 {
+        let s = seconds % 60;
+        return if s == 0 {
+            format!("{minutes}m")
+        } else {
+            format!("{minutes}m{s}s")
+        };
+    }
+    if minutes < 180 {
+        return format!("{minutes}m");
+    }
+    let hours = minutes / 60;
+    if hours < 8 {
+        let m = minutes % 60;
+        return if m == 0 {
+            format!("{hours}h")
+        } else {
+            format!("{hours}h{m}m")
+        };
+    }
+    if hours < 48 {
+        return format!("{hours}h");
+    }
+    if hours < 24 * 8 {
+        let h = hours % 24;
+        return if h == 0 {
+            format!("{}d", hours / 24)
+        } else {
+            format!("{}d{h}h", hours / 24)
+        };
+    }
+    if hours < 24 * 365 * 2 {
+        return format!("{}d", hours / 24);
+    }
+    if hours < 24 * 365 * 8 {
+        let days = (hours / 24) % 365;
+        return if days == 0 {
+            format!("{}y", hours / 24 / 365)
+        } else {
+            format!("{}y{days}d", hours / 24 / 365)
+        };
+    }
+    format!("{}y", hours / 24 / 365)
+}
+
+/// The age of an object whose creation timestamp is `created` (RFC 3339), as a table cell.
+pub(crate) fn age(created: Option<&str>) -> String {
+    let Some(created) = created.and_then(parse_timestamp) else {
+        return "<unknown>".into();
+    };
+    let elapsed = OffsetDateTime::now_utc() - created;
+    if elapsed.whole_seconds() < -1 {
+        return "<invalid>".into();
+    }
+    human_duration(Duration::from_secs(
+        u64::try_from(elapsed.whole_seconds()).unwrap_or(0),
+    ))
+}
+
+/// Decoded `key=value` pairs of a query string, in order, repeated keys kept.
+pub(crate) fn query_pairs(query: Option<&str>) -> Vec<(String, String)> {
+    url::form_urlencoded::parse(query.unwrap_or("").as_bytes())
+        .into_owned()
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_durations_match_kubectl() {
+        let cases = [
+            (0, "0s"),
+            (119, "119s"),
+            (120, "2m"),
+            (125, "2m5s"),
+            (600, "10m"),
+            (3 * 3600, "3h"),
+            (3 * 3600 + 60, "3h1m"),
+            (30 * 3600, "30h"),
+            (3 * 86400 + 3600, "3d1h"),
+            (100 * 86400, "100d"),
+            (3 * 365 * 86400, "3y"),
+        ];
+        for (secs, want) in cases {
+            assert_eq!(human_duration(Duration::from_secs(secs)), want, "{secs}s");
+        }
+    }
+
+    #[test]
+    fn uids_look_like_v4_uuids() {
+        let u = uid();
+        assert_eq!(u.len(), 36);
+        assert_eq!(u.as_bytes()[14], b'4');
+        assert_ne!(u, uid());
+    }
+
+    #[test]
+    fn timestamps_round_trip() {
+        let now = OffsetDateTime::now_utc();
+        let text = timestamp(now);
+        assert!(text.ends_with('Z') && !text.contains('.'), "{text}");
+        assert_eq!(
+            parse_timestamp(&text).map(|t| t.unix_timestamp()),
+            Some(now.unix_timestamp())
+        );
+        assert_eq!(age(Some(&text)), "0s");
+        assert_eq!(age(None), "<unknown>");
+    }
+
+    #[test]
+    fn query_pairs_keep_repeats() {
+        let pairs = query_pairs(Some("command=sh&command=-c&command=exit%203&tty=false"));
+        assert_eq!(pairs.len(), 4);
+        assert_eq!(pairs[2], ("command".to_string(), "exit 3".to_string()));
+    }
+}
