@@ -327,14 +327,24 @@ impl State {
                     None => tracing::debug!("tunnel session closed"),
                     Some(e) => tracing::debug!(error = %e, "tunnel session closed with an error"),
                 }
-                let info = CloseInfo { error };
-                let reason = close_reason(&Some(info.clone()));
-                self.closed = Some(info);
-                self.incoming.clear();
-                for slot in self.streams.values_mut() {
-                    slot.fail(TunnelError::Closed(reason.clone()));
-                }
+                self.closed = Some(CloseInfo { error });
+                self.fail_dead_streams();
                 notify.notify_waiters();
+            }
+        }
+    }
+
+    /// Once the session is closed, fails every stream it no longer knows. Streams whose data all arrived
+    /// (the peer finished) are kept by the session and stay readable to the end.
+    fn fail_dead_streams(&mut self) {
+        self.incoming.clear();
+        let reason = close_reason(&self.closed);
+        let session = &self.session;
+        for (id, slot) in self.streams.iter_mut() {
+            if session.stream_state(*id).is_none() {
+                slot.fail(TunnelError::Closed(reason.clone()));
+            } else {
+                slot.wake();
             }
         }
     }
@@ -719,7 +729,8 @@ impl Drop for Stream {
             .streams
             .get(&self.inner.id)
             .is_some_and(|s| s.failed.is_some());
-        if !already_failed && st.closed.is_none() {
+        if !already_failed {
+            // After a close this only frees data the session kept for us; nothing is sent.
             st.session.reset(self.inner.id, code::CANCEL);
             st.wake_driver();
         }
@@ -857,6 +868,10 @@ impl AsyncWrite for Stream {
             return Poll::Ready(Err(e.clone().into()));
         }
         match st.session.write(id, buf) {
+            // We did not finish it: the session did, as the connection ended.
+            Err(StreamError::Finished) => {
+                Poll::Ready(Err(TunnelError::Closed(close_reason(&st.closed)).into()))
+            }
             Ok(0) => {
                 set_waker(&mut slot.write_waker, cx);
                 Poll::Pending
@@ -917,12 +932,6 @@ struct Driver<T: Transport> {
     timer_armed: Option<Instant>,
     /// The transport said the peer is gone; nothing more to read.
     input_done: bool,
-    /// The peer went away gracefully and closed the transport, but streams here may still hold data the
-    /// application has not read: the session keeps serving reads without a transport (output is
-    /// discarded) and is told the transport is gone once no stream is left, or its idle timeout ends it.
-    detached: bool,
-    /// [`Transport::poll_close`] completed.
-    transport_closed: bool,
     /// A session chunk, or the rest of one larger than the transport's message limit, waiting for the sink.
     pending: Option<Bytes>,
     /// Chunks were queued since the last flush.
@@ -940,8 +949,6 @@ impl<T: Transport> Driver<T> {
             timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
             timer_armed: None,
             input_done: false,
-            detached: false,
-            transport_closed: false,
             pending: None,
             unflushed: false,
             violation: None,
@@ -961,16 +968,7 @@ impl<T: Transport> Driver<T> {
             Recv::Data(bytes) => st.session.handle_input(now(), bytes),
             Recv::Closed => {
                 self.input_done = true;
-                while let Some(event) = st.session.poll_event() {
-                    st.handle_event(event, &self.shared.notify);
-                }
-                if st.peer_going_away && st.closed.is_none() {
-                    // An orderly close after the peer's GOAWAY: everything it sent has arrived, but telling
-                    // the session now would fail streams whose data is still unread.
-                    self.detached = true;
-                } else {
-                    st.session.handle_transport_closed();
-                }
+                st.session.handle_transport_closed();
             }
             Recv::Failed(reason) => {
                 tracing::debug!(%reason, "tunnel transport failed");
@@ -990,15 +988,6 @@ impl<T: Transport> Driver<T> {
     /// Sends what the session has while the transport takes it (never pulling more from the session while
     /// the transport is not ready), then flushes. A transport failure is reported to the session.
     fn poll_output(&mut self, cx: &mut Context<'_>) {
-        if self.detached {
-            self.pending = None;
-            let mut st = self.shared.lock();
-            while st.session.poll_transmit(now()).is_some() {}
-            if st.session.stats().open_streams == 0 && st.closed.is_none() {
-                st.session.handle_transport_closed();
-            }
-            return;
-        }
         loop {
             match self.transport.poll_ready(cx) {
                 Poll::Pending => return,
@@ -1092,11 +1081,7 @@ impl<T: Transport> Driver<T> {
                 error: Some(ConnectionError::TransportClosed),
             });
         }
-        let reason = close_reason(&st.closed);
-        for slot in st.streams.values_mut() {
-            slot.fail(TunnelError::Closed(reason.clone()));
-        }
-        st.incoming.clear();
+        st.fail_dead_streams();
         drop(st);
         self.shared.notify.notify_waiters();
     }
@@ -1121,9 +1106,6 @@ impl<T: Transport> Future for Driver<T> {
                     break;
                 }
                 this.poll_output(cx);
-                if this.detached && !this.transport_closed {
-                    this.transport_closed = this.transport.poll_close(cx, None).is_ready();
-                }
                 // Output may have failed the transport, and stream operations may have queued events.
                 progress |= this.poll_session(cx);
                 if this.phase != Phase::Running || !progress {
