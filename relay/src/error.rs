@@ -212,13 +212,13 @@ impl ApiError {
     pub(crate) fn into_response(self) -> Response<Body> {
         match self.origin {
             Origin::Client => {
-                tracing::debug!(status = %self.status, message = %self.message, "request refused")
+                tracing::debug!(status = %self.status, error = %self.message, "request refused")
             }
             Origin::Tunnel => {
-                tracing::info!(status = %self.status, message = %self.message, "request failed on the tunnel side")
+                tracing::info!(status = %self.status, error = %self.message, "request failed on the tunnel side")
             }
             Origin::Internal => {
-                tracing::warn!(status = %self.status, message = %self.message, "request failed inside the relay")
+                tracing::warn!(status = %self.status, error = %self.message, "request failed inside the relay")
             }
         }
         let mut details = serde_json::Map::new();

@@ -125,19 +125,38 @@ async fn shutdown_signal() {
     tracing::info!("shutdown signal received");
 }
 
-async fn run(args: Args, config: tether_relay::Config) -> anyhow::Result<()> {
-    let relay = tether_relay::Relay::new(config)
-        .await
-        .context("cannot start the relay")?;
-    if let Some(ca) = relay.ca_pem() {
-        tracing::info!(ca = %args.data_dir.join("ca.pem").display(), "serving a generated certificate; agents and kubectl must trust this CA");
-        let _ = ca;
+/// Why the relay stopped: configuration problems exit 64 (EX_USAGE), the rest 1.
+enum Failure {
+    Config(anyhow::Error),
+    Runtime(anyhow::Error),
+}
+
+async fn run(args: Args, config: tether_relay::Config) -> Result<(), Failure> {
+    let relay = match tether_relay::Relay::new(config).await {
+        Ok(relay) => relay,
+        Err(e @ (tether_relay::RelayError::Config(_) | tether_relay::RelayError::Tls(_))) => {
+            return Err(Failure::Config(e.into()));
+        }
+        Err(e) => {
+            return Err(Failure::Runtime(
+                anyhow::Error::new(e).context("cannot start the relay"),
+            ));
+        }
+    };
+    if relay.ca_pem().is_some() {
+        tracing::info!(
+            ca = %args.data_dir.join("ca.pem").display(),
+            "serving a generated certificate; agents and kubectl must trust this CA"
+        );
     }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    relay.serve(listener, shutdown_signal()).await?;
-    Ok(())
+        .with_context(|| format!("cannot listen on {}", args.listen))
+        .map_err(Failure::Runtime)?;
+    relay
+        .serve(listener, shutdown_signal())
+        .await
+        .map_err(|e| Failure::Runtime(e.into()))
 }
 
 fn main() -> ExitCode {
@@ -158,7 +177,11 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(args, config)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        Err(Failure::Config(e)) => {
+            eprintln!("tether-relay: invalid configuration: {e:#}");
+            ExitCode::from(64)
+        }
+        Err(Failure::Runtime(e)) => {
             tracing::error!("{e:#}");
             eprintln!("tether-relay: {e:#}");
             ExitCode::FAILURE

@@ -556,3 +556,38 @@ async fn agent_tunnel_is_authenticated_before_upgrading() -> anyhow::Result<()> 
     client.send(false, req).await?.status_message(400)?;
     relay.stop().await
 }
+
+#[tokio::test]
+async fn oversized_request_heads_are_refused() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let relay = TestRelay::start(dir.path()).await?;
+    let client = relay.client()?;
+    let req = client
+        .request(false, Method::GET, "/clusters/any/api")
+        .header(http::header::AUTHORIZATION, "Bearer t")
+        .header("x-padding", "p".repeat(100 * 1024))
+        .body(Full::default())?;
+    let reply = client.send(false, req).await?;
+    assert_eq!(reply.status, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    // The relay is still serving.
+    assert_eq!(client.get("/healthz", None).await?.status, StatusCode::OK);
+    relay.stop().await
+}
+
+#[test]
+fn binary_exits_64_on_an_unreadable_certificate() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tether-relay"))
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .args(["--listen", "127.0.0.1:0", "--tls-cert"])
+        .arg(dir.path().join("missing.pem"))
+        .arg("--tls-key")
+        .arg(dir.path().join("missing-key.pem"))
+        .env_remove("RUST_LOG")
+        .output()?;
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("missing.pem"), "{stderr}");
+    Ok(())
+}
