@@ -1,0 +1,327 @@
+//! The real kubectl against the sample apiserver.
+
+mod support;
+
+use anyhow::{Context as _, ensure};
+use serde_json::Value;
+use support::{DEADLINE, start};
+use tether_testkit::kubectl::Kubectl;
+
+fn kubectl(fixture: &support::Fixture) -> anyhow::Result<Kubectl> {
+    Ok(Kubectl::new(&fixture.server.kubeconfig_path())?)
+}
+
+#[tokio::test]
+async fn version_reports_the_sample_server() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let out = kubectl(&fx)?.run(&["version", "-o", "json"]).await?;
+    ensure!(out.success(), "{out}");
+    let v: Value = serde_json::from_str(&out.stdout)?;
+    assert_eq!(v["serverVersion"]["gitVersion"], "v1.33.0-tether-sample");
+    assert_eq!(v["serverVersion"]["minor"], "33");
+    Ok(())
+}
+
+#[tokio::test]
+async fn get_namespaces_lists_the_seeded_ones() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let out = kubectl(&fx)?
+        .run(&["get", "namespaces", "-o", "name"])
+        .await?;
+    ensure!(out.success(), "{out}");
+    let names: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(
+        names,
+        [
+            "namespace/default",
+            "namespace/kube-public",
+            "namespace/kube-system"
+        ]
+    );
+    // The human-readable table comes from the server's Table rendering.
+    let out = kubectl(&fx)?.run(&["get", "pods"]).await?;
+    ensure!(out.success(), "{out}");
+    let row = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("demo"))
+        .context("no demo row")?;
+    assert_eq!(
+        row.split_whitespace().take(4).collect::<Vec<_>>(),
+        ["demo", "1/1", "Running", "0"]
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn create_get_delete_configmap() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let k = kubectl(&fx)?;
+    // `kubectl create configmap` writes protobuf.
+    let out = k
+        .run(&["create", "configmap", "x", "--from-literal=a=b"])
+        .await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(out.stdout.trim(), "configmap/x created");
+    let out = k.run(&["get", "configmap", "x", "-o", "json"]).await?;
+    ensure!(out.success(), "{out}");
+    let cm: Value = serde_json::from_str(&out.stdout)?;
+    assert_eq!(cm["data"]["a"], "b");
+    assert_eq!(cm["metadata"]["namespace"], "default");
+    assert!(
+        cm["metadata"]["generateName"].is_null(),
+        "empty protobuf fields must not show: {cm}"
+    );
+    let out = k
+        .run(&["create", "configmap", "x", "--from-literal=a=c"])
+        .await?;
+    assert!(!out.success());
+    assert!(
+        out.stderr.contains("configmaps \"x\" already exists"),
+        "{out}"
+    );
+    let out = k.run(&["delete", "configmap", "x"]).await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(out.stdout.trim(), "configmap \"x\" deleted");
+    let out = k.run(&["get", "configmap", "x"]).await?;
+    assert!(!out.success());
+    assert!(
+        out.stderr
+            .contains("Error from server (NotFound): configmaps \"x\" not found"),
+        "{out}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn apply_twice_reports_configured() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let k = kubectl(&fx)?;
+    let file = fx.dir.path().join("cm.yaml");
+    let manifest = |value: &str| {
+        format!(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: applied\n  labels:\n    v: \"{value}\"\ndata:\n  key: \"{value}\"\n  stays: \"yes\"\n"
+        )
+    };
+    std::fs::write(&file, manifest("1"))?;
+    let path = file.to_string_lossy().into_owned();
+    let out = k.run(&["apply", "-f", &path]).await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(out.stdout.trim(), "configmap/applied created");
+    let out = k.run(&["apply", "-f", &path]).await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(out.stdout.trim(), "configmap/applied unchanged");
+    std::fs::write(&file, manifest("2").replace("  stays: \"yes\"\n", ""))?;
+    let out = k.run(&["apply", "-f", &path]).await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(out.stdout.trim(), "configmap/applied configured");
+    let out = k
+        .run(&["get", "configmap", "applied", "-o", "json"])
+        .await?;
+    let cm: Value = serde_json::from_str(&out.stdout)?;
+    assert_eq!(
+        cm["data"],
+        serde_json::json!({"key": "2"}),
+        "removed keys must be gone: {cm}"
+    );
+    assert_eq!(cm["metadata"]["labels"]["v"], "2");
+    Ok(())
+}
+
+#[tokio::test]
+async fn watch_sees_a_create_from_another_client() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let k = kubectl(&fx)?;
+    let out = k.run(&["create", "configmap", "before"]).await?;
+    ensure!(out.success(), "{out}");
+    let mut watch = k.spawn(&["get", "configmaps", "--watch"])?;
+    // The initial list is printed first; anything after it comes from the watch.
+    watch
+        .wait_for_line(DEADLINE, |l| l.starts_with("before"))
+        .await?;
+    let other = kubectl(&fx)?;
+    let out = other
+        .run(&[
+            "create",
+            "configmap",
+            "made-elsewhere",
+            "--from-literal=k=v",
+        ])
+        .await?;
+    ensure!(out.success(), "{out}");
+    let line = watch
+        .wait_for_line(DEADLINE, |l| l.starts_with("made-elsewhere"))
+        .await?;
+    assert_eq!(
+        line.split_whitespace().nth(1),
+        Some("1"),
+        "DATA column: {line}"
+    );
+    watch.kill().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn logs_follow_streams_ticks() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let k = kubectl(&fx)?;
+    let mut logs = k.spawn(&["logs", "-f", "demo"])?;
+    let first = logs
+        .wait_for_line(DEADLINE, |l| l.starts_with("tick "))
+        .await?;
+    let second = logs
+        .wait_for_line(DEADLINE, |l| l.starts_with("tick "))
+        .await?;
+    let n = |l: &str| {
+        l.split_whitespace()
+            .nth(1)
+            .and_then(|n| n.parse::<u64>().ok())
+    };
+    assert_eq!(n(&second), n(&first).map(|n| n + 1), "{first} / {second}");
+    logs.kill().await?;
+    let out = k.run(&["logs", "demo", "--tail=1", "--timestamps"]).await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(out.stdout.lines().count(), 1, "{out}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn exec_cat_echoes_stdin_and_exits_zero() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let out = kubectl(&fx)?
+        .run_with_stdin(&["exec", "-i", "demo", "--", "cat"], b"hi\n")
+        .await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(out.stdout, "hi\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn exec_exit_status_is_kubectls_exit_status() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let k = kubectl(&fx)?;
+    let out = k.run(&["exec", "demo", "--", "sh", "-c", "exit 3"]).await?;
+    assert_eq!(out.code(), Some(3), "{out}");
+    let out = k.run(&["exec", "demo", "--", "no-such-command"]).await?;
+    assert_eq!(out.code(), Some(127), "{out}");
+    let out = k
+        .run(&[
+            "exec",
+            "demo",
+            "--",
+            "sh",
+            "-c",
+            "echo to-out; echo to-err >&2",
+        ])
+        .await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(
+        (out.stdout.as_str(), out.stderr.as_str()),
+        ("to-out\n", "to-err\n")
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn chunked_list_of_5000_configmaps() -> anyhow::Result<()> {
+    let fx = start().await?;
+    fx.server.create_configmaps("bulk", "cm-", 5000);
+    let out = kubectl(&fx)?
+        .run(&[
+            "get",
+            "configmaps",
+            "-n",
+            "bulk",
+            "--chunk-size=500",
+            "-o",
+            "name",
+            "-v=6",
+        ])
+        .await?;
+    ensure!(
+        out.success(),
+        "{}",
+        out.stderr.lines().last().unwrap_or_default()
+    );
+    let names: std::collections::BTreeSet<&str> = out.stdout.lines().collect();
+    assert_eq!(out.stdout.lines().count(), 5000);
+    assert_eq!(names.len(), 5000, "no duplicates");
+    // Ten pages: the first, then nine that follow continue tokens.
+    let pages = out
+        .stderr
+        .lines()
+        .filter(|l| l.contains("limit=500"))
+        .count();
+    let continued = out
+        .stderr
+        .lines()
+        .filter(|l| l.contains("continue="))
+        .count();
+    assert_eq!((pages, continued), (10, 9));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_wrong_token_is_unauthorized() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let text = std::fs::read_to_string(fx.server.kubeconfig_path())?;
+    let bad = text.replace(fx.server.token(), "not-the-token");
+    ensure!(bad != text);
+    let path = fx.dir.path().join("bad-kubeconfig");
+    std::fs::write(&path, bad)?;
+    let k = Kubectl::new(&path)?;
+    let seen = fx.server.requests_seen();
+    let out = k.run(&["get", "--raw", "/api/v1/namespaces"]).await?;
+    assert!(!out.success());
+    assert!(
+        out.stderr
+            .contains("error: You must be logged in to the server (Unauthorized)"),
+        "{out}"
+    );
+    let out = k.run(&["get", "configmaps"]).await?;
+    assert!(!out.success());
+    assert!(
+        out.stderr.contains("You must be logged in to the server"),
+        "{out}"
+    );
+    assert!(fx.server.requests_seen() > seen);
+    Ok(())
+}
+
+#[tokio::test]
+async fn run_creates_a_pod_that_logs_and_execs() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let k = kubectl(&fx)?;
+    // `kubectl run` writes the pod as protobuf.
+    let out = k
+        .run(&[
+            "run",
+            "web",
+            "--image=nginx:1.27",
+            "--labels=app=web",
+            "--env=A=b",
+        ])
+        .await?;
+    ensure!(out.success(), "{out}");
+    let out = k
+        .run(&[
+            "get",
+            "pods",
+            "-l",
+            "app=web",
+            "-o",
+            "jsonpath={.items[*].status.phase}",
+        ])
+        .await?;
+    assert_eq!(out.stdout, "Running", "{out}");
+    let out = k.run(&["logs", "web"]).await?;
+    assert_eq!(
+        out.stdout, "started container web (image nginx:1.27)\n",
+        "{out}"
+    );
+    let out = k.run(&["exec", "web", "--", "hostname"]).await?;
+    assert_eq!(out.stdout, "web\n", "{out}");
+    let out = k.run(&["delete", "pod", "web"]).await?;
+    ensure!(out.success(), "{out}");
+    Ok(())
+}
