@@ -490,6 +490,7 @@ impl Connection {
                         priority: q.priority,
                         deadline: q.deadline,
                         metadata: q.metadata,
+                        id: q.id,
                         inner: Some(Arc::new(StreamInner {
                             id: q.id,
                             handle: self.handle.clone(),
@@ -605,13 +606,15 @@ pub struct Incoming {
     pub deadline: Option<Instant>,
     /// Opaque metadata from the opener.
     pub metadata: Bytes,
+    id: StreamId,
+    /// `None` once answered.
     inner: Option<Arc<StreamInner>>,
 }
 
 impl Incoming {
     /// The stream id (for logs).
-    pub fn id(&self) -> Option<StreamId> {
-        self.inner.as_ref().map(|i| i.id)
+    pub fn id(&self) -> StreamId {
+        self.id
     }
 
     /// Accepts the stream.
