@@ -9,6 +9,47 @@
 //! bytes, tagged with a numeric kind chosen by the layer above.
 //!
 //! The wire format is specified in `docs/PROTOCOL.md`.
+//!
+//! # Driving a session
+//!
+//! The transport owner loops: feed whatever arrives to [`Session::handle_input`], call
+//! [`Session::handle_timeout`] when [`Session::poll_timeout`] is reached, write every chunk
+//! [`Session::poll_transmit`] returns (until `None`), and hand [`Session::poll_event`]s to the application.
+//! After any application call (`open_stream`, `write`, `read`, ...) there may be new bytes to transmit. Close
+//! the transport once [`Session::is_closed`]; tell the session with [`Session::handle_transport_closed`] when
+//! the transport ends first.
+//!
+//! ```
+//! use std::time::Instant;
+//! use bytes::Bytes;
+//! use tether_proto::{Config, Event, Priority, ReadResult, Role, Session, kind};
+//!
+//! let now = Instant::now();
+//! let mut agent = Session::new(Config::new(Role::Client), now);
+//! let mut relay = Session::new(Config::new(Role::Server), now);
+//! // Stand-in for the transport: move bytes both ways until neither side has anything to send.
+//! fn pump(a: &mut Session, b: &mut Session, now: Instant) {
+//!     loop {
+//!         let mut moved = false;
+//!         while let Some(chunk) = a.poll_transmit(now) { b.handle_input(now, chunk); moved = true; }
+//!         while let Some(chunk) = b.poll_transmit(now) { a.handle_input(now, chunk); moved = true; }
+//!         if !moved { break; }
+//!     }
+//! }
+//!
+//! let id = relay.open_stream(now, kind::HTTP, Priority::Normal, None, Bytes::new()).unwrap();
+//! relay.write(id, b"GET /version HTTP/1.1\r\n\r\n").unwrap();
+//! relay.finish(id).unwrap();
+//! pump(&mut relay, &mut agent, now);
+//!
+//! assert_eq!(agent.poll_event(), Some(Event::Connected { version: 1 }));
+//! assert!(matches!(agent.poll_event(), Some(Event::StreamOpened { id: opened, .. }) if opened == id));
+//! agent.accept_stream(id, Bytes::new()).unwrap();
+//! assert_eq!(agent.poll_event(), Some(Event::Readable { id }));
+//! let ReadResult::Data(request) = agent.read(id, 4096).unwrap() else { panic!() };
+//! assert!(request.starts_with(b"GET /version"));
+//! assert_eq!(agent.read(id, 4096).unwrap(), ReadResult::Finished);
+//! ```
 
 mod frame;
 mod session;
