@@ -33,6 +33,8 @@ pub struct Client {
     pub addr: std::net::SocketAddr,
     pub token: Option<String>,
     pub h2: bool,
+    /// An Accept header for every request, if set.
+    pub accept: Option<String>,
     tls: std::sync::Arc<rustls::ClientConfig>,
 }
 
@@ -60,6 +62,7 @@ impl Client {
             addr: server.addr(),
             token: Some(server.token().to_string()),
             h2,
+            accept: None,
             tls: certs::client_config(server.ca_pem().as_bytes(), alpn)?,
         })
     }
@@ -90,6 +93,9 @@ impl Client {
         }
         if let Some(token) = &self.token {
             req = req.header("authorization", format!("Bearer {token}"));
+        }
+        if let Some(accept) = &self.accept {
+            req = req.header("accept", accept);
         }
         if let Some(ct) = content_type {
             req = req.header("content-type", ct);
