@@ -1593,7 +1593,7 @@ impl Session {
         s.recv_buffered -= data.len();
         let mut grant = None;
         if s.recv_half == RecvHalf::Open {
-            if s.recv.is_empty() {
+            if s.recv.is_empty() && s.recv_tail.is_empty() {
                 s.readable_notified = false;
             }
             // No credit after FIN: the peer sends nothing more on this stream.

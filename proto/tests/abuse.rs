@@ -451,3 +451,31 @@ fn error_goaway_from_peer_closes_at_once() {
     assert!(raw.session.is_closed());
     assert_eq!(raw.goaway_code(), None, "no GOAWAY is sent back");
 }
+
+#[test]
+fn undelivered_events_are_capped() {
+    // The application never polls events while the peer keeps opening, feeding and resetting streams (slowly
+    // enough not to count as rapid resets): the peer is cut off before the event queue grows without bound.
+    let mut cfg = config(Role::Server);
+    cfg.max_concurrent_streams = 1;
+    let mut raw = Raw::connected(cfg);
+    let cap = 4 + 4096;
+    for i in 0..2000u32 {
+        let id = 2 * i + 1;
+        raw.feed_no_drain(&[open(id), data(id, 1, false)]);
+        raw.now += std::time::Duration::from_secs(1);
+        raw.feed_no_drain(&[Frame::Reset {
+            stream: StreamId(id),
+            code: code::CANCEL,
+        }]);
+    }
+    // Input stopped being processed once the cap was passed (three events per cycle, three frames per cycle;
+    // the two handshake frames count too).
+    let processed = raw.session.stats().frames_in as usize - 2;
+    assert!(
+        processed > cap && processed < 3 * 2000,
+        "processed {processed} frames"
+    );
+    raw.drain();
+    assert_violation(&raw, code::ENHANCE_YOUR_CALM);
+}
