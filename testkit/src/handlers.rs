@@ -208,9 +208,40 @@ async fn dispatch(
         }
         _ => None,
     };
-    let attrs = attributes(&method, &path, target.as_ref(), &query);
+    let self_review = matches!(
+        segments.as_slice(),
+        [
+            "apis",
+            resources::AUTHENTICATION_GROUP,
+            "v1",
+            "selfsubjectreviews"
+        ]
+    );
+    let mut attrs = attributes(&method, &path, target.as_ref(), &query);
+    if self_review {
+        attrs = Attributes {
+            verb: "create".into(),
+            resource_request: true,
+            api_group: resources::AUTHENTICATION_GROUP.into(),
+            resource: "selfsubjectreviews".into(),
+            ..attrs
+        };
+    }
     if let Decision::Deny(reason) = auth::authorize(user, &attrs) {
         return Err(auth::forbidden(user, &attrs, &reason));
+    }
+    if self_review {
+        if method != Method::POST {
+            return Err(ApiError::method_not_allowed(format!(
+                "the server does not allow this method on the requested resource: {method}"
+            )));
+        }
+        // The body (a SelfSubjectReview, protobuf from kubectl) carries nothing the answer depends on.
+        read_body(req).await?;
+        return Ok(json_response(
+            StatusCode::CREATED,
+            &resources::self_subject_review(user),
+        ));
     }
 
     let Some(target) = target else {
@@ -235,6 +266,14 @@ async fn dispatch(
                 &resources::api_resource_list(),
             )),
             ["apis"] => Ok(json_response(StatusCode::OK, &resources::api_group_list())),
+            ["apis", resources::AUTHENTICATION_GROUP] => Ok(json_response(
+                StatusCode::OK,
+                &resources::authentication_api_group(),
+            )),
+            ["apis", resources::AUTHENTICATION_GROUP, "v1"] => Ok(json_response(
+                StatusCode::OK,
+                &resources::authentication_resource_list(),
+            )),
             ["openapi", rest @ ..] => crate::openapi::handle(rest, req.uri().query()),
             _ => Err(ApiError::path_not_found()),
         };

@@ -105,9 +105,46 @@ pub(crate) fn api_versions(server_address: &str) -> Value {
     })
 }
 
-/// `GET /apis`: no groups besides the core group.
+/// The one API group besides the core group: `authentication.k8s.io/v1`, for `kubectl auth whoami`.
+pub(crate) const AUTHENTICATION_GROUP: &str = "authentication.k8s.io";
+
+fn authentication_group() -> Value {
+    let version = json!({"groupVersion": "authentication.k8s.io/v1", "version": "v1"});
+    json!({"name": AUTHENTICATION_GROUP, "versions": [version], "preferredVersion": version})
+}
+
+/// `GET /apis`.
 pub(crate) fn api_group_list() -> Value {
-    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": []})
+    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [authentication_group()]})
+}
+
+/// `GET /apis/authentication.k8s.io`.
+pub(crate) fn authentication_api_group() -> Value {
+    let mut group = authentication_group();
+    group["kind"] = json!("APIGroup");
+    group["apiVersion"] = json!("v1");
+    group
+}
+
+/// `GET /apis/authentication.k8s.io/v1`.
+pub(crate) fn authentication_resource_list() -> Value {
+    json!({
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": "authentication.k8s.io/v1",
+        "resources": [{"name": "selfsubjectreviews", "singularName": "selfsubjectreview", "namespaced": false,
+                       "kind": "SelfSubjectReview", "verbs": ["create"]}],
+    })
+}
+
+/// The answer to `POST /apis/authentication.k8s.io/v1/selfsubjectreviews`: who the server thinks the caller is.
+pub(crate) fn self_subject_review(user: &crate::auth::User) -> Value {
+    json!({
+        "kind": "SelfSubjectReview",
+        "apiVersion": "authentication.k8s.io/v1",
+        "metadata": {"creationTimestamp": null},
+        "status": {"userInfo": {"username": user.name, "uid": user.uid, "groups": user.groups, "extra": user.extra}},
+    })
 }
 
 /// `GET /api/v1`.

@@ -555,3 +555,33 @@ async fn exec_v4_over_a_raw_websocket() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn shutdown_ends_open_streams_and_stops_listening() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let client = Client::new(&fx.server, false)?;
+    let watch = client
+        .send(Method::GET, &format!("{CM}?watch=1"), None, Vec::new())
+        .await?;
+    let h2 = Client::new(&fx.server, true)?;
+    let logs = h2
+        .send(
+            Method::GET,
+            "/api/v1/namespaces/default/pods/demo/log?follow=true",
+            None,
+            Vec::new(),
+        )
+        .await?;
+    let addr = fx.server.addr();
+    tokio::time::timeout(support::DEADLINE, fx.server.shutdown())
+        .await
+        .context("shutdown hung")?;
+    // Both streams end (cleanly or with a connection error) rather than hang.
+    support::drain(watch).await?;
+    support::drain(logs).await?;
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "still listening"
+    );
+    Ok(())
+}

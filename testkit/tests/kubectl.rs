@@ -325,3 +325,33 @@ async fn run_creates_a_pod_that_logs_and_execs() -> anyhow::Result<()> {
     ensure!(out.success(), "{out}");
     Ok(())
 }
+
+#[tokio::test]
+async fn auth_whoami_names_the_token_user() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let out = kubectl(&fx)?.run(&["auth", "whoami", "-o", "json"]).await?;
+    ensure!(out.success(), "{out}");
+    let review: Value = serde_json::from_str(&out.stdout)?;
+    assert_eq!(review["status"]["userInfo"]["username"], "admin");
+    assert_eq!(
+        review["status"]["userInfo"]["groups"],
+        serde_json::json!(["system:masters", "system:authenticated"])
+    );
+
+    fx.server.add_token("bob-token", "bob", &["dev"]);
+    let text = std::fs::read_to_string(fx.server.kubeconfig_path())?
+        .replace(fx.server.token(), "bob-token");
+    let path = fx.dir.path().join("bob-kubeconfig");
+    std::fs::write(&path, text)?;
+    let out = Kubectl::new(&path)?
+        .run(&[
+            "auth",
+            "whoami",
+            "-o",
+            "jsonpath={.status.userInfo.username}",
+        ])
+        .await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(out.stdout, "bob");
+    Ok(())
+}

@@ -185,3 +185,13 @@ impl Events {
         }
     }
 }
+
+/// Reads a streaming body until it ends, cleanly or not; an error only if it is still going after [`DEADLINE`].
+pub async fn drain(response: http::Response<hyper::body::Incoming>) -> anyhow::Result<()> {
+    let mut body = response.into_body();
+    tokio::time::timeout(DEADLINE, async {
+        while let Some(Ok(_)) = body.frame().await {}
+    })
+    .await
+    .context("the stream did not end")
+}

@@ -1,0 +1,63 @@
+//! The `tether-sample-apiserver` binary: starts, serves kubectl, stops on SIGTERM; refuses bad configuration.
+
+use std::process::Stdio;
+
+use anyhow::{Context as _, ensure};
+use tether_testkit::kubectl::Kubectl;
+use tokio::io::{AsyncBufReadExt as _, BufReader};
+use tokio::process::Command;
+
+const DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
+
+#[tokio::test]
+async fn serves_until_sigterm() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tether-sample-apiserver"))
+        .arg("--dir")
+        .arg(dir.path())
+        .args(["--listen", "127.0.0.1:0", "--token", "fixed-token"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let line = tokio::time::timeout(DEADLINE, BufReader::new(stdout).lines().next_line())
+        .await??
+        .context("no banner")?;
+    ensure!(
+        line.starts_with("sample apiserver at https://127.0.0.1:"),
+        "{line}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("token"))?.trim(),
+        "fixed-token"
+    );
+    assert!(std::fs::read_to_string(dir.path().join("ca.pem"))?.contains("BEGIN CERTIFICATE"));
+
+    let out = Kubectl::new(&dir.path().join("kubeconfig"))?
+        .run(&["get", "pods", "-o", "name"])
+        .await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(out.stdout.trim(), "pod/demo");
+
+    let pid = child.id().context("pid")?.to_string();
+    let kill = Command::new("kill").args(["-TERM", &pid]).status().await?;
+    ensure!(kill.success());
+    let status = tokio::time::timeout(DEADLINE, child.wait()).await??;
+    assert!(status.success(), "{status}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_empty_token_is_a_configuration_error() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = Command::new(env!("CARGO_BIN_EXE_tether-sample-apiserver"))
+        .arg("--dir")
+        .arg(dir.path())
+        .args(["--listen", "127.0.0.1:0", "--token", ""])
+        .output()
+        .await?;
+    assert_eq!(out.status.code(), Some(64));
+    assert!(!dir.path().join("kubeconfig").exists());
+    Ok(())
+}
