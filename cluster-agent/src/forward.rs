@@ -286,15 +286,23 @@ where
         hyper::service::service_fn(move |req| {
             let upstream = upstream.clone();
             let pipe = pipe.clone();
-            async move { Ok::<_, std::convert::Infallible>(forward(req, &upstream, &pipe).await) }
+            async move {
+                let mut response = forward(req, &upstream, &pipe).await;
+                // One stream carries one exchange: `close` makes hyper end the stream after this response. Not
+                // on a 101, where it would contradict the upgrade (WebSocket clients reject it).
+                if response.status() != StatusCode::SWITCHING_PROTOCOLS {
+                    response
+                        .headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                Ok::<_, std::convert::Infallible>(response)
+            }
         })
     };
     let result = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
         .max_buf_size(MAX_HEADER_BYTES)
-        // One stream carries one exchange; closing after it lets both ends see the stream end.
-        .keep_alive(false)
         // The relay may half-close its side once the request is sent; keep answering.
         .half_close(true)
         .serve_connection(TokioIo::new(io.clone()), service)

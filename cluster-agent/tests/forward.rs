@@ -82,6 +82,8 @@ async fn path_and_query_reach_the_apiserver_with_the_users_authorization_only() 
         .body(Empty::<Bytes>::new())?;
     let resp = send(&upstream, req).await?;
     assert_eq!(resp.status(), StatusCode::OK);
+    // One exchange per stream.
+    assert_eq!(resp.headers()["connection"], "close");
     let json = body_json(resp).await?;
     assert_eq!(json["path"], "/api/v1/namespaces/default/pods");
     assert_eq!(json["query"], "labelSelector=app%3Dweb&limit=2");
@@ -241,6 +243,14 @@ async fn upgrade_becomes_a_byte_pipe_with_half_close() -> Result<()> {
     assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
     assert_eq!(resp.headers()["x-upstream"], "yes");
     assert_eq!(resp.headers()["upgrade"], "tether-test");
+    // `close` on a 101 makes WebSocket clients (kubectl exec) reject the handshake.
+    let connection: Vec<_> = resp.headers().get_all("connection").iter().collect();
+    assert!(connection.iter().all(|v| {
+        !v.to_str()
+            .unwrap_or("")
+            .to_ascii_lowercase()
+            .contains("close")
+    }));
 
     let upgraded = hyper::upgrade::on(&mut resp).await?;
     let mut io = TokioIo::new(upgraded);

@@ -22,6 +22,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
+pub mod real_relay;
 pub mod relay;
 
 /// A CA that issues server and client certificates.
