@@ -391,3 +391,43 @@ async fn upgrade_over_the_tunnel_is_a_byte_pipe_with_half_close() -> Result<()> 
     agent.finished().await??;
     Ok(())
 }
+
+#[tokio::test]
+async fn onboarding_waits_for_a_relay_that_is_not_up_yet() -> Result<()> {
+    tether_tunnel::tls::install_crypto_provider();
+    let api = TestApiserver::start().await?;
+    let dir = tempfile::tempdir()?;
+    common::write_kubeconfig(dir.path(), &api.url(), &api.ca.pem(), None)?;
+    let ca = Arc::new(TestCa::new()?);
+    std::fs::write(dir.path().join("relay-ca.pem"), ca.pem())?;
+    // A port nothing listens on yet.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+
+    let mut config = Config::new(
+        format!("https://127.0.0.1:{}", addr.port()),
+        "prod",
+        dir.path().join("state"),
+    );
+    config.onboarding_token = Some(Secret::new("onb-1"));
+    config.relay_ca = Some(dir.path().join("relay-ca.pem"));
+    config.kubeconfig = Some(dir.path().join("kubeconfig"));
+    config.backoff = Backoff {
+        base: Duration::from_millis(20),
+        cap: Duration::from_millis(200),
+        ..Backoff::default()
+    };
+    let mut agent = Running::start(config);
+
+    // The agent keeps retrying onboarding while the relay is down, and succeeds once it is up.
+    let relay = FakeRelay::start(addr, ca, Some("onb-1")).await?;
+    let mut env = Env { api, relay, dir };
+    let conn = env.next_tunnel().await?;
+    assert_eq!(env.relay.state.onboard_calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        request(&conn, user_get("/version")?).await?.status(),
+        StatusCode::OK
+    );
+    agent.shutdown();
+    agent.finished().await??;
+    Ok(())
+}
