@@ -99,7 +99,11 @@ impl ConnectArgs {
                 Some((key, value)) if !key.is_empty() => {
                     tags.insert(key.to_string(), value.to_string());
                 }
-                _ => return Err(ConfigError::Invalid(format!("tag {tag:?} is not KEY=VALUE"))),
+                _ => {
+                    return Err(ConfigError::Invalid(format!(
+                        "tag {tag:?} is not KEY=VALUE"
+                    )));
+                }
             }
         }
         Ok(tags)
@@ -133,7 +137,12 @@ pub struct KubeconfigArgs {
     #[arg(short = 'f', long)]
     pub file: Option<PathBuf>,
     /// Bearer token to put in the kubeconfig's user (passed through to the cluster's apiserver).
-    #[arg(long, env = "TETHER_USER_TOKEN", hide_env_values = true, conflicts_with = "token_file")]
+    #[arg(
+        long,
+        env = "TETHER_USER_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "token_file"
+    )]
     pub token: Option<String>,
     /// File holding the bearer token to put in the kubeconfig's user.
     #[arg(long)]

@@ -79,31 +79,53 @@ const MAX_ANSWER: usize = 16 * 1024 * 1024;
 impl RelayClient {
     /// A client for the configured relay (the config must hold an admin token).
     pub fn new(config: &ResolvedConfig) -> Result<Self, ClientError> {
-        let token = config.admin_token.clone().ok_or_else(|| ClientError::Tls("no admin token".into()))?;
+        let token = config
+            .admin_token
+            .clone()
+            .ok_or_else(|| ClientError::Tls("no admin token".into()))?;
         Self::with_token(&config.relay_url, config.ca_pem.as_deref(), token)
     }
 
     /// A client for `base` trusting `ca_pem` (or web PKI roots), authenticating with `token`.
-    pub fn with_token(base: &str, ca_pem: Option<&[u8]>, token: Secret) -> Result<Self, ClientError> {
-        let tls = tether_tunnel::tls::client_config(ca_pem, &[b"http/1.1"]).map_err(|e| ClientError::Tls(e.to_string()))?;
+    pub fn with_token(
+        base: &str,
+        ca_pem: Option<&[u8]>,
+        token: Secret,
+    ) -> Result<Self, ClientError> {
+        let tls = tether_tunnel::tls::client_config(ca_pem, &[])
+            .map_err(|e| ClientError::Tls(e.to_string()))?;
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config((*tls).clone())
             .https_only()
             .enable_http1()
             .build();
         let http = Client::builder(TokioExecutor::new()).build(connector);
-        Ok(Self { base: base.trim_end_matches('/').to_string(), token, http })
+        Ok(Self {
+            base: base.trim_end_matches('/').to_string(),
+            token,
+            http,
+        })
     }
 
     /// Registers a cluster.
-    pub async fn create_cluster(&self, name: &str, tags: &BTreeMap<String, String>) -> Result<CreatedCluster, ClientError> {
+    pub async fn create_cluster(
+        &self,
+        name: &str,
+        tags: &BTreeMap<String, String>,
+    ) -> Result<CreatedCluster, ClientError> {
         let body = serde_json::json!({ "name": name, "tags": tags });
-        let raw = self.call(Method::POST, "/api/v1/clusters", Some(body)).await?;
+        let raw = self
+            .call(Method::POST, "/api/v1/clusters", Some(body))
+            .await?;
         let onboarding_token = raw
             .get("onboardingToken")
             .and_then(Value::as_str)
             .ok_or_else(|| ClientError::Decode("no onboardingToken in the answer".into()))?;
-        Ok(CreatedCluster { name: name.to_string(), onboarding_token: Secret::new(onboarding_token), raw: raw.clone() })
+        Ok(CreatedCluster {
+            name: name.to_string(),
+            onboarding_token: Secret::new(onboarding_token),
+            raw: raw.clone(),
+        })
     }
 
     /// Lists clusters.
@@ -122,24 +144,39 @@ impl RelayClient {
 
     /// Deletes a cluster.
     pub async fn delete_cluster(&self, name: &str) -> Result<(), ClientError> {
-        self.call(Method::DELETE, &cluster_path(name)?, None).await.map(|_| ())
+        self.call(Method::DELETE, &cluster_path(name)?, None)
+            .await
+            .map(|_| ())
     }
 
-    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> Result<Value, ClientError> {
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Value, ClientError> {
         let url = format!("{}{}", self.base, path);
         let body = match body {
-            Some(v) => Bytes::from(serde_json::to_vec(&v).map_err(|e| ClientError::InvalidRequest(e.to_string()))?),
+            Some(v) => Bytes::from(
+                serde_json::to_vec(&v).map_err(|e| ClientError::InvalidRequest(e.to_string()))?,
+            ),
             None => Bytes::new(),
         };
         let request = Request::builder()
             .method(method)
             .uri(&url)
-            .header(header::AUTHORIZATION, format!("Bearer {}", self.token.expose()))
+            .header(
+                header::AUTHORIZATION,
+                format!("Bearer {}", self.token.expose()),
+            )
             .header(header::ACCEPT, "application/json")
             .header(header::CONTENT_TYPE, "application/json")
             .body(Full::new(body))
             .map_err(|e| ClientError::InvalidRequest(e.to_string()))?;
-        let unreachable = |message: String| ClientError::Unreachable { url: self.base.clone(), message };
+        let unreachable = |message: String| ClientError::Unreachable {
+            url: self.base.clone(),
+            message,
+        };
         let response = tokio::time::timeout(TIMEOUT, self.http.request(request))
             .await
             .map_err(|_| unreachable(format!("no answer within {TIMEOUT:?}")))?
@@ -166,8 +203,14 @@ impl RelayClient {
 }
 
 fn cluster_path(name: &str) -> Result<String, ClientError> {
-    if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_') {
-        return Err(ClientError::InvalidRequest(format!("{name:?} is not a valid cluster name")));
+    if name.is_empty()
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+    {
+        return Err(ClientError::InvalidRequest(format!(
+            "{name:?} is not a valid cluster name"
+        )));
     }
     Ok(format!("/api/v1/clusters/{name}"))
 }

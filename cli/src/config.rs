@@ -40,7 +40,9 @@ pub enum ConfigError {
     )]
     NoRelay,
     /// No admin token anywhere.
-    #[error("no admin token configured: pass --admin-token-file or use the config.json that `tether up` wrote")]
+    #[error(
+        "no admin token configured: pass --admin-token-file or use the config.json that `tether up` wrote"
+    )]
     NoAdminToken,
     /// Some value is wrong.
     #[error("{0}")]
@@ -65,11 +67,20 @@ pub struct ConfigFile {
 impl ConfigFile {
     /// Reads a config file; relative paths inside are resolved against its folder.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let text = std::fs::read(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
         let mut file: ConfigFile =
-            serde_json::from_slice(&text).map_err(|source| ConfigError::Parse { path: path.to_path_buf(), source })?;
+            serde_json::from_slice(&text).map_err(|source| ConfigError::Parse {
+                path: path.to_path_buf(),
+                source,
+            })?;
         let base = path.parent().unwrap_or_else(|| Path::new("."));
-        for p in [&mut file.ca_file, &mut file.admin_token_file].into_iter().flatten() {
+        for p in [&mut file.ca_file, &mut file.admin_token_file]
+            .into_iter()
+            .flatten()
+        {
             if p.is_relative() {
                 *p = base.join(&*p);
             }
@@ -113,26 +124,43 @@ impl ResolvedConfig {
             Some(path) => ConfigFile::load(&path)?,
             None => ConfigFile::default(),
         };
-        let relay = args.relay.clone().or(file.relay).ok_or(ConfigError::NoRelay)?;
+        let relay = args
+            .relay
+            .clone()
+            .or(file.relay)
+            .ok_or(ConfigError::NoRelay)?;
         let relay_url = normalize_relay_url(&relay)?;
         let ca_file = args.relay_ca.clone().or(file.ca_file);
         let ca_pem = match &ca_file {
-            Some(path) => Some(std::fs::read(path).map_err(|source| ConfigError::Read { path: path.clone(), source })?),
+            Some(path) => Some(std::fs::read(path).map_err(|source| ConfigError::Read {
+                path: path.clone(),
+                source,
+            })?),
             None => None,
         };
         let admin_token = match args.admin_token_file.clone().or(file.admin_token_file) {
             Some(path) => {
-                let text =
-                    std::fs::read_to_string(&path).map_err(|source| ConfigError::Read { path: path.clone(), source })?;
+                let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
                 let token = text.trim();
                 if token.is_empty() {
-                    return Err(ConfigError::Invalid(format!("admin token file {} is empty", path.display())));
+                    return Err(ConfigError::Invalid(format!(
+                        "admin token file {} is empty",
+                        path.display()
+                    )));
                 }
                 Some(Secret::new(token))
             }
             None => None,
         };
-        Ok(Self { relay_url, ca_file, ca_pem, admin_token })
+        Ok(Self {
+            relay_url,
+            ca_file,
+            ca_pem,
+            admin_token,
+        })
     }
 }
 
@@ -154,15 +182,23 @@ fn config_path(args: &GlobalArgs) -> Option<PathBuf> {
 /// Checks a relay URL is `https://host[:port]` (a trailing slash is dropped; plain http is refused).
 pub fn normalize_relay_url(url: &str) -> Result<String, ConfigError> {
     let trimmed = url.trim().trim_end_matches('/');
-    let uri: http::Uri = trimmed.parse().map_err(|e| ConfigError::Invalid(format!("relay URL {url:?}: {e}")))?;
+    let uri: http::Uri = trimmed
+        .parse()
+        .map_err(|e| ConfigError::Invalid(format!("relay URL {url:?}: {e}")))?;
     if uri.scheme_str() != Some("https") {
-        return Err(ConfigError::Invalid(format!("relay URL {url:?} must start with https://")));
+        return Err(ConfigError::Invalid(format!(
+            "relay URL {url:?} must start with https://"
+        )));
     }
     if uri.host().is_none() {
-        return Err(ConfigError::Invalid(format!("relay URL {url:?} has no host")));
+        return Err(ConfigError::Invalid(format!(
+            "relay URL {url:?} has no host"
+        )));
     }
     if uri.path() != "/" && !uri.path().is_empty() {
-        return Err(ConfigError::Invalid(format!("relay URL {url:?} must not have a path")));
+        return Err(ConfigError::Invalid(format!(
+            "relay URL {url:?} must not have a path"
+        )));
     }
     Ok(trimmed.to_string())
 }
@@ -173,7 +209,12 @@ mod tests {
 
     #[test]
     fn relay_urls() {
-        assert_eq!(normalize_relay_url("https://r.example:8443/").ok().as_deref(), Some("https://r.example:8443"));
+        assert_eq!(
+            normalize_relay_url("https://r.example:8443/")
+                .ok()
+                .as_deref(),
+            Some("https://r.example:8443")
+        );
         assert!(normalize_relay_url("http://r.example").is_err());
         assert!(normalize_relay_url("https://r.example/x").is_err());
         assert!(normalize_relay_url("not a url").is_err());
@@ -182,7 +223,10 @@ mod tests {
     #[test]
     fn config_file_paths_are_relative_to_the_file() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
-        std::fs::write(dir.path().join("config.json"), br#"{"relay":"https://x","caFile":"relay/ca.pem"}"#)?;
+        std::fs::write(
+            dir.path().join("config.json"),
+            br#"{"relay":"https://x","caFile":"relay/ca.pem"}"#,
+        )?;
         let file = ConfigFile::load(&dir.path().join("config.json"))?;
         assert_eq!(file.ca_file, Some(dir.path().join("relay/ca.pem")));
         assert_eq!(file.admin_token_file, None);
@@ -194,12 +238,23 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("config.json");
         std::fs::write(dir.path().join("token"), "s3cret\n")?;
-        ConfigFile { relay: Some("https://a:1".into()), ca_file: None, admin_token_file: Some("token".into()) }
-            .save(&path)?;
-        let args = GlobalArgs { config: Some(path), relay: Some("https://b:2".into()), ..Default::default() };
+        ConfigFile {
+            relay: Some("https://a:1".into()),
+            ca_file: None,
+            admin_token_file: Some("token".into()),
+        }
+        .save(&path)?;
+        let args = GlobalArgs {
+            config: Some(path),
+            relay: Some("https://b:2".into()),
+            ..Default::default()
+        };
         let resolved = ResolvedConfig::resolve(&args)?;
         assert_eq!(resolved.relay_url, "https://b:2");
-        assert_eq!(resolved.admin_token.as_ref().map(|t| t.expose()), Some("s3cret"));
+        assert_eq!(
+            resolved.admin_token.as_ref().map(|t| t.expose()),
+            Some("s3cret")
+        );
         assert_eq!(format!("{:?}", resolved.admin_token), "Some(***)");
         Ok(())
     }
@@ -211,7 +266,10 @@ mod tests {
             config: Some("/nonexistent/x.json".into()),
             ..Default::default()
         };
-        let err = ResolvedConfig::resolve(&args).err().map(|e| e.to_string()).unwrap_or_default();
+        let err = ResolvedConfig::resolve(&args)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(err.contains("cannot read /nonexistent/x.json"), "{err}");
     }
 }

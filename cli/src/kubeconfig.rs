@@ -102,17 +102,33 @@ pub fn render(spec: &KubeconfigSpec<'_>) -> Result<String, KubeconfigError> {
             name: spec.cluster,
             value: ClusterEntry {
                 cluster: ClusterFields {
-                    server: format!("{}/clusters/{}", spec.relay_url.trim_end_matches('/'), spec.cluster),
+                    server: format!(
+                        "{}/clusters/{}",
+                        spec.relay_url.trim_end_matches('/'),
+                        spec.cluster
+                    ),
                     certificate_authority_data: spec
                         .ca_pem
                         .map(|pem| base64::engine::general_purpose::STANDARD.encode(pem)),
                 },
             },
         }],
-        users: vec![Named { name: &user, value: UserEntry { user: UserFields { token: spec.token.map(str::to_string) } } }],
+        users: vec![Named {
+            name: &user,
+            value: UserEntry {
+                user: UserFields {
+                    token: spec.token.map(str::to_string),
+                },
+            },
+        }],
         contexts: vec![Named {
             name: spec.cluster,
-            value: ContextEntry { context: ContextFields { cluster: spec.cluster, user: &user } },
+            value: ContextEntry {
+                context: ContextFields {
+                    cluster: spec.cluster,
+                    user: &user,
+                },
+            },
         }],
         current_context: spec.cluster,
     };
@@ -121,7 +137,10 @@ pub fn render(spec: &KubeconfigSpec<'_>) -> Result<String, KubeconfigError> {
 
 /// Writes `text` to `path` with mode 0600 (it may hold a token).
 pub fn write_private(path: &Path, text: &str) -> Result<(), KubeconfigError> {
-    let io = |source| KubeconfigError::Io { path: path.to_path_buf(), source };
+    let io = |source| KubeconfigError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let mut options = std::fs::OpenOptions::new();
     options.write(true).create(true).truncate(true);
     #[cfg(unix)]
@@ -140,12 +159,18 @@ pub fn write_private(path: &Path, text: &str) -> Result<(), KubeconfigError> {
 }
 
 /// `tether kubeconfig NAME`.
-pub fn write_for_args(config: &ResolvedConfig, args: &KubeconfigArgs) -> Result<(), KubeconfigError> {
+pub fn write_for_args(
+    config: &ResolvedConfig,
+    args: &KubeconfigArgs,
+) -> Result<(), KubeconfigError> {
     let token = match (&args.token, &args.token_file) {
         (Some(token), _) => Some(token.trim().to_string()),
         (None, Some(path)) => Some(
             std::fs::read_to_string(path)
-                .map_err(|source| KubeconfigError::Io { path: path.clone(), source })?
+                .map_err(|source| KubeconfigError::Io {
+                    path: path.clone(),
+                    source,
+                })?
                 .trim()
                 .to_string(),
         ),
@@ -187,11 +212,20 @@ mod tests {
             token: Some("t0k"),
         })?;
         let value: serde_yaml::Value = serde_yaml::from_str(&text)?;
-        assert_eq!(value["clusters"][0]["cluster"]["server"].as_str(), Some("https://relay:8443/clusters/prod"));
-        assert_eq!(value["clusters"][0]["cluster"]["certificate-authority-data"].as_str(), Some("UEVN"));
+        assert_eq!(
+            value["clusters"][0]["cluster"]["server"].as_str(),
+            Some("https://relay:8443/clusters/prod")
+        );
+        assert_eq!(
+            value["clusters"][0]["cluster"]["certificate-authority-data"].as_str(),
+            Some("UEVN")
+        );
         assert_eq!(value["users"][0]["user"]["token"].as_str(), Some("t0k"));
         assert_eq!(value["current-context"].as_str(), Some("prod"));
-        assert_eq!(value["contexts"][0]["context"]["user"].as_str(), Some("prod-user"));
+        assert_eq!(
+            value["contexts"][0]["context"]["user"].as_str(),
+            Some("prod-user")
+        );
         Ok(())
     }
 }

@@ -70,10 +70,17 @@ impl CliError {
 
 /// Sets up logging to stderr: `RUST_LOG` if set, else info (debug with `-v`).
 pub fn init_tracing(verbose: bool) {
-    let default = if verbose { "info,tether=debug" } else { "warn,tether_cli=info" };
+    let default = if verbose {
+        "info,tether=debug"
+    } else {
+        "warn,tether_cli=info"
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 /// Runs one `tether` command.
@@ -117,7 +124,9 @@ async fn cluster_command(
         ClusterCommand::List(args) => {
             let clusters = client.list_clusters().await?;
             match args.output {
-                OutputFormat::Json => output::json(&mut out, &serde_json::json!({ "items": clusters })),
+                OutputFormat::Json => {
+                    output::json(&mut out, &serde_json::json!({ "items": clusters }))
+                }
                 OutputFormat::Table => output::cluster_table(&mut out, &clusters),
             }
         }
@@ -130,7 +139,10 @@ async fn cluster_command(
         }
         ClusterCommand::Delete(args) => {
             client.delete_cluster(&args.name).await?;
-            output::line(&mut out, &format!("cluster \"{}\" deleted; its tunnel is closed", args.name))
+            output::line(
+                &mut out,
+                &format!("cluster \"{}\" deleted; its tunnel is closed", args.name),
+            )
         }
     }
     .map_err(CliError::Output)

@@ -21,14 +21,25 @@ pub(crate) fn connect_instructions(
     config: &ResolvedConfig,
     created: &CreatedCluster,
 ) -> io::Result<()> {
-    writeln!(out, "Cluster \"{}\" registered at {}.", created.name, config.relay_url)?;
+    writeln!(
+        out,
+        "Cluster \"{}\" registered at {}.",
+        created.name, config.relay_url
+    )?;
     writeln!(out)?;
-    writeln!(out, "Run the agent where it can reach the cluster's apiserver (it dials out; no inbound port is needed).")?;
+    writeln!(
+        out,
+        "Run the agent where it can reach the cluster's apiserver (it dials out; no inbound port is needed)."
+    )?;
     writeln!(out, "The onboarding token works once:")?;
     writeln!(out)?;
     writeln!(out, "{}", agent_command(config, created))?;
     writeln!(out)?;
-    writeln!(out, "Then: tether kubeconfig {} -f {}.kubeconfig", created.name, created.name)
+    writeln!(
+        out,
+        "Then: tether kubeconfig {} -f {}.kubeconfig",
+        created.name, created.name
+    )
 }
 
 /// The exact agent command for a newly registered cluster.
@@ -55,8 +66,14 @@ fn status(cluster: &Value) -> String {
     if let Some(s) = cluster.get("connectivityStatus").and_then(Value::as_str) {
         return s.to_string();
     }
-    let connected = cluster.get("connected").and_then(Value::as_bool).unwrap_or(false);
-    let onboarded = cluster.get("onboarded").and_then(Value::as_bool).unwrap_or(false);
+    let connected = cluster
+        .get("connected")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let onboarded = cluster
+        .get("onboarded")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     match (connected, onboarded) {
         (true, _) => "Connected",
         (false, false) => "Connecting",
@@ -67,16 +84,21 @@ fn status(cluster: &Value) -> String {
 
 fn tags(cluster: &Value) -> String {
     match cluster.get("tags") {
-        Some(Value::Object(map)) => {
-            map.iter().map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or(""))).collect::<Vec<_>>().join(",")
-        }
+        Some(Value::Object(map)) => map
+            .iter()
+            .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("")))
+            .collect::<Vec<_>>()
+            .join(","),
         _ => String::new(),
     }
 }
 
 pub(crate) fn cluster_table(out: &mut impl Write, clusters: &[Value]) -> io::Result<()> {
     if clusters.is_empty() {
-        return writeln!(out, "No clusters. Register one with: tether cluster connect NAME");
+        return writeln!(
+            out,
+            "No clusters. Register one with: tether cluster connect NAME"
+        );
     }
     let header = ["NAME", "STATUS", "AGENT VERSION", "LAST SEEN", "TAGS"].map(str::to_string);
     let rows: Vec<[String; 5]> = clusters
@@ -94,7 +116,11 @@ pub(crate) fn cluster_table(out: &mut impl Write, clusters: &[Value]) -> io::Res
     table(out, &header, &rows)
 }
 
-fn table<const N: usize>(out: &mut impl Write, header: &[String; N], rows: &[[String; N]]) -> io::Result<()> {
+fn table<const N: usize>(
+    out: &mut impl Write,
+    header: &[String; N],
+    rows: &[[String; N]],
+) -> io::Result<()> {
     let mut widths = header.clone().map(|h| h.len());
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
@@ -163,7 +189,10 @@ mod tests {
         assert!(lines[0].starts_with("NAME             STATUS"), "{text}");
         assert!(lines[1].starts_with("prod             Connected"), "{text}");
         assert!(lines[1].ends_with("env=prod"), "{text}");
-        assert!(lines[2].starts_with("edge-cluster-7   Connecting"), "{text}");
+        assert!(
+            lines[2].starts_with("edge-cluster-7   Connecting"),
+            "{text}"
+        );
         Ok(())
     }
 }

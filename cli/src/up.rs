@@ -92,7 +92,13 @@ impl UpOptions {
 
 impl From<UpArgs> for UpOptions {
     fn from(args: UpArgs) -> Self {
-        Self { dir: args.dir, kubeconfig: args.kubeconfig, cluster: args.cluster, listen: args.listen, extra_hostnames: vec![] }
+        Self {
+            dir: args.dir,
+            kubeconfig: args.kubeconfig,
+            cluster: args.cluster,
+            listen: args.listen,
+            extra_hostnames: vec![],
+        }
     }
 }
 
@@ -144,7 +150,10 @@ impl Up {
         validate_name(&options.cluster)?;
         let dir = &options.dir;
         create_private_dir(dir)?;
-        let dir = std::fs::canonicalize(dir).map_err(|source| UpError::Io { path: dir.clone(), source })?;
+        let dir = std::fs::canonicalize(dir).map_err(|source| UpError::Io {
+            path: dir.clone(),
+            source,
+        })?;
 
         let (sample, cluster_kubeconfig, user_token) = match &options.kubeconfig {
             Some(path) => {
@@ -168,13 +177,22 @@ impl Up {
         };
 
         let relay_config = relay_config(&dir, &options);
-        let relay = tether_relay::Relay::new(relay_config).await.map_err(|e| UpError::Relay(e.to_string()))?;
+        let relay = tether_relay::Relay::new(relay_config)
+            .await
+            .map_err(|e| UpError::Relay(e.to_string()))?;
         let admin_token = relay.admin_token().clone();
         let ca_pem = relay.ca_pem().map(str::to_string).unwrap_or_default();
-        let listener = tokio::net::TcpListener::bind(options.listen).await.map_err(|e| {
-            UpError::Config(format!("cannot listen on {}: {e} (choose another address with --listen)", options.listen))
-        })?;
-        let relay_addr = listener.local_addr().map_err(|e| UpError::Relay(e.to_string()))?;
+        let listener = tokio::net::TcpListener::bind(options.listen)
+            .await
+            .map_err(|e| {
+                UpError::Config(format!(
+                    "cannot listen on {}: {e} (choose another address with --listen)",
+                    options.listen
+                ))
+            })?;
+        let relay_addr = listener
+            .local_addr()
+            .map_err(|e| UpError::Relay(e.to_string()))?;
         let relay_url = format!("https://{}", display_addr(relay_addr));
         let relay_task = spawn_relay(relay, listener);
 
@@ -190,7 +208,10 @@ impl Up {
             cluster_kubeconfig,
             relay: Some(relay_task),
             agent: None,
-            options: UpOptions { dir: dir.clone(), ..options },
+            options: UpOptions {
+                dir: dir.clone(),
+                ..options
+            },
         };
         let onboarding_token = up.register().await?;
         up.spawn_agent(onboarding_token);
@@ -201,7 +222,11 @@ impl Up {
 
     /// A client of the relay's admin API.
     pub fn client(&self) -> Result<RelayClient, ClientError> {
-        RelayClient::with_token(&self.relay_url, Some(self.ca_pem.as_bytes()), self.admin_token.clone())
+        RelayClient::with_token(
+            &self.relay_url,
+            Some(self.ca_pem.as_bytes()),
+            self.admin_token.clone(),
+        )
     }
 
     /// The cluster name.
@@ -232,15 +257,21 @@ impl Up {
         }
         let state = self.agent_state_dir();
         if state.exists() {
-            std::fs::remove_dir_all(&state).map_err(|source| UpError::Io { path: state.clone(), source })?;
+            std::fs::remove_dir_all(&state).map_err(|source| UpError::Io {
+                path: state.clone(),
+                source,
+            })?;
         }
         let created = client.create_cluster(name, &Default::default()).await?;
         Ok(Some(created.onboarding_token))
     }
 
     fn agent_config(&self, onboarding_token: Option<Secret>) -> tether_agent::Config {
-        let mut config =
-            tether_agent::Config::new(self.relay_url.clone(), self.options.cluster.clone(), self.agent_state_dir());
+        let mut config = tether_agent::Config::new(
+            self.relay_url.clone(),
+            self.options.cluster.clone(),
+            self.agent_state_dir(),
+        );
         config.onboarding_token = onboarding_token;
         config.relay_ca = Some(self.options.dir.join("relay").join("ca.pem"));
         config.kubeconfig = Some(self.cluster_kubeconfig.clone());
@@ -266,7 +297,10 @@ impl Up {
         let deadline = Instant::now() + limit;
         loop {
             if let Ok(cluster) = client.show_cluster(&self.options.cluster).await
-                && cluster.get("connected").and_then(serde_json::Value::as_bool) == Some(true)
+                && cluster
+                    .get("connected")
+                    .and_then(serde_json::Value::as_bool)
+                    == Some(true)
             {
                 return Ok(());
             }
@@ -274,7 +308,11 @@ impl Up {
                 && agent.join.is_finished()
                 && let Some(agent) = self.agent.take()
             {
-                let reason = agent.stop().await.err().unwrap_or_else(|| "it stopped".into());
+                let reason = agent
+                    .stop()
+                    .await
+                    .err()
+                    .unwrap_or_else(|| "it stopped".into());
                 return Err(UpError::Agent(reason));
             }
             if Instant::now() >= deadline {
@@ -331,7 +369,12 @@ impl Up {
             ca_file: Some(PathBuf::from("relay/ca.pem")),
             admin_token_file: Some(PathBuf::from("relay/admin-token")),
         };
-        config.save(&self.config_path).map_err(|source| UpError::Io { path: self.config_path.clone(), source })
+        config
+            .save(&self.config_path)
+            .map_err(|source| UpError::Io {
+                path: self.config_path.clone(),
+                source,
+            })
     }
 
     /// Stops everything: agent (drain), relay, sample apiserver.
@@ -347,7 +390,11 @@ impl Up {
 
 fn relay_config(dir: &Path, options: &UpOptions) -> tether_relay::Config {
     let mut config = tether_relay::Config::new(dir.join("relay"));
-    let mut hostnames = vec!["localhost".to_string(), "127.0.0.1".to_string(), "::1".to_string()];
+    let mut hostnames = vec![
+        "localhost".to_string(),
+        "127.0.0.1".to_string(),
+        "::1".to_string(),
+    ];
     if !options.listen.ip().is_unspecified() && !options.listen.ip().is_loopback() {
         hostnames.push(options.listen.ip().to_string());
     }
@@ -356,7 +403,10 @@ fn relay_config(dir: &Path, options: &UpOptions) -> tether_relay::Config {
     config
 }
 
-fn spawn_relay(relay: tether_relay::Relay, listener: tokio::net::TcpListener) -> Running<tether_relay::RelayError> {
+fn spawn_relay(
+    relay: tether_relay::Relay,
+    listener: tokio::net::TcpListener,
+) -> Running<tether_relay::RelayError> {
     let (tx, rx) = oneshot::channel::<()>();
     let join = tokio::spawn(relay.serve(listener, async move {
         let _ = rx.await;
@@ -370,7 +420,9 @@ async fn bind_retrying(addr: SocketAddr) -> Result<tokio::net::TcpListener, UpEr
         match tokio::net::TcpListener::bind(addr).await {
             Ok(listener) => return Ok(listener),
             Err(e) if Instant::now() >= deadline => {
-                return Err(UpError::Relay(format!("cannot listen on {addr} again: {e}")));
+                return Err(UpError::Relay(format!(
+                    "cannot listen on {addr} again: {e}"
+                )));
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
@@ -387,35 +439,59 @@ fn display_addr(addr: SocketAddr) -> String {
 fn validate_name(name: &str) -> Result<(), UpError> {
     let ok = !name.is_empty()
         && name.len() <= 63
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !name.starts_with('-')
         && !name.ends_with('-');
-    if ok { Ok(()) } else { Err(UpError::Config(format!("cluster name {name:?} must be a DNS label (a-z, 0-9, '-')"))) }
+    if ok {
+        Ok(())
+    } else {
+        Err(UpError::Config(format!(
+            "cluster name {name:?} must be a DNS label (a-z, 0-9, '-')"
+        )))
+    }
 }
 
 fn create_private_dir(dir: &Path) -> Result<(), UpError> {
-    std::fs::create_dir_all(dir).map_err(|source| UpError::Io { path: dir.to_path_buf(), source })?;
+    std::fs::create_dir_all(dir).map_err(|source| UpError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(|source| UpError::Io { path: dir.to_path_buf(), source })?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(
+            |source| UpError::Io {
+                path: dir.to_path_buf(),
+                source,
+            },
+        )?;
     }
     Ok(())
 }
 
 /// The bearer token of the current user of a kubeconfig, if it uses one (token or tokenFile).
 fn bearer_token_of(path: &Path) -> Result<Option<String>, UpError> {
-    let io = |source| UpError::Io { path: path.to_path_buf(), source };
+    let io = |source| UpError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let text = std::fs::read_to_string(path).map_err(io)?;
     let config: serde_yaml::Value = serde_yaml::from_str(&text)
         .map_err(|e| UpError::Config(format!("{} is not a kubeconfig: {e}", path.display())))?;
     let current = config["current-context"].as_str().unwrap_or_default();
     let user_name = config["contexts"]
         .as_sequence()
-        .and_then(|contexts| contexts.iter().find(|c| c["name"].as_str() == Some(current)))
+        .and_then(|contexts| {
+            contexts
+                .iter()
+                .find(|c| c["name"].as_str() == Some(current))
+        })
         .and_then(|c| c["context"]["user"].as_str());
-    let Some(user_name) = user_name else { return Ok(None) };
+    let Some(user_name) = user_name else {
+        return Ok(None);
+    };
     let user = config["users"]
         .as_sequence()
         .and_then(|users| users.iter().find(|u| u["name"].as_str() == Some(user_name)))
@@ -425,7 +501,10 @@ fn bearer_token_of(path: &Path) -> Result<Option<String>, UpError> {
         return Ok(Some(token.to_string()));
     }
     if let Some(file) = user["tokenFile"].as_str() {
-        let token = std::fs::read_to_string(file).map_err(|source| UpError::Io { path: file.into(), source })?;
+        let token = std::fs::read_to_string(file).map_err(|source| UpError::Io {
+            path: file.into(),
+            source,
+        })?;
         return Ok(Some(token.trim().to_string()));
     }
     Ok(None)
@@ -436,19 +515,34 @@ pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
     let up = Up::start(args.into()).await?;
     let kubeconfig = up.kubeconfig_path.display().to_string();
     println!("Tether is up.");
-    println!("  relay:    {}  (admin API, agent tunnels, kubectl endpoint)", up.relay_url);
+    println!(
+        "  relay:    {}  (admin API, agent tunnels, kubectl endpoint)",
+        up.relay_url
+    );
     match &up.sample {
-        Some(sample) => println!("  cluster:  \"{}\" — the sample apiserver at {}, connected through an agent", up.cluster(), sample.url()),
-        None => println!("  cluster:  \"{}\" — connected through an agent", up.cluster()),
+        Some(sample) => println!(
+            "  cluster:  \"{}\" — the sample apiserver at {}, connected through an agent",
+            up.cluster(),
+            sample.url()
+        ),
+        None => println!(
+            "  cluster:  \"{}\" — connected through an agent",
+            up.cluster()
+        ),
     }
     println!("  state:    {}", up.dir().display());
     println!();
     println!("Try:");
     println!("  kubectl --kubeconfig {kubeconfig} get namespaces");
     if up.user_token.is_none() {
-        println!("  (the kubeconfig has no user credential; add yours: tether passes it through to the cluster)");
+        println!(
+            "  (the kubeconfig has no user credential; add yours: tether passes it through to the cluster)"
+        );
     }
-    println!("  tether --config {} cluster list", up.config_path.display());
+    println!(
+        "  tether --config {} cluster list",
+        up.config_path.display()
+    );
     println!();
     println!("Press Ctrl-C to stop.");
     wait_for_signal().await;

@@ -254,6 +254,12 @@ impl ApiError {
             "tether-error-retryable",
             HeaderValue::from_static(if self.retryable { "true" } else { "false" }),
         );
+        // client-go ignores the Status body of a failed discovery request (kubectl then prints only "the server
+        // could not find the requested resource"), but it prints every `Warning: 299` header. This puts the
+        // relay's own words in front of the kubectl user, whatever request failed.
+        if let Ok(warning) = HeaderValue::from_str(&warning_header(&self.message)) {
+            h.insert(header::WARNING, warning);
+        }
         if self.status == StatusCode::UNAUTHORIZED {
             h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
@@ -265,6 +271,23 @@ impl ApiError {
         }
         resp
     }
+}
+
+/// An RFC 7234 warning (`299 tether-relay "text"`) carrying `message`, as kube-apiserver sends warnings.
+fn warning_header(message: &str) -> String {
+    let text: String = message
+        .chars()
+        .map(|c| {
+            if c.is_ascii_graphic() || c == ' ' {
+                c
+            } else {
+                '?'
+            }
+        })
+        .collect::<String>()
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"");
+    format!("299 tether-relay \"tether relay: {text}\"")
 }
 
 impl From<StoreError> for ApiError {
@@ -325,5 +348,22 @@ mod tests {
         assert_eq!(resp.headers()["tether-error-origin"], "tunnel");
         assert_eq!(resp.headers()["tether-error-retryable"], "true");
         assert!(resp.headers().get(header::RETRY_AFTER).is_none());
+    }
+
+    #[test]
+    fn every_error_carries_a_warning_kubectl_prints() {
+        let resp = ApiError::cluster_not_found("x").into_response();
+        let warning = resp.headers()[header::WARNING]
+            .to_str()
+            .unwrap_or_default()
+            .to_string();
+        assert_eq!(
+            warning,
+            r#"299 tether-relay "tether relay: clusters \"x\" not found""#
+        );
+        assert_eq!(
+            warning_header("a\\b\u{e9}"),
+            r#"299 tether-relay "tether relay: a\\b?""#
+        );
     }
 }

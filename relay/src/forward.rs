@@ -141,7 +141,13 @@ where
                 ),
             }
         });
-        let (parts, _) = resp.into_parts();
+        let (mut parts, _) = resp.into_parts();
+        // The hop to the agent ends with this exchange, so its HTTP layer may have added `close` to the
+        // Connection header; the user's hop is upgrading, and clients such as kube-rs refuse anything but
+        // `Connection: Upgrade` on a 101.
+        parts
+            .headers
+            .insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
         return Ok(Response::from_parts(parts, crate::body::empty()));
     }
 
