@@ -6,7 +6,8 @@
 //! ([`ws`]). A QUIC transport can later carry each logical stream as a native QUIC stream behind the same
 //! `Connection`/`Stream` types, without any change to relay or agent code.
 //!
-//! Also here, because both sides need them: TLS configuration helpers ([`tls`]) and the [`Secret`] type.
+//! Also here, because both sides need them: TLS configuration helpers ([`tls`]), the [`Secret`] type, and the
+//! control-channel message codec ([`control`]).
 //!
 //! Each [`Connection`] runs one driver task (so it must be created inside a Tokio runtime); stream handles
 //! talk to it through a shared, briefly locked session. Timers follow Tokio's clock, so tests may use
@@ -17,6 +18,7 @@
 //! reconnect (the agent does).
 
 mod conn;
+pub mod control;
 mod secret;
 pub mod tls;
 pub mod ws;
