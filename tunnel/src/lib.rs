@@ -7,7 +7,8 @@
 //! `Connection`/`Stream` types, without any change to relay or agent code.
 //!
 //! Also here, because both sides need them: TLS configuration helpers ([`tls`]), the [`Secret`] type, and the
-//! control-channel message codec ([`control`]).
+//! control-channel message codec ([`control`]); and, for the agent's outbound connections, HTTP CONNECT proxy
+//! support ([`proxy`]).
 //!
 //! Each [`Connection`] runs one driver task (so it must be created inside a Tokio runtime); stream handles
 //! talk to it through a shared, briefly locked session. Timers follow Tokio's clock, so tests may use
@@ -19,6 +20,7 @@
 
 mod conn;
 pub mod control;
+pub mod proxy;
 mod secret;
 pub mod tls;
 pub mod ws;

@@ -42,29 +42,85 @@ fn provider() -> Arc<CryptoProvider> {
 }
 
 /// A client config trusting the CA certificates in `ca_pem` (PEM text), or the webpki roots when `None`.
-/// `alpn` is set as given.
+/// `alpn` is set as given. No client certificate; see [`client_config_with`] for more.
 pub fn client_config(
     ca_pem: Option<&[u8]>,
     alpn: &[&[u8]],
 ) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+    client_config_with(&ClientOptions {
+        ca_pem,
+        alpn,
+        ..ClientOptions::default()
+    })
+}
+
+/// A TLS client identity: a PEM certificate chain (leaf first) and its PEM private key. `Debug` does not
+/// print the key.
+#[derive(Clone, Copy)]
+pub struct ClientIdentity<'a> {
+    /// The certificate chain, PEM.
+    pub cert_pem: &'a [u8],
+    /// The private key (PKCS#8, SEC1 or PKCS#1), PEM.
+    pub key_pem: &'a [u8],
+}
+
+impl std::fmt::Debug for ClientIdentity<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientIdentity")
+            .field("cert_pem", &String::from_utf8_lossy(self.cert_pem))
+            .field("key_pem", &"***")
+            .finish()
+    }
+}
+
+/// What [`client_config_with`] builds.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ClientOptions<'a> {
+    /// CA certificates (PEM) to trust for the server; `None` trusts the webpki roots.
+    pub ca_pem: Option<&'a [u8]>,
+    /// More CA certificates (PEM) trusted in addition to the above, e.g. the CA of a TLS-inspecting proxy.
+    pub extra_ca_pem: Option<&'a [u8]>,
+    /// A certificate and key presented when the server asks for one (mutual TLS).
+    pub identity: Option<ClientIdentity<'a>>,
+    /// ALPN protocols, in order of preference.
+    pub alpn: &'a [&'a [u8]],
+}
+
+/// A client config from `options`. A client identity whose key does not match its certificate is an error
+/// here, not at handshake time.
+pub fn client_config_with(
+    options: &ClientOptions<'_>,
+) -> Result<Arc<rustls::ClientConfig>, TlsError> {
     let mut roots = RootCertStore::empty();
-    match ca_pem {
-        Some(pem) => {
-            let certs = parse_certs(pem, "CA")?;
-            for cert in certs {
-                roots
-                    .add(cert)
-                    .map_err(|e| TlsError::Invalid(format!("unusable CA certificate: {e}")))?;
-            }
-        }
+    match options.ca_pem {
+        Some(pem) => add_roots(&mut roots, pem, "CA")?,
         None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
     }
-    let mut config = rustls::ClientConfig::builder_with_provider(provider())
+    if let Some(pem) = options.extra_ca_pem {
+        add_roots(&mut roots, pem, "extra CA")?;
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        .with_root_certificates(roots);
+    let mut config = match options.identity {
+        Some(identity) => {
+            let chain = parse_certs(identity.cert_pem, "client")?;
+            let key = parse_key(identity.key_pem)?;
+            builder.with_client_auth_cert(chain, key)?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = options.alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(config))
+}
+
+fn add_roots(roots: &mut RootCertStore, pem: &[u8], what: &str) -> Result<(), TlsError> {
+    for cert in parse_certs(pem, what)? {
+        roots
+            .add(cert)
+            .map_err(|e| TlsError::Invalid(format!("unusable {what} certificate: {e}")))?;
+    }
+    Ok(())
 }
 
 /// A server config from PEM certificate chain and private key, with ALPN `h2` and `http/1.1`.
@@ -153,6 +209,56 @@ mod tests {
         let client = client_config(Some(cert.as_bytes()), &[b"http/1.1"])?;
         assert_eq!(client.alpn_protocols, vec![b"http/1.1".to_vec()]);
         assert!(client_config(None, &[]).is_ok());
+        Ok(())
+    }
+
+    #[test]
+    fn client_identity_and_extra_roots() -> anyhow::Result<()> {
+        let (cert, key) = self_signed()?;
+        let (other_cert, other_key) = self_signed()?;
+        let with_identity = client_config_with(&ClientOptions {
+            ca_pem: Some(cert.as_bytes()),
+            extra_ca_pem: Some(other_cert.as_bytes()),
+            identity: Some(ClientIdentity {
+                cert_pem: cert.as_bytes(),
+                key_pem: key.as_bytes(),
+            }),
+            alpn: &[b"http/1.1"],
+        })?;
+        assert!(with_identity.client_auth_cert_resolver.has_certs());
+        assert_eq!(with_identity.alpn_protocols, vec![b"http/1.1".to_vec()]);
+        assert!(
+            !client_config(None, &[])?
+                .client_auth_cert_resolver
+                .has_certs()
+        );
+
+        // A key that is not the certificate's is refused when the config is built.
+        let err = error_text(client_config_with(&ClientOptions {
+            identity: Some(ClientIdentity {
+                cert_pem: cert.as_bytes(),
+                key_pem: other_key.as_bytes(),
+            }),
+            ..ClientOptions::default()
+        }));
+        assert!(err.contains("TLS configuration rejected"), "{err}");
+        let err = error_text(client_config_with(&ClientOptions {
+            extra_ca_pem: Some(b"nothing"),
+            ..ClientOptions::default()
+        }));
+        assert!(err.contains("no extra CA certificate found"), "{err}");
+
+        let shown = format!(
+            "{:?}",
+            ClientIdentity {
+                cert_pem: cert.as_bytes(),
+                key_pem: key.as_bytes(),
+            }
+        );
+        assert!(
+            !shown.contains("PRIVATE KEY") && shown.contains("***"),
+            "{shown}"
+        );
         Ok(())
     }
 

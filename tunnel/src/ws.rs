@@ -4,8 +4,8 @@
 //! decoder is streaming). Text messages break the rules and close the tunnel with a protocol error;
 //! WebSocket ping/pong is answered by tungstenite; a WebSocket close or EOF ends the session's transport.
 //!
-//! The client side ([`connect`]) is structured as dial (TCP) → TLS → upgrade, so that an HTTP CONNECT proxy
-//! step can later sit between TCP and TLS. The server side is split between the relay's HTTP server (which
+//! The client side ([`connect`], [`connect_with_proxy`]) is structured as dial (TCP, through an HTTP CONNECT
+//! proxy if one applies: [`crate::proxy`]) → TLS → upgrade. The server side is split between the relay's HTTP server (which
 //! authenticates the request and sends [`upgrade_response`]) and [`accept_upgraded`].
 
 use std::io;
@@ -22,7 +22,6 @@ use http::header::{
 };
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
@@ -32,6 +31,7 @@ use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role as WsRole, WebSo
 use tokio_tungstenite::tungstenite::{Error as WsError, Message, error::ProtocolError};
 
 use crate::conn::{Recv, Transport};
+use crate::proxy::{self, ProxyConfig, ProxyError};
 use crate::{Connection, Role, SessionConfig};
 
 /// The WebSocket subprotocol name both sides require.
@@ -41,7 +41,8 @@ pub const SUBPROTOCOL: &str = "tether.v1";
 /// a message may carry several, and the session's output is split to fit.
 pub const MAX_MESSAGE_SIZE: usize = 1024 * 1024;
 
-/// Time allowed for the TCP connect (the TLS and WebSocket handshakes get the session's handshake timeout).
+/// Time allowed for the TCP connect, CONNECT through a proxy included (the TLS and WebSocket handshakes get
+/// the session's handshake timeout).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How much of a refusal's body is kept for the error message.
@@ -62,6 +63,9 @@ pub enum ConnectError {
         #[source]
         source: std::io::Error,
     },
+    /// The HTTP proxy could not be reached or refused the CONNECT.
+    #[error(transparent)]
+    Proxy(ProxyError),
     /// TLS handshake failed (e.g. the relay's certificate is not trusted).
     #[error("TLS handshake with the relay failed: {0}")]
     Tls(#[source] std::io::Error),
@@ -93,8 +97,26 @@ pub async fn connect(
     headers: HeaderMap,
     config: SessionConfig,
 ) -> Result<Connection, ConnectError> {
+    connect_with_proxy(url, tls, headers, config, None).await
+}
+
+/// [`connect`], reaching the relay through the HTTP CONNECT proxy in `proxy` unless its bypass list names
+/// the relay's host. TLS runs end to end with the relay inside the proxy's tunnel.
+pub async fn connect_with_proxy(
+    url: &str,
+    tls: Arc<rustls::ClientConfig>,
+    headers: HeaderMap,
+    config: SessionConfig,
+    proxy: Option<&ProxyConfig>,
+) -> Result<Connection, ConnectError> {
     let target = Target::parse(url, false)?;
-    let tcp = dial(&target).await?;
+    let tcp = proxy::dial(&target.host, target.port, proxy, CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| match e {
+            ProxyError::Connect { addr, source } => ConnectError::Connect { addr, source },
+            ProxyError::TimedOut { via, .. } if via.is_empty() => ConnectError::TimedOut,
+            other => ConnectError::Proxy(other),
+        })?;
     let tls = tls_handshake(tls, &target, tcp, config.handshake_timeout).await?;
     upgrade(tls, &target, headers, config).await
 }
@@ -249,29 +271,10 @@ impl Target {
         Ok(Target { host, port, uri })
     }
 
+    #[cfg(test)]
     fn addr(&self) -> String {
-        if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
+        proxy::host_port(&self.host, self.port)
     }
-}
-
-/// The TCP step. An HTTP CONNECT proxy would go here, returning the tunnelled stream.
-async fn dial(target: &Target) -> Result<TcpStream, ConnectError> {
-    let connect = TcpStream::connect((target.host.as_str(), target.port));
-    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, connect)
-        .await
-        .map_err(|_| ConnectError::TimedOut)?
-        .map_err(|source| ConnectError::Connect {
-            addr: target.addr(),
-            source,
-        })?;
-    // Tunnel frames are small and latency matters more than packet count.
-    let _ = tcp.set_nodelay(true);
-    tracing::debug!(addr = %target.addr(), "tcp connected");
-    Ok(tcp)
 }
 
 async fn tls_handshake<IO>(

@@ -160,3 +160,93 @@ async fn unreachable_relay_is_a_connect_error() -> anyhow::Result<()> {
     assert!(matches!(err, ConnectError::Connect { .. }), "{err:?}");
     Ok(())
 }
+
+/// The client identity from `tls::client_config_with` reaches a server that asks for client certificates.
+#[tokio::test]
+async fn client_certificate_is_presented_when_asked() -> anyhow::Result<()> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    use std::sync::Arc;
+
+    let pki = pki()?;
+    // A client CA and an identity it issued, as the relay's agent CA would.
+    let ca_key = rcgen::KeyPair::generate()?;
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let client_ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key)?;
+    let client_key = rcgen::KeyPair::generate()?;
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "prod");
+    let client_cert = params.signed_by(&client_key, &client_ca)?;
+
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(client_ca.der().clone())?;
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots),
+        provider.clone(),
+    )
+    .allow_unauthenticated()
+    .build()?;
+    let chain =
+        CertificateDer::pem_slice_iter(pki.cert_pem.as_bytes()).collect::<Result<Vec<_>, _>>()?;
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(pki.key_pem.as_bytes())?;
+    let server = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            let seen_tx = seen_tx.clone();
+            tokio::spawn(async move {
+                if let Ok(mut tls) = acceptor.accept(tcp).await {
+                    let presented = tls
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .and_then(|c| c.first().cloned());
+                    let _ = seen_tx.send(presented);
+                    let _ = tls.shutdown().await;
+                }
+            });
+        }
+    });
+
+    let (cert_pem, key_pem) = (client_cert.pem(), client_key.serialize_pem());
+    for with_identity in [true, false] {
+        let identity = tls::ClientIdentity {
+            cert_pem: cert_pem.as_bytes(),
+            key_pem: key_pem.as_bytes(),
+        };
+        let config = tls::client_config_with(&tls::ClientOptions {
+            ca_pem: Some(pki.ca_pem.as_bytes()),
+            identity: with_identity.then_some(identity),
+            ..tls::ClientOptions::default()
+        })?;
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        let name = rustls::pki_types::ServerName::try_from("localhost")?;
+        let _tls = within(
+            "handshake",
+            tokio_rustls::TlsConnector::from(config).connect(name, tcp),
+        )
+        .await??;
+        let presented = within("server side", seen_rx.recv())
+            .await?
+            .context("server saw nothing")?;
+        match presented {
+            Some(cert) => {
+                assert!(with_identity);
+                assert_eq!(cert.as_ref(), client_cert.der().as_ref());
+            }
+            None => assert!(!with_identity),
+        }
+    }
+    Ok(())
+}
