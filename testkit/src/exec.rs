@@ -258,6 +258,7 @@ async fn session(mut ws: Ws, protocol: Protocol, exec: ExecRequest) {
         out: out_tx,
         exec: exec.clone(),
         stdout_to_stderr: false,
+        depth: 0,
     };
     let program = run_program(exec.command.clone(), io);
     tokio::pin!(program);
@@ -349,6 +350,8 @@ struct Io {
     exec: ExecRequest,
     /// `>&2` in a shell command: stdout goes to stderr.
     stdout_to_stderr: bool,
+    /// How many shells deep we are (bounded: each level is a nested future).
+    depth: usize,
 }
 
 /// The session is gone; stop.
@@ -392,6 +395,9 @@ impl Io {
 async fn run_program(argv: Vec<String>, mut io: Io) -> Exit {
     run(&argv, &mut io, false).await.unwrap_or(Exit::Code(137))
 }
+
+/// How deeply shells may nest (`sh` run from `sh`).
+const MAX_SHELL_DEPTH: usize = 8;
 
 /// The base name of a program path: `/bin/sh` → `sh`.
 fn base(program: &str) -> &str {
@@ -496,7 +502,16 @@ fn run<'a>(
                     Ok(Exit::Code(1))
                 }
             },
-            "sh" | "bash" => shell(args, io).await,
+            "sh" | "bash" if io.depth >= MAX_SHELL_DEPTH => {
+                io.stderr("sh: too many nested shells\n").await?;
+                Ok(Exit::Code(2))
+            }
+            "sh" | "bash" => {
+                io.depth += 1;
+                let exit = shell(args, io).await;
+                io.depth -= 1;
+                exit
+            }
             other => {
                 if in_shell {
                     io.stderr(&format!("sh: 1: {other}: not found\n")).await?;
@@ -673,10 +688,12 @@ mod tests {
     async fn exec(command: &[&str], input: &[&str], tty: bool) -> (String, String, Exit) {
         let (stdin_tx, stdin_rx) = mpsc::channel(16);
         let (out_tx, mut out_rx) = mpsc::channel(1024);
-        for chunk in input {
-            let _ = stdin_tx.send(Bytes::from(chunk.to_string())).await;
-        }
-        drop(stdin_tx);
+        let chunks: Vec<Bytes> = input.iter().map(|c| Bytes::from(c.to_string())).collect();
+        tokio::spawn(async move {
+            for chunk in chunks {
+                let _ = stdin_tx.send(chunk).await;
+            }
+        });
         let req = request(command, true, tty);
         let exit = run_program(
             req.command.clone(),
@@ -685,6 +702,7 @@ mod tests {
                 out: out_tx,
                 exec: req,
                 stdout_to_stderr: false,
+                depth: 0,
             },
         )
         .await;
@@ -747,6 +765,10 @@ mod tests {
             exec(&["sh"], &["echo one\n", "exit 4\n", "echo never\n"], false).await,
             ("one\n".into(), String::new(), Exit::Code(4))
         );
+        let (_, err, exit) = exec(&["sh"], &["sh\n"; 20], false).await;
+        // The outer shell and seven nested ones reach the limit; the other 13 lines are refused.
+        assert_eq!(err, "sh: too many nested shells\n".repeat(13));
+        assert_eq!(exit, Exit::Code(2));
         let (out, _, exit) = exec(&["sh"], &["echo hi\r", "exit 0\r"], true).await;
         assert_eq!(exit, Exit::Code(0));
         assert!(out.contains("echo hi\r\nhi\r\n# "), "{out:?}");
