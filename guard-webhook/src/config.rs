@@ -1,0 +1,196 @@
+//! The `tether-guard` program's configuration: flags with environment variables, validated (files read, settings
+//! checked) before any port is bound.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use tether_tunnel::Secret;
+
+use crate::audit::AuditSink;
+use crate::engine::{Guard, GuardOptions};
+use crate::jwks::HttpsFetcher;
+use crate::server::{Limits, ServerConfig, server_tls};
+use crate::snapshot::SnapshotStore;
+use crate::token::{
+    Algorithm, Authenticator, DEFAULT_V1_AUTHORITY, DEFAULT_V2_AUTHORITY, TokenConfig,
+};
+
+/// Flags of `tether-guard`.
+#[derive(Clone, Debug, Parser)]
+#[command(
+    name = "tether-guard",
+    version,
+    about = "Kubernetes authentication and authorization webhooks for Entra-style tokens and Azure-RBAC-style role assignments"
+)]
+pub struct Config {
+    /// Address to listen on.
+    #[arg(long, env = "TETHER_GUARD_LISTEN", default_value = "0.0.0.0:8443")]
+    pub listen: SocketAddr,
+    /// Server certificate chain (PEM).
+    #[arg(long, env = "TETHER_GUARD_TLS_CERT")]
+    pub tls_cert: PathBuf,
+    /// Server private key (PEM).
+    #[arg(long, env = "TETHER_GUARD_TLS_KEY")]
+    pub tls_key: PathBuf,
+    /// CA that issued the apiserver's client certificate (PEM); required on the webhook paths.
+    #[arg(long, env = "TETHER_GUARD_CLIENT_CA")]
+    pub client_ca: PathBuf,
+    /// Accepted tenant ids (repeat or comma-separate). Without tenants and audiences, guard only authorizes.
+    #[arg(long = "tenant", env = "TETHER_GUARD_TENANTS", value_delimiter = ',')]
+    pub tenants: Vec<String>,
+    /// Accepted token audiences (repeat or comma-separate); required with tenants.
+    #[arg(
+        long = "audience",
+        env = "TETHER_GUARD_AUDIENCES",
+        value_delimiter = ','
+    )]
+    pub audiences: Vec<String>,
+    /// Accepted signature algorithms: RS256, ES256.
+    #[arg(
+        long = "algorithm",
+        env = "TETHER_GUARD_ALGORITHMS",
+        value_delimiter = ',',
+        default_value = "RS256"
+    )]
+    pub algorithms: Vec<String>,
+    /// Clock-skew leeway for exp/nbf, in seconds (at most 60).
+    #[arg(long, env = "TETHER_GUARD_LEEWAY_SECONDS", default_value_t = 30)]
+    pub leeway_seconds: u64,
+    /// Base URL of v2 issuers and of discovery documents.
+    #[arg(long, env = "TETHER_GUARD_AUTHORITY", default_value = DEFAULT_V2_AUTHORITY)]
+    pub authority: String,
+    /// Base URL of v1 issuers.
+    #[arg(long, env = "TETHER_GUARD_V1_AUTHORITY", default_value = DEFAULT_V1_AUTHORITY)]
+    pub v1_authority: String,
+    /// CA certificates (PEM) to trust when fetching discovery documents and keys, instead of the public roots.
+    #[arg(long, env = "TETHER_GUARD_AUTHORITY_CA")]
+    pub authority_ca: Option<PathBuf>,
+    /// Tokens longer than this many bytes are refused unparsed.
+    #[arg(long, env = "TETHER_GUARD_MAX_TOKEN_BYTES", default_value_t = crate::token::DEFAULT_MAX_TOKEN_BYTES)]
+    pub max_token_bytes: usize,
+    /// Where the last-known-good RBAC snapshot is kept.
+    #[arg(long, env = "TETHER_GUARD_SNAPSHOT_FILE")]
+    pub snapshot_file: PathBuf,
+    /// File holding the bearer token allowed to PUT /snapshot; without it the endpoint is off.
+    #[arg(long, env = "TETHER_GUARD_SNAPSHOT_PUSH_TOKEN_FILE")]
+    pub snapshot_push_token_file: Option<PathBuf>,
+    /// How long an authorization decision is cached, in seconds (0: no cache).
+    #[arg(long, env = "TETHER_GUARD_CACHE_TTL_SECONDS", default_value_t = 60)]
+    pub cache_ttl_seconds: u64,
+    /// Audit log file (one JSON line per decision); `-` for standard output.
+    #[arg(long, env = "TETHER_GUARD_AUDIT_LOG")]
+    pub audit_log: Option<PathBuf>,
+}
+
+/// A configuration that cannot be used (the program exits 64).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A setting is invalid.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Everything [`Config::load`] built.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The engine.
+    pub guard: Arc<Guard>,
+    /// The server settings.
+    pub server: ServerConfig,
+    /// Where to listen.
+    pub listen: SocketAddr,
+}
+
+fn read(path: &PathBuf) -> Result<Vec<u8>, ConfigError> {
+    std::fs::read(path).map_err(|source| ConfigError::Read {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+impl Config {
+    /// Reads every file and checks every setting; binds nothing.
+    pub fn load(&self) -> Result<Loaded, ConfigError> {
+        let invalid = |e: &dyn std::fmt::Display| ConfigError::Invalid(e.to_string());
+        let tls = server_tls(
+            &read(&self.tls_cert)?,
+            &read(&self.tls_key)?,
+            &read(&self.client_ca)?,
+        )
+        .map_err(|e| invalid(&e))?;
+        let authenticator = if self.tenants.is_empty() && self.audiences.is_empty() {
+            None
+        } else {
+            let mut token = TokenConfig::new(self.tenants.clone(), self.audiences.clone());
+            token.algorithms = self
+                .algorithms
+                .iter()
+                .map(|a| a.parse::<Algorithm>())
+                .collect::<Result<_, _>>()
+                .map_err(|e| invalid(&e))?;
+            token.leeway = Duration::from_secs(self.leeway_seconds);
+            token.v2_authority = self.authority.clone();
+            token.v1_authority = self.v1_authority.clone();
+            token.max_token_bytes = self.max_token_bytes;
+            let ca = self.authority_ca.as_ref().map(read).transpose()?;
+            let fetcher = HttpsFetcher::new(ca.as_deref()).map_err(|e| invalid(&e))?;
+            Some(Arc::new(
+                Authenticator::new(token, Arc::new(fetcher)).map_err(|e| invalid(&e))?,
+            ))
+        };
+        let store = SnapshotStore::open(&self.snapshot_file).map_err(|e| invalid(&e))?;
+        let push_token = match &self.snapshot_push_token_file {
+            Some(p) => {
+                let text = String::from_utf8(read(p)?)
+                    .map_err(|_| ConfigError::Invalid(format!("{} is not text", p.display())))?;
+                let token = text.trim().to_owned();
+                if token.len() < 16 {
+                    return Err(ConfigError::Invalid(format!(
+                        "the snapshot push token in {} must be at least 16 characters",
+                        p.display()
+                    )));
+                }
+                Some(Secret::new(token))
+            }
+            None => None,
+        };
+        let audit = match &self.audit_log {
+            None => AuditSink::Off,
+            Some(p) if p.as_os_str() == "-" => AuditSink::Stdout,
+            Some(p) => AuditSink::file(p).map_err(|source| ConfigError::Read {
+                path: p.display().to_string(),
+                source,
+            })?,
+        };
+        let guard = Guard::new(
+            authenticator,
+            Arc::new(store),
+            GuardOptions {
+                cache_ttl: Duration::from_secs(self.cache_ttl_seconds),
+                audit,
+                ..GuardOptions::default()
+            },
+        );
+        Ok(Loaded {
+            guard: Arc::new(guard),
+            server: ServerConfig {
+                tls,
+                limits: Limits::default(),
+                snapshot_push_token: push_token,
+            },
+            listen: self.listen,
+        })
+    }
+}

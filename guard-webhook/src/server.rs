@@ -1,0 +1,566 @@
+//! The HTTPS webhook server (hyper, rustls with aws-lc-rs; HTTP/1.1 and HTTP/2).
+//!
+//! | route | caller | what |
+//! |---|---|---|
+//! | `POST /authenticate` | apiserver (client certificate required) | TokenReview v1 / v1beta1 |
+//! | `POST /authorize` | apiserver (client certificate required) | SubjectAccessReview v1 / v1beta1 |
+//! | `PUT /snapshot`, `GET /snapshot` | snapshot pusher (bearer push token; 404 when none is configured) | replace / show the RBAC snapshot |
+//! | `GET /metrics` | anyone | Prometheus text |
+//! | `GET /healthz` | anyone | `ok` |
+//!
+//! The client certificate is verified against the configured client CA during the handshake; connections without
+//! one are accepted (for probes and scrapes) but get 401 on the webhook paths. Bodies are size-bounded, every
+//! request has a deadline, and errors are Kubernetes `Status` JSON.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io::BufReader;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use rustls::server::WebPkiClientVerifier;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq as _;
+use tether_tunnel::Secret;
+use tether_tunnel::tls::TlsError;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::engine::{Guard, new_request_id};
+use crate::review::{
+    AccessReviewRequest, TokenReviewRequest, access_review_answer, token_review_authenticated,
+    token_review_refused,
+};
+use crate::snapshot::UpdateOutcome;
+
+/// Server limits and timeouts.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Largest webhook request body.
+    pub max_body_bytes: usize,
+    /// Largest snapshot body.
+    pub max_snapshot_bytes: usize,
+    /// Deadline of one request, body included.
+    pub request_timeout: Duration,
+    /// Deadline of the TLS handshake.
+    pub tls_handshake_timeout: Duration,
+    /// Deadline for a request's headers (HTTP/1.1).
+    pub header_read_timeout: Duration,
+    /// Most connections at once.
+    pub max_connections: usize,
+    /// How long shutdown waits for requests in flight.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 64 * 1024,
+            max_snapshot_bytes: 8 * 1024 * 1024,
+            request_timeout: Duration::from_secs(10),
+            tls_handshake_timeout: Duration::from_secs(10),
+            header_read_timeout: Duration::from_secs(10),
+            max_connections: 1024,
+            shutdown_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// How the server runs.
+#[derive(Clone)]
+pub struct ServerConfig {
+    /// TLS, from [`server_tls`] (client certificates verified, optional at the handshake).
+    pub tls: Arc<rustls::ServerConfig>,
+    /// Limits.
+    pub limits: Limits,
+    /// The bearer token that may `PUT /snapshot`; `None` disables the endpoint.
+    pub snapshot_push_token: Option<Secret>,
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("limits", &self.limits)
+            .field("snapshot_push_token", &self.snapshot_push_token)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why the server stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The listener failed.
+    #[error("accepting connections failed: {0}")]
+    Accept(#[source] std::io::Error),
+}
+
+/// A TLS server config from PEM certificate chain and key, verifying client certificates against `client_ca_pem`
+/// (optional at the handshake, required by the webhook paths). ALPN `h2`, `http/1.1`.
+pub fn server_tls(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    client_ca_pem: &[u8],
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    let cas = rustls_pemfile::certs(&mut BufReader::new(client_ca_pem))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::Invalid(format!("malformed client CA PEM: {e}")))?;
+    if cas.is_empty() {
+        return Err(TlsError::Invalid(
+            "no client CA certificate found (expected a PEM block \"BEGIN CERTIFICATE\")"
+                .to_owned(),
+        ));
+    }
+    for ca in cas {
+        roots
+            .add(ca)
+            .map_err(|e| TlsError::Invalid(format!("unusable client CA certificate: {e}")))?;
+    }
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .allow_unauthenticated()
+        .build()
+        .map_err(|e| TlsError::Invalid(format!("client certificate verifier: {e}")))?;
+    let certs = rustls_pemfile::certs(&mut BufReader::new(cert_pem))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::Invalid(format!("malformed server certificate PEM: {e}")))?;
+    if certs.is_empty() {
+        return Err(TlsError::Invalid(
+            "no server certificate found (expected a PEM block \"BEGIN CERTIFICATE\")".to_owned(),
+        ));
+    }
+    let key = rustls_pemfile::private_key(&mut BufReader::new(key_pem))
+        .map_err(|e| TlsError::Invalid(format!("malformed private key PEM: {e}")))?
+        .ok_or_else(|| {
+            TlsError::Invalid(
+                "no private key found (expected a PEM block \"BEGIN PRIVATE KEY\")".to_owned(),
+            )
+        })?;
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs, key)?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+type Body = Full<Bytes>;
+
+struct Shared {
+    guard: Arc<Guard>,
+    limits: Limits,
+    push_token_hash: Option<[u8; 32]>,
+}
+
+#[derive(Clone, Copy)]
+struct ConnCtx {
+    peer: SocketAddr,
+    client_cert: bool,
+}
+
+/// Serves `guard` on `listener` until `shutdown` resolves, then drains requests in flight (up to the grace).
+pub async fn run(
+    guard: Arc<Guard>,
+    config: ServerConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let shared = Arc::new(Shared {
+        guard,
+        limits: config.limits.clone(),
+        push_token_hash: config
+            .snapshot_push_token
+            .as_ref()
+            .map(|t| Sha256::digest(t.expose().as_bytes()).into()),
+    });
+    let acceptor = TlsAcceptor::from(config.tls.clone());
+    let slots = Arc::new(Semaphore::new(config.limits.max_connections.max(1)));
+    let graceful = CancellationToken::new();
+    let connections = TaskTracker::new();
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "guard listening");
+    }
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            () = &mut shutdown => break,
+            p = slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let (tcp, peer) = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) if is_transient(&e) => {
+                    tracing::warn!(error = %e, "accept failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+                Err(e) => return Err(ServeError::Accept(e)),
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let shared = shared.clone();
+        let acceptor = acceptor.clone();
+        let graceful = graceful.clone();
+        connections.spawn(async move {
+            serve_connection(shared, acceptor, tcp, peer, graceful).await;
+            drop(permit);
+        });
+    }
+    drop(listener);
+    graceful.cancel();
+    connections.close();
+    if tokio::time::timeout(config.limits.shutdown_grace, connections.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("requests still open after the shutdown grace period; leaving them");
+    }
+    tracing::info!("guard stopped");
+    Ok(())
+}
+
+fn is_transient(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionAborted | ConnectionReset | Interrupted | WouldBlock | OutOfMemory
+    ) || matches!(e.raw_os_error(), Some(23 | 24))
+}
+
+async fn serve_connection(
+    shared: Arc<Shared>,
+    acceptor: TlsAcceptor,
+    tcp: TcpStream,
+    peer: SocketAddr,
+    graceful: CancellationToken,
+) {
+    let handshake = tokio::time::timeout(shared.limits.tls_handshake_timeout, acceptor.accept(tcp));
+    let tls = tokio::select! {
+        () = graceful.cancelled() => return,
+        r = handshake => match r {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "TLS handshake timed out");
+                return;
+            }
+        },
+    };
+    let ctx = ConnCtx {
+        peer,
+        client_cert: tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .is_some_and(|c| !c.is_empty()),
+    };
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(shared.limits.header_read_timeout)
+        .max_buf_size(64 * 1024);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(256)
+        .max_header_list_size(64 * 1024);
+    let svc_shared = shared.clone();
+    let svc = service_fn(move |req: Request<Incoming>| {
+        let shared = svc_shared.clone();
+        async move {
+            let deadline = shared.limits.request_timeout;
+            let response = match tokio::time::timeout(deadline, route(&shared, ctx, req)).await {
+                Ok(r) => r,
+                Err(_) => status(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "Timeout",
+                    "the request took too long",
+                ),
+            };
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let conn = builder.serve_connection(TokioIo::new(tls), svc);
+    tokio::pin!(conn);
+    let result = tokio::select! {
+        r = conn.as_mut() => r,
+        () = graceful.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            conn.as_mut().await
+        }
+    };
+    if let Err(e) = result {
+        tracing::debug!(peer = %ctx.peer, error = %e, "connection ended with an error");
+    }
+}
+
+fn request_id(headers: &HeaderMap) -> String {
+    ["audit-id", "x-request-id"]
+        .iter()
+        .filter_map(|h| headers.get(*h))
+        .filter_map(|v| v.to_str().ok())
+        .map(str::trim)
+        .find(|v| {
+            !v.is_empty()
+                && v.len() <= 64
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
+        .map(str::to_owned)
+        .unwrap_or_else(new_request_id)
+}
+
+async fn route(shared: &Shared, ctx: ConnCtx, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_owned();
+    let method = req.method().clone();
+    match (path.as_str(), &method) {
+        ("/healthz", &Method::GET) => text(StatusCode::OK, "ok"),
+        ("/metrics", &Method::GET) => {
+            let mut r = text(StatusCode::OK, &shared.guard.metrics().encode());
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                http::HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            r
+        }
+        ("/authenticate", &Method::POST) => authenticate(shared, ctx, req).await,
+        ("/authorize", &Method::POST) => authorize(shared, ctx, req).await,
+        ("/snapshot", &Method::PUT | &Method::GET) => snapshot(shared, req).await,
+        ("/healthz" | "/metrics" | "/authenticate" | "/authorize" | "/snapshot", _) => status(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "MethodNotAllowed",
+            &format!("{method} is not allowed on {path}"),
+        ),
+        _ => status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("guard serves no {path}"),
+        ),
+    }
+}
+
+async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Response<Body>> {
+    if let Some(len) = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        && len > limit
+    {
+        return Err(too_large(limit));
+    }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large(limit)),
+        Err(_) => Err(status(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            "the request body could not be read",
+        )),
+    }
+}
+
+fn too_large(limit: usize) -> Response<Body> {
+    status(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "RequestEntityTooLarge",
+        &format!("the request body is larger than {limit} bytes"),
+    )
+}
+
+fn unauthenticated_caller(shared: &Shared, webhook: &'static str, id: &str) -> Response<Body> {
+    shared
+        .guard
+        .record_error(webhook, id, "caller presented no client certificate");
+    status(
+        StatusCode::UNAUTHORIZED,
+        "Unauthorized",
+        "a client certificate issued by the configured client CA is required",
+    )
+}
+
+async fn authenticate(shared: &Shared, ctx: ConnCtx, req: Request<Incoming>) -> Response<Body> {
+    let id = request_id(req.headers());
+    if !ctx.client_cert {
+        return unauthenticated_caller(shared, "authenticate", &id);
+    }
+    let body = match read_body(req, shared.limits.max_body_bytes).await {
+        Ok(b) => b,
+        Err(r) => {
+            shared
+                .guard
+                .record_error("authenticate", &id, "unreadable body");
+            return r;
+        }
+    };
+    let review = match TokenReviewRequest::parse(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            shared
+                .guard
+                .record_error("authenticate", &id, &e.to_string());
+            return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string());
+        }
+    };
+    let answer = match shared.guard.authenticate(&review.token, &id).await {
+        Ok(identity) => token_review_authenticated(&review.api_version, &identity),
+        Err(e) => token_review_refused(&review.api_version, &e.to_string()),
+    };
+    json_response(StatusCode::OK, &answer)
+}
+
+async fn authorize(shared: &Shared, ctx: ConnCtx, req: Request<Incoming>) -> Response<Body> {
+    let id = request_id(req.headers());
+    if !ctx.client_cert {
+        return unauthenticated_caller(shared, "authorize", &id);
+    }
+    let body = match read_body(req, shared.limits.max_body_bytes).await {
+        Ok(b) => b,
+        Err(r) => {
+            shared
+                .guard
+                .record_error("authorize", &id, "unreadable body");
+            return r;
+        }
+    };
+    let review = match AccessReviewRequest::parse(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            shared.guard.record_error("authorize", &id, &e.to_string());
+            return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string());
+        }
+    };
+    let decision = shared.guard.authorize(&review.request, &id);
+    json_response(
+        StatusCode::OK,
+        &access_review_answer(&review.api_version, &decision, ""),
+    )
+}
+
+fn bearer_matches(headers: &HeaderMap, expected: &[u8; 32]) -> bool {
+    let Some(value) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let Some((scheme, token)) = value.trim().split_once(' ') else {
+        return false;
+    };
+    if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
+        return false;
+    }
+    let got: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
+    bool::from(got.ct_eq(expected))
+}
+
+async fn snapshot(shared: &Shared, req: Request<Incoming>) -> Response<Body> {
+    let Some(expected) = &shared.push_token_hash else {
+        return status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            "snapshot pushes are not enabled on this guard",
+        );
+    };
+    if !bearer_matches(req.headers(), expected) {
+        return status(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized",
+            "a valid snapshot push token is required",
+        );
+    }
+    let store = shared.guard.store();
+    if req.method() == Method::GET {
+        return json_response(StatusCode::OK, &json!({ "version": store.version() }));
+    }
+    let body = match read_body(req, shared.limits.max_snapshot_bytes).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    match store.update_json(&body) {
+        Ok(UpdateOutcome::Applied) => {
+            let version = store.version();
+            shared
+                .guard
+                .metrics()
+                .snapshot_version
+                .set(i64::try_from(version).unwrap_or(i64::MAX));
+            tracing::info!(version, "snapshot applied");
+            json_response(
+                StatusCode::OK,
+                &json!({ "version": version, "applied": true }),
+            )
+        }
+        Ok(UpdateOutcome::Stale { current }) => json_response(
+            StatusCode::OK,
+            &json!({ "version": current, "applied": false }),
+        ),
+        Err(crate::snapshot::SnapshotError::Io { path, source }) => {
+            tracing::error!(%path, error = %source, "persisting the snapshot failed");
+            status(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalError",
+                "the snapshot could not be persisted; the previous one stays in use",
+            )
+        }
+        Err(e) => status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+    }
+}
+
+fn text(code: StatusCode, body: &str) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from(body.to_owned())));
+    *r.status_mut() = code;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}
+
+fn json_response(code: StatusCode, value: &Value) -> Response<Body> {
+    let bytes = serde_json::to_vec(value).unwrap_or_default();
+    let mut r = Response::new(Full::new(Bytes::from(bytes)));
+    *r.status_mut() = code;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// The one place errors become HTTP: a Kubernetes `Status` body.
+fn status(code: StatusCode, reason: &str, message: &str) -> Response<Body> {
+    json_response(
+        code,
+        &json!({
+            "apiVersion": "v1",
+            "kind": "Status",
+            "status": "Failure",
+            "message": message,
+            "reason": reason,
+            "code": code.as_u16(),
+        }),
+    )
+}
