@@ -1,32 +1,41 @@
-//! The agent endpoints: onboarding (token → credential) and the tunnel (WebSocket upgrade).
+//! The agent endpoints: onboarding (token + CSR → the cluster's certificate) and the tunnel (mTLS, then a
+//! WebSocket upgrade), and the life of one tunnel: registration, the control channel, expiry, removal.
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use serde_json::json;
-use tether_tunnel::{Connection, Role, code, ws};
+use tether_tunnel::{Connection, Role, code, kind, ws};
 use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+use tokio::sync::watch;
 
 use crate::auth;
 use crate::body::Body;
+use crate::control;
 use crate::error::ApiError;
+use crate::identity::{self, IssueError, PeerCert};
 use crate::server::{self, ConnCtx, Shared};
-use crate::store::TokenHash;
+use crate::store::{NewIdentity, TokenHash};
 
 const BAD_ONBOARDING_TOKEN: &str = "onboarding token is invalid or already used";
-const BAD_CREDENTIAL: &str =
-    "agent credential is invalid for this cluster (onboard the agent again)";
+const NO_CLIENT_CERT: &str = "no client certificate: the agent must present its cluster identity \
+     (if its state was lost, delete the cluster and connect it again)";
+const BAD_IDENTITY: &str = "the client certificate is not a valid identity of this cluster: it was deleted, \
+     its identity revoked or replaced (delete the cluster and connect it again)";
 
 #[derive(Deserialize)]
 struct Onboard {
     cluster: String,
     token: String,
+    csr: String,
 }
 
-/// `POST /agent/v1/onboard`: trades a one-time onboarding token for the cluster's credential.
+/// `POST /agent/v1/onboard`: trades a one-time onboarding token and a CSR for the cluster's certificate.
 pub(crate) async fn onboard(
     shared: &Shared,
     req: Request<Incoming>,
@@ -46,24 +55,39 @@ pub(crate) async fn onboard(
     if !matches {
         return Err(ApiError::unauthorized(BAD_ONBOARDING_TOKEN));
     }
-    let credential = auth::generate_token();
+    let now = OffsetDateTime::now_utc();
+    let issued = shared
+        .agent_ca
+        .issue(
+            &body.cluster,
+            &body.csr,
+            shared.config.identity_validity,
+            now,
+        )
+        .map_err(|e| match e {
+            IssueError::InvalidCsr(_) => ApiError::bad_request(e.to_string()),
+            IssueError::Sign(_) => ApiError::internal(e.to_string()),
+        })?;
+    let identity = NewIdentity {
+        fingerprint: issued.fingerprint.clone(),
+        not_after: issued.not_after,
+    };
     let redeemed = shared
         .store
-        .redeem_onboarding_token(
-            &body.cluster,
-            &token_hash,
-            &TokenHash::of(credential.expose()),
-            OffsetDateTime::now_utc(),
-        )
+        .redeem_onboarding_token(&body.cluster, &token_hash, &identity, now)
         .await?;
     if !redeemed {
         // Lost a race with a concurrent redemption of the same token.
         return Err(ApiError::unauthorized(BAD_ONBOARDING_TOKEN));
     }
-    tracing::info!(cluster = %body.cluster, "agent onboarded");
+    let not_after = issued
+        .not_after
+        .format(&Rfc3339)
+        .map_err(|e| ApiError::internal(format!("cannot format the expiry: {e}")))?;
+    tracing::info!(cluster = %body.cluster, %not_after, fingerprint = %issued.fingerprint, "agent onboarded");
     Ok(server::json(
         StatusCode::OK,
-        &json!({ "cluster": body.cluster, "credential": credential.expose() }),
+        &json!({ "cluster": body.cluster, "certificate": issued.pem, "notAfter": not_after }),
     ))
 }
 
@@ -84,7 +108,46 @@ fn agent_version(headers: &HeaderMap) -> String {
     }
 }
 
-/// `GET /agent/v1/tunnel`: authenticates the agent, then upgrades to WebSocket and starts the tunnel.
+/// Checks the client certificate of a tunnel request for `cluster`: it names the cluster, is its current (or
+/// just-replaced) identity, and has not expired. Returns what it read from it.
+async fn authenticate(shared: &Shared, ctx: &ConnCtx, cluster: &str) -> Result<PeerCert, ApiError> {
+    if !auth::valid_cluster_name(cluster) {
+        return Err(ApiError::unauthorized(
+            "the Tether-Cluster header must name the cluster (a DNS label)",
+        ));
+    }
+    let Some(cert) = &ctx.client_cert else {
+        return Err(ApiError::unauthorized(NO_CLIENT_CERT));
+    };
+    let peer = identity::parse_peer(cert).map_err(ApiError::unauthorized)?;
+    if !peer.names(cluster) {
+        return Err(ApiError::unauthorized(format!(
+            "the client certificate is not an identity of cluster {cluster}"
+        )));
+    }
+    let identity = shared
+        .store
+        .cluster(cluster)
+        .await?
+        .and_then(|record| record.identity);
+    let Some(identity) = identity.filter(|id| id.accepts(&peer.fingerprint)) else {
+        return Err(ApiError::unauthorized(BAD_IDENTITY));
+    };
+    if peer.not_after <= OffsetDateTime::now_utc() {
+        return Err(ApiError::identity_expired(cluster, peer.not_after));
+    }
+    if identity.fingerprint == peer.fingerprint && identity.previous_fingerprint.is_some() {
+        // The agent uses its renewed certificate: the one it replaced is no longer needed.
+        shared
+            .store
+            .confirm_identity(cluster, &peer.fingerprint)
+            .await?;
+    }
+    Ok(peer)
+}
+
+/// `GET /agent/v1/tunnel`: authenticates the agent by its client certificate, then upgrades to WebSocket and
+/// starts the tunnel.
 pub(crate) async fn tunnel(
     shared: &Arc<Shared>,
     ctx: ConnCtx,
@@ -93,19 +156,13 @@ pub(crate) async fn tunnel(
     let cluster = header_str(req.headers(), "tether-cluster")
         .unwrap_or_default()
         .to_owned();
-    let presented = auth::bearer(req.headers());
-    let secrets = match (auth::valid_cluster_name(&cluster), &presented) {
-        (true, Some(_)) => shared.store.secrets(&cluster).await?,
-        _ => None,
+    let peer = match authenticate(shared, &ctx, &cluster).await {
+        Ok(peer) => peer,
+        Err(e) => {
+            tracing::info!(cluster = %cluster, peer = %ctx.peer, reason = e.reason, error = %e.message, "agent tunnel refused");
+            return Err(e);
+        }
     };
-    let authentic = match (secrets.and_then(|s| s.credential_hash), presented) {
-        (Some(stored), Some(presented)) => stored.ct_eq(&TokenHash::of(presented.expose())),
-        _ => false,
-    };
-    if !authentic {
-        tracing::info!(cluster = %cluster, peer = %ctx.peer, "agent tunnel refused: bad credential");
-        return Err(ApiError::unauthorized(BAD_CREDENTIAL));
-    }
     if shared.is_shutting_down() {
         return Err(ApiError::shutting_down());
     }
@@ -124,15 +181,64 @@ pub(crate) async fn tunnel(
         let mut session = task_shared.config.tunnel.clone();
         session.role = Role::Server;
         let conn = ws::accept_upgraded(TokioIo::new(upgraded), session);
-        run_tunnel(&task_shared, &cluster, &version, conn).await;
+        run_tunnel(&task_shared, &cluster, &version, &peer, conn).await;
         drop(ctx);
     });
     let (parts, ()) = switch.into_parts();
     Ok(Response::from_parts(parts, crate::body::empty()))
 }
 
+/// Accepts the agent's streams: the first CONTROL stream is served, any other stream is refused.
+async fn accept_streams(
+    shared: Arc<Shared>,
+    cluster: String,
+    peer: PeerCert,
+    conn: Connection,
+    valid_until: watch::Sender<OffsetDateTime>,
+) {
+    let mut valid_until = Some(valid_until);
+    let mut control_task = None;
+    while let Some(incoming) = conn.accept().await {
+        if incoming.kind != kind::CONTROL {
+            incoming.refuse(
+                code::UNSUPPORTED_KIND,
+                "the relay accepts only a control stream from agents",
+            );
+            continue;
+        }
+        let Some(valid_until) = valid_until.take() else {
+            incoming.refuse(
+                code::REFUSED,
+                "a control channel is already open on this tunnel",
+            );
+            continue;
+        };
+        match incoming.accept(Bytes::new()) {
+            Ok(stream) => {
+                let channel = control::Channel {
+                    shared: shared.clone(),
+                    cluster: cluster.clone(),
+                    held_fingerprint: peer.fingerprint.clone(),
+                    valid_until,
+                };
+                control_task = Some(tokio::spawn(control::serve(channel, stream)));
+            }
+            Err(e) => tracing::debug!(cluster, error = %e, "control stream failed to open"),
+        }
+    }
+    if let Some(task) = control_task {
+        task.abort();
+    }
+}
+
 /// Owns one agent tunnel from registration to removal.
-async fn run_tunnel(shared: &Shared, cluster: &str, version: &str, conn: Connection) {
+async fn run_tunnel(
+    shared: &Arc<Shared>,
+    cluster: &str,
+    version: &str,
+    peer: &PeerCert,
+    conn: Connection,
+) {
     let (id, replaced) = shared.registry.insert(cluster, conn.clone());
     if let Some(old) = replaced {
         old.conn.go_away(
@@ -155,45 +261,42 @@ async fn run_tunnel(shared: &Shared, cluster: &str, version: &str, conn: Connect
         tracing::warn!(cluster, error = %e, "cannot record the connection");
     }
 
-    // Agents may not open streams (yet): refuse each one.
-    let refuser = {
-        let conn = conn.clone();
-        tokio::spawn(async move {
-            while let Some(incoming) = conn.accept().await {
-                incoming.refuse(
-                    code::UNSUPPORTED_KIND,
-                    "the relay accepts no streams from agents",
-                );
-            }
-        })
-    };
+    let (valid_until, mut expiry) = watch::channel(peer.not_after);
+    let acceptor = tokio::spawn(accept_streams(
+        shared.clone(),
+        cluster.to_owned(),
+        peer.clone(),
+        conn.clone(),
+        valid_until,
+    ));
 
-    let mut tick = tokio::time::interval(shared.config.limits.last_seen_interval);
-    tick.reset(); // the first tick would fire at once; connected already set last-seen
     let closed = conn.closed();
     tokio::pin!(closed);
+    let mut closing = false;
     let info = loop {
+        let until = *expiry.borrow_and_update();
+        let left = until - OffsetDateTime::now_utc();
+        let left = std::time::Duration::try_from(left).unwrap_or_default();
         tokio::select! {
             info = &mut closed => break info,
-            _ = tick.tick() => {
-                if let Err(e) = shared.store.record_seen(cluster, OffsetDateTime::now_utc()).await {
-                    tracing::warn!(cluster, error = %e, "cannot record last-seen");
+            // A renewal moved the expiry: wait for the new one.
+            Ok(()) = expiry.changed() => {}
+            () = tokio::time::sleep(left), if !closing => {
+                if *expiry.borrow() <= OffsetDateTime::now_utc() {
+                    closing = true;
+                    tracing::info!(cluster, "closing the tunnel: the cluster's identity expired");
+                    conn.close(code::REFUSED, "the cluster's identity expired");
                 }
             }
         }
     };
-    refuser.abort();
+    acceptor.abort();
     let current = shared.registry.remove_if(cluster, id);
     match &info.error {
         None => tracing::info!(cluster, "agent tunnel closed"),
         Some(e) => tracing::info!(cluster, error = %e, "agent tunnel lost"),
     }
-    if current
-        && let Err(e) = shared
-            .store
-            .record_disconnected(cluster, OffsetDateTime::now_utc())
-            .await
-    {
+    if current && let Err(e) = shared.store.record_disconnected(cluster).await {
         tracing::warn!(cluster, error = %e, "cannot record the disconnection");
     }
 }

@@ -1,4 +1,4 @@
-//! The admin REST API: `/api/v1/clusters[/NAME]`, bearer admin token.
+//! The admin REST API: `/api/v1/clusters[/NAME[/export]]`, `/api/v1/clusters/import`, bearer admin token.
 
 use std::collections::BTreeMap;
 
@@ -14,7 +14,12 @@ use crate::auth;
 use crate::body::Body;
 use crate::error::ApiError;
 use crate::server::{self, Shared};
+use crate::status::{self, ConnectivityStatus};
 use crate::store::{ClusterRecord, NewCluster, TokenHash};
+
+/// `apiVersion` and `kind` of an exported cluster.
+const EXPORT_API_VERSION: &str = "tether.dev/v1";
+const EXPORT_KIND: &str = "ClusterExport";
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -24,7 +29,20 @@ struct CreateCluster {
     tags: BTreeMap<String, String>,
 }
 
-/// Handles `/api/v1/clusters` (`name` = `None`) and `/api/v1/clusters/NAME`.
+/// The document `GET …/export` writes and `POST …/import` reads.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ClusterExport {
+    api_version: String,
+    kind: String,
+    name: String,
+    #[serde(default)]
+    tags: BTreeMap<String, String>,
+    #[serde(default)]
+    role_assignments: Vec<Value>,
+}
+
+/// Handles `/api/v1/clusters` (`name` = `None`) and `/api/v1/clusters/{name}` (`NAME`, `NAME/export`, `import`).
 pub(crate) async fn handle(
     shared: &Shared,
     req: Request<Incoming>,
@@ -37,39 +55,64 @@ pub(crate) async fn handle(
             "a valid admin token is required (Authorization: Bearer ADMIN_TOKEN)",
         ));
     }
-    match (req.method().clone(), name) {
-        (Method::POST, None) => create(shared, req).await,
-        (Method::GET, None) => list(shared).await,
-        (Method::GET, Some(name)) => show(shared, name).await,
-        (Method::DELETE, Some(name)) => delete(shared, name).await,
-        _ => Err(ApiError::method_not_allowed()),
+    let (name, sub) = match name.map(|n| n.split_once('/').unwrap_or((n, ""))) {
+        Some((n, sub)) => (Some(n), sub),
+        None => (None, ""),
+    };
+    match (req.method().clone(), name, sub) {
+        (Method::POST, None, _) => create(shared, req).await,
+        (Method::GET, None, _) => {
+            let query = req.uri().query().unwrap_or_default().to_owned();
+            list(shared, &query).await
+        }
+        (Method::POST, Some("import"), "") => import(shared, req).await,
+        (Method::GET, Some(name), "") => show(shared, name).await,
+        (Method::GET, Some(name), "export") => export(shared, name).await,
+        (Method::DELETE, Some(name), "") => delete(shared, name).await,
+        (_, None, _) | (_, Some(_), "" | "export") => Err(ApiError::method_not_allowed()),
+        (_, Some(name), sub) => Err(ApiError::not_found(format!(
+            "clusters \"{name}\" have no {sub:?} subresource"
+        ))),
     }
 }
 
-async fn create(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
-    let body: CreateCluster = server::read_json(shared, req.into_body()).await?;
-    if !auth::valid_cluster_name(&body.name) {
+fn check_registration(name: &str, tags: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if !auth::valid_cluster_name(name) {
         return Err(ApiError::invalid(format!(
-            "invalid cluster name {:?}: must be a DNS-1123 label (at most 63 characters: a-z, 0-9 and '-', \
-             starting and ending with a letter or digit)",
-            body.name
+            "invalid cluster name {name:?}: must be a DNS-1123 label (at most 63 characters: a-z, 0-9 and '-', \
+             starting and ending with a letter or digit)"
         )));
     }
-    if let Some(key) = body.tags.keys().find(|k| k.is_empty() || k.len() > 253) {
+    if let Some(key) = tags
+        .keys()
+        .find(|k| k.is_empty() || k.len() > 253 || k.contains('='))
+    {
         return Err(ApiError::invalid(format!(
-            "invalid tag key {key:?}: must be 1 to 253 characters"
+            "invalid tag key {key:?}: must be 1 to 253 characters without '='"
         )));
     }
+    Ok(())
+}
+
+/// Registers a cluster and answers 201 with it and its onboarding token.
+async fn register(
+    shared: &Shared,
+    name: String,
+    tags: BTreeMap<String, String>,
+    how: &'static str,
+) -> Result<Response<Body>, ApiError> {
+    check_registration(&name, &tags)?;
     let token = auth::generate_token();
     let new = NewCluster {
-        name: body.name,
-        tags: body.tags,
+        name,
+        tags,
         onboarding_token_hash: TokenHash::of(token.expose()),
         created_at: OffsetDateTime::now_utc(),
     };
     let record = shared.store.create_cluster(&new).await?;
-    tracing::info!(cluster = %record.name, "cluster registered");
-    let mut value = cluster_json(shared, &record);
+    shared.activity.forget(&record.name);
+    tracing::info!(cluster = %record.name, how, "cluster registered");
+    let mut value = cluster_json(shared, record, OffsetDateTime::now_utc());
     if let Some(obj) = value.as_object_mut() {
         // The only time the onboarding token is ever shown.
         obj.insert(
@@ -80,29 +123,132 @@ async fn create(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body
     Ok(server::json(StatusCode::CREATED, &value))
 }
 
-async fn list(shared: &Shared) -> Result<Response<Body>, ApiError> {
-    let items: Vec<Value> = shared
+async fn create(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let body: CreateCluster = server::read_json(shared, req.into_body()).await?;
+    register(shared, body.name, body.tags, "created").await
+}
+
+async fn import(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let doc: ClusterExport = server::read_json(shared, req.into_body()).await?;
+    if doc.api_version != EXPORT_API_VERSION || doc.kind != EXPORT_KIND {
+        return Err(ApiError::invalid(format!(
+            "expected apiVersion {EXPORT_API_VERSION:?} and kind {EXPORT_KIND:?}, got {:?} and {:?}",
+            doc.api_version, doc.kind
+        )));
+    }
+    if !doc.role_assignments.is_empty() {
+        return Err(ApiError::invalid(
+            "this relay cannot import role assignments yet; remove them from the document or upgrade the relay",
+        ));
+    }
+    register(shared, doc.name, doc.tags, "imported").await
+}
+
+async fn export(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError> {
+    let record = shared
         .store
-        .list_clusters()
+        .cluster(name)
         .await?
-        .iter()
-        .map(|c| cluster_json(shared, c))
-        .collect();
+        .ok_or_else(|| ApiError::cluster_not_found(name))?;
+    Ok(server::json(
+        StatusCode::OK,
+        &json!({
+            "apiVersion": EXPORT_API_VERSION,
+            "kind": EXPORT_KIND,
+            "name": record.name,
+            "tags": record.tags,
+            "roleAssignments": [],
+        }),
+    ))
+}
+
+/// `?status=S` (repeatable: any of them) and `?tag=KEY=VALUE` or `?tag=KEY` (repeatable: all of them).
+#[derive(Debug, Default, PartialEq)]
+struct Filters {
+    statuses: Vec<ConnectivityStatus>,
+    tags: Vec<(String, Option<String>)>,
+}
+
+impl Filters {
+    fn parse(query: &str) -> Result<Self, ApiError> {
+        let mut filters = Filters::default();
+        for (key, value) in url::form_urlencoded::parse(query.as_bytes()) {
+            match &*key {
+                "status" => {
+                    let status = ConnectivityStatus::parse(&value).ok_or_else(|| {
+                        ApiError::invalid(format!(
+                            "invalid status {value:?}: expected one of {}",
+                            ConnectivityStatus::ALL
+                                .map(ConnectivityStatus::as_str)
+                                .join(", ")
+                        ))
+                    })?;
+                    filters.statuses.push(status);
+                }
+                "tag" => {
+                    let (k, v) = match value.split_once('=') {
+                        Some((k, v)) => (k, Some(v.to_owned())),
+                        None => (&*value, None),
+                    };
+                    if k.is_empty() {
+                        return Err(ApiError::invalid(format!(
+                            "invalid tag filter {value:?}: expected KEY=VALUE or KEY"
+                        )));
+                    }
+                    filters.tags.push((k.to_owned(), v));
+                }
+                other => {
+                    return Err(ApiError::invalid(format!(
+                        "unknown query parameter {other:?}: the cluster list takes status and tag"
+                    )));
+                }
+            }
+        }
+        Ok(filters)
+    }
+
+    fn matches(&self, record: &ClusterRecord, status: ConnectivityStatus) -> bool {
+        (self.statuses.is_empty() || self.statuses.contains(&status))
+            && self
+                .tags
+                .iter()
+                .all(|(k, v)| match (record.tags.get(k), v) {
+                    (Some(have), Some(want)) => have == want,
+                    (Some(_), None) => true,
+                    (None, _) => false,
+                })
+    }
+}
+
+async fn list(shared: &Shared, query: &str) -> Result<Response<Body>, ApiError> {
+    let filters = Filters::parse(query)?;
+    let now = OffsetDateTime::now_utc();
+    let mut items = Vec::new();
+    for mut record in shared.store.list_clusters().await? {
+        shared.activity.overlay(&mut record);
+        if filters.matches(&record, connectivity(shared, &record, now)) {
+            items.push(cluster_json(shared, record, now));
+        }
+    }
     Ok(server::json(StatusCode::OK, &json!({ "items": items })))
 }
 
 async fn show(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError> {
     match shared.store.cluster(name).await? {
-        Some(record) => Ok(server::json(StatusCode::OK, &cluster_json(shared, &record))),
+        Some(record) => Ok(server::json(
+            StatusCode::OK,
+            &cluster_json(shared, record, OffsetDateTime::now_utc()),
+        )),
         None => Err(ApiError::cluster_not_found(name)),
     }
 }
 
 async fn delete(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError> {
-    // Deleting the row revokes the credential; then the live tunnel goes.
+    // Deleting the row revokes the identity (its fingerprint is gone); then the live tunnel goes.
     if !shared.store.delete_cluster(name).await? {
         return Err(ApiError::cluster_not_found(name));
     }
+    shared.activity.forget(name);
     if let Some(tunnel) = shared.registry.remove(name) {
         // Not SHUTDOWN: the agent would take that as a graceful GOAWAY and keep its streams open.
         tunnel
@@ -120,9 +266,22 @@ fn rfc3339(t: Option<OffsetDateTime>) -> Value {
         .map_or(Value::Null, Value::String)
 }
 
-/// The cluster as the API shows it; `connected` and `connectedSince` come from the live registry.
-fn cluster_json(shared: &Shared, c: &ClusterRecord) -> Value {
+fn connectivity(shared: &Shared, c: &ClusterRecord, now: OffsetDateTime) -> ConnectivityStatus {
+    status::connectivity_status(
+        c.identity.as_ref().map(|i| i.not_after),
+        c.last_seen,
+        now,
+        shared.config.offline_threshold,
+    )
+}
+
+/// The cluster as the API shows it. `connected` and `connectedSince` come from the live registry; heartbeats
+/// not yet written to the store are applied first.
+fn cluster_json(shared: &Shared, mut c: ClusterRecord, now: OffsetDateTime) -> Value {
+    shared.activity.overlay(&mut c);
     let live = shared.registry.get(&c.name);
+    let latest = &shared.config.latest_agent_version;
+    let metadata = c.metadata.as_ref();
     json!({
         "name": c.name,
         "tags": c.tags,
@@ -130,7 +289,80 @@ fn cluster_json(shared: &Shared, c: &ClusterRecord) -> Value {
         "onboarded": c.onboarded,
         "connected": live.is_some(),
         "connectedSince": rfc3339(live.map(|t| t.since)),
+        "connectivityStatus": connectivity(shared, &c, now).as_str(),
+        "lastConnectivityTime": rfc3339(c.last_seen),
         "lastSeen": rfc3339(c.last_seen),
+        "kubernetesVersion": metadata.map(|m| m.kubernetes_version.as_str()),
+        "nodeCount": metadata.map(|m| m.node_count),
+        "totalCpuMillis": metadata.map(|m| m.total_cpu_millis),
+        "totalMemoryBytes": metadata.map(|m| m.total_memory_bytes),
+        "distribution": metadata.map(|m| m.distribution.as_str()),
+        "infrastructure": metadata.map(|m| m.infrastructure.as_str()),
+        "metadataReportedAt": rfc3339(metadata.map(|m| m.reported_at)),
         "agentVersion": c.agent_version,
+        "agentHealth": c.health.as_ref().map(|h| json!({
+            "uptimeSeconds": h.uptime_seconds,
+            "memoryBytes": h.memory_bytes,
+            "cpuSeconds": h.cpu_seconds,
+            "reconnects": h.reconnects,
+            "tunnelRttMillis": h.tunnel_rtt_millis,
+            "reportedAt": rfc3339(Some(h.reported_at)),
+        })),
+        "identity": c.identity.as_ref().map(|i| json!({
+            "notAfter": rfc3339(Some(i.not_after)),
+            "fingerprint": i.fingerprint,
+        })),
+        "latestAgentVersion": latest,
+        "upgradeAvailable": status::upgrade_available(c.agent_version.as_deref(), latest),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_filters() {
+        let f = Filters::parse("status=Connected&tag=env%3Dprod&tag=team&status=offline")
+            .unwrap_or_default();
+        assert_eq!(
+            f,
+            Filters {
+                statuses: vec![ConnectivityStatus::Connected, ConnectivityStatus::Offline],
+                tags: vec![("env".into(), Some("prod".into())), ("team".into(), None)],
+            }
+        );
+        // `=` inside the value is the tag's: only the first one splits.
+        let f = Filters::parse("tag=url=a=b").unwrap_or_default();
+        assert_eq!(f.tags, vec![("url".into(), Some("a=b".into()))]);
+        assert!(Filters::parse("status=Gone").is_err());
+        assert!(Filters::parse("tag==x").is_err());
+        assert!(Filters::parse("colour=red").is_err());
+        assert_eq!(Filters::parse("").unwrap_or_default(), Filters::default());
+
+        let record = ClusterRecord {
+            name: "a".into(),
+            tags: BTreeMap::from([
+                ("env".to_string(), "prod".to_string()),
+                ("team".to_string(), "x".to_string()),
+            ]),
+            created_at: OffsetDateTime::UNIX_EPOCH,
+            onboarded: true,
+            connected_since: None,
+            last_seen: None,
+            agent_version: None,
+            identity: None,
+            metadata: None,
+            health: None,
+        };
+        let f = Filters::parse("tag=env=prod&tag=team").unwrap_or_default();
+        assert!(f.matches(&record, ConnectivityStatus::Offline));
+        let f = Filters::parse("tag=env=prod&tag=region").unwrap_or_default();
+        assert!(!f.matches(&record, ConnectivityStatus::Offline));
+        let f = Filters::parse("tag=env=dev").unwrap_or_default();
+        assert!(!f.matches(&record, ConnectivityStatus::Offline));
+        let f = Filters::parse("status=Connected").unwrap_or_default();
+        assert!(!f.matches(&record, ConnectivityStatus::Offline));
+        assert!(f.matches(&record, ConnectivityStatus::Connected));
+    }
 }

@@ -12,6 +12,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose,
 };
+use rustls::server::danger::ClientCertVerifier;
 use serde::{Deserialize, Serialize};
 use time::{Duration, OffsetDateTime};
 
@@ -43,14 +44,47 @@ struct ServerMeta {
     not_after: i64,
 }
 
-/// Loads the configured certificate, or loads/generates the relay's own CA and server certificate.
-pub(crate) fn load(config: &Config) -> Result<TlsIdentity, RelayError> {
+/// A server config from PEM certificate chain and key, with ALPN `h2` and `http/1.1`, asking clients for a
+/// certificate through `client_verifier`.
+fn server_config(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    client_verifier: Arc<dyn ClientCertVerifier>,
+) -> Result<Arc<rustls::ServerConfig>, String> {
+    let certs = rustls_pemfile::certs(&mut &cert_pem[..])
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("malformed certificate PEM: {e}"))?;
+    if certs.is_empty() {
+        return Err("no certificate found (expected a PEM block \"BEGIN CERTIFICATE\")".to_owned());
+    }
+    let key = rustls_pemfile::private_key(&mut &key_pem[..])
+        .map_err(|e| format!("malformed private key PEM: {e}"))?
+        .ok_or_else(|| {
+            "no private key found (expected a PEM block \"BEGIN PRIVATE KEY\")".to_owned()
+        })?;
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_client_cert_verifier(client_verifier)
+        .with_single_cert(certs, key)
+        .map_err(|e| e.to_string())?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Loads the configured certificate, or loads/generates the relay's own CA and server certificate. Client
+/// certificates are checked by `client_verifier` (see [`crate::identity`]).
+pub(crate) fn load(
+    config: &Config,
+    client_verifier: Arc<dyn ClientCertVerifier>,
+) -> Result<TlsIdentity, RelayError> {
     if let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) {
         let cert_pem =
             tether_tunnel::tls::read_file(cert).map_err(|e| RelayError::Tls(e.to_string()))?;
         let key_pem =
             tether_tunnel::tls::read_file(key).map_err(|e| RelayError::Tls(e.to_string()))?;
-        let server_config = tether_tunnel::tls::server_config(&cert_pem, &key_pem)
+        let server_config = server_config(&cert_pem, &key_pem, client_verifier)
             .map_err(|e| RelayError::Tls(format!("{} / {}: {e}", cert.display(), key.display())))?;
         return Ok(TlsIdentity {
             server_config,
@@ -79,7 +113,7 @@ pub(crate) fn load(config: &Config) -> Result<TlsIdentity, RelayError> {
     } else {
         issue_server_cert(dir, &config.hostnames, &issuer, now)?
     };
-    let server_config = tether_tunnel::tls::server_config(cert_pem.as_bytes(), key_pem.as_bytes())
+    let server_config = server_config(cert_pem.as_bytes(), key_pem.as_bytes(), client_verifier)
         .map_err(|e| RelayError::Tls(format!("generated certificate in {}: {e}", dir.display())))?;
     Ok(TlsIdentity {
         server_config,
@@ -201,6 +235,13 @@ mod tests {
 
     fn config(dir: &Path) -> Config {
         Config::new(dir.to_path_buf())
+    }
+
+    fn load(config: &Config) -> Result<TlsIdentity, RelayError> {
+        super::load(
+            config,
+            rustls::server::WebPkiClientVerifier::no_client_auth(),
+        )
     }
 
     #[test]

@@ -28,6 +28,14 @@ pub struct Config {
     pub limits: Limits,
     /// Session settings for agent tunnels (the role is always forced to [`Role::Server`]).
     pub tunnel: SessionConfig,
+    /// How often agents send heartbeats (told to them in `welcome`; whole seconds, at least 1).
+    pub heartbeat_interval: Duration,
+    /// A cluster not heard from (heartbeat or connect) for this long is `Offline`.
+    pub offline_threshold: Duration,
+    /// How long an issued cluster identity (client certificate) is valid.
+    pub identity_validity: Duration,
+    /// The newest agent version this relay offers (semver); older agents show `upgradeAvailable`.
+    pub latest_agent_version: String,
 }
 
 /// Bounds on what one client can make the relay hold.
@@ -48,7 +56,8 @@ pub struct Limits {
     pub max_control_body_bytes: usize,
     /// On shutdown, how long in-flight requests and tunnels get to finish before they are cut.
     pub shutdown_grace: Duration,
-    /// How often a connected cluster's `lastSeen` is written to the store.
+    /// How often heartbeats and health reports gathered in memory are written to the store, all clusters in
+    /// one transaction.
     pub last_seen_interval: Duration,
 }
 
@@ -62,7 +71,7 @@ impl Default for Limits {
             h2_max_concurrent_streams: 250,
             max_control_body_bytes: 64 * 1024,
             shutdown_grace: Duration::from_secs(10),
-            last_seen_interval: Duration::from_secs(30),
+            last_seen_interval: Duration::from_secs(5),
         }
     }
 }
@@ -85,6 +94,17 @@ pub enum ConfigError {
     /// The database URL names a backend this build does not support.
     #[error("unsupported database URL {0:?}: only sqlite: URLs are supported")]
     UnsupportedDatabase(String),
+    /// A lifecycle setting (heartbeat interval, offline threshold, identity validity) is out of range.
+    #[error("invalid {name}: {why}")]
+    InvalidSetting {
+        /// Which setting.
+        name: &'static str,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// The latest agent version is not a semantic version.
+    #[error("invalid latest agent version {0:?}: expected a semantic version such as 1.4.0")]
+    InvalidAgentVersion(String),
     /// A limit is zero or out of range.
     #[error("invalid limit {name}: {why}")]
     InvalidLimit {
@@ -108,6 +128,10 @@ impl Config {
             database_url: None,
             limits: Limits::default(),
             tunnel: SessionConfig::new(Role::Server),
+            heartbeat_interval: Duration::from_secs(30),
+            offline_threshold: Duration::from_secs(15 * 60),
+            identity_validity: Duration::from_secs(90 * 24 * 3600),
+            latest_agent_version: env!("CARGO_PKG_VERSION").to_owned(),
         }
     }
 
@@ -177,6 +201,35 @@ impl Config {
                 name: "last_seen_interval",
                 why: "must be greater than zero",
             });
+        }
+        let settings: [(&'static str, bool, &'static str); 3] = [
+            (
+                "heartbeat interval",
+                self.heartbeat_interval < Duration::from_secs(1)
+                    || self.heartbeat_interval.subsec_nanos() != 0,
+                "must be a whole number of seconds, at least 1s",
+            ),
+            (
+                "offline threshold",
+                self.offline_threshold <= self.heartbeat_interval,
+                "must be longer than the heartbeat interval",
+            ),
+            (
+                "identity validity",
+                self.identity_validity < Duration::from_secs(1)
+                    || self.identity_validity > Duration::from_secs(100 * 365 * 24 * 3600),
+                "must be between 1s and 100 years",
+            ),
+        ];
+        for (name, bad, why) in settings {
+            if bad {
+                return Err(ConfigError::InvalidSetting { name, why });
+            }
+        }
+        if semver::Version::parse(self.latest_agent_version.trim_start_matches('v')).is_err() {
+            return Err(ConfigError::InvalidAgentVersion(
+                self.latest_agent_version.clone(),
+            ));
         }
         Ok(())
     }
@@ -270,5 +323,45 @@ mod tests {
         let mut c = Config::new("/tmp/x".into());
         c.open_timeout = Duration::ZERO;
         assert!(matches!(c.validate(), Err(ConfigError::ZeroOpenTimeout)));
+    }
+
+    #[test]
+    fn lifecycle_settings_are_checked() {
+        let mut c = Config::new("/tmp/x".into());
+        c.heartbeat_interval = Duration::from_millis(1500);
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::InvalidSetting {
+                name: "heartbeat interval",
+                ..
+            })
+        ));
+        c.heartbeat_interval = Duration::from_secs(1);
+        c.offline_threshold = Duration::from_secs(1);
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::InvalidSetting {
+                name: "offline threshold",
+                ..
+            })
+        ));
+        c.offline_threshold = Duration::from_secs(3);
+        c.identity_validity = Duration::ZERO;
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::InvalidSetting {
+                name: "identity validity",
+                ..
+            })
+        ));
+        c.identity_validity = Duration::from_secs(5);
+        assert!(c.validate().is_ok());
+        c.latest_agent_version = "latest".into();
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::InvalidAgentVersion(_))
+        ));
+        c.latest_agent_version = "v1.2.3-rc.1".into();
+        assert!(c.validate().is_ok());
     }
 }

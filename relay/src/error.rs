@@ -118,6 +118,21 @@ impl ApiError {
         )
     }
 
+    /// A cluster identity (client certificate) that expired: refused with reason `IdentityExpired`.
+    pub(crate) fn identity_expired(cluster: &str, not_after: time::OffsetDateTime) -> Self {
+        let at = not_after
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_else(|_| not_after.unix_timestamp().to_string());
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "IdentityExpired",
+            format!(
+                "the identity of cluster {cluster} expired at {at}: delete the cluster and connect it again"
+            ),
+            Origin::Client,
+        )
+    }
+
     pub(crate) fn bad_request(message: impl Into<String>) -> Self {
         Self::new(
             StatusCode::BAD_REQUEST,

@@ -1,29 +1,37 @@
 //! The Tether relay: the cloud side of the reverse tunnel.
 //!
-//! One HTTPS listener (TLS with ALPN `h2` and `http/1.1`) serves:
-//! - agents: `POST /agent/v1/onboard` (one-time token → credential) and `GET /agent/v1/tunnel` (WebSocket
-//!   upgrade carrying a [`tether_tunnel::Connection`], one per cluster);
+//! One HTTPS listener (TLS with ALPN `h2` and `http/1.1`, client certificates asked for but optional) serves:
+//! - agents: `POST /agent/v1/onboard` (one-time token + CSR → the cluster's client certificate, issued by the
+//!   relay's agent CA) and `GET /agent/v1/tunnel` (mTLS with that certificate, then a WebSocket upgrade carrying
+//!   a [`tether_tunnel::Connection`], one per cluster, whose first agent-opened stream is the control channel:
+//!   heartbeats, metadata, health, identity renewal);
 //! - users: `/clusters/NAME/…`, each request forwarded as HTTP/1.1 over a new stream of NAME's tunnel, bodies
 //!   streamed, `101` upgrades (exec, attach, port-forward) turned into raw byte pipes;
-//! - operators: the admin REST API under `/api/v1/clusters` (bearer admin token), and `GET /healthz`.
+//! - operators: the admin REST API under `/api/v1/clusters` (bearer admin token: inventory with connectivity
+//!   status, filters, export/import), and `GET /healthz`.
 //!
-//! State lives in a [`store::Store`] (SQLite under the data dir by default). Without a configured
-//! certificate, the relay generates its own CA and server certificate once and reuses them.
+//! State lives in a [`store::Store`] (SQLite under the data dir by default); heartbeats are batched in memory
+//! and written every few seconds. Without a configured certificate, the relay generates its own CA and server
+//! certificate once and reuses them; the agent CA is always its own (`DATA_DIR/agent-ca.pem`).
 //!
 //! The relay does not authenticate users: the user's `Authorization` header goes through to the cluster's
 //! apiserver, which decides. It does not talk to any apiserver itself, and it does not dial agents: agents
 //! dial it.
 
+mod activity;
 mod agent;
 mod api;
 mod auth;
 mod body;
 mod certs;
 mod config;
+mod control;
 mod error;
 mod forward;
+mod identity;
 mod registry;
 mod server;
+mod status;
 pub mod store;
 mod user;
 
@@ -45,6 +53,7 @@ pub struct Relay {
     store: Arc<dyn Store>,
     admin_token: Secret,
     tls: certs::TlsIdentity,
+    agent_ca: identity::AgentCa,
 }
 
 impl std::fmt::Debug for Relay {
@@ -72,13 +81,15 @@ impl Relay {
         config.validate()?;
         create_private_dir(&config.data_dir)?;
         tether_tunnel::tls::install_crypto_provider();
-        let tls = certs::load(&config)?;
+        let agent_ca = identity::AgentCa::load_or_generate(&config.data_dir)?;
+        let tls = certs::load(&config, agent_ca.verifier()?)?;
         let admin_token = load_admin_token(&config)?;
         Ok(Relay {
             config,
             store,
             admin_token,
             tls,
+            agent_ca,
         })
     }
 
@@ -92,6 +103,11 @@ impl Relay {
         self.tls.ca_pem.as_deref()
     }
 
+    /// The agent CA (PEM; also in `DATA_DIR/agent-ca.pem`) that issues cluster identities.
+    pub fn agent_ca_pem(&self) -> &str {
+        self.agent_ca.pem()
+    }
+
     /// Serves on `listener` until `shutdown` resolves, then stops gracefully: no new connections, tunnels
     /// get GOAWAY, in-flight requests get `limits.shutdown_grace` to finish.
     pub async fn serve(
@@ -103,6 +119,7 @@ impl Relay {
             self.config,
             self.store,
             TokenHash::of(self.admin_token.expose()),
+            self.agent_ca,
         ));
         server::serve(shared, self.tls.server_config, listener, shutdown).await
     }

@@ -50,6 +50,18 @@ struct Args {
     /// Database URL (default sqlite://DATA_DIR/relay.db).
     #[arg(long, env = "TETHER_RELAY_DATABASE_URL")]
     database_url: Option<String>,
+    /// How often agents send heartbeats (whole seconds, e.g. 30s).
+    #[arg(long, env = "TETHER_RELAY_HEARTBEAT_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    heartbeat_interval: Duration,
+    /// A cluster not heard from for this long shows as Offline (e.g. 15m).
+    #[arg(long, env = "TETHER_RELAY_OFFLINE_THRESHOLD", default_value = "15m", value_parser = parse_duration)]
+    offline_threshold: Duration,
+    /// Validity of the identity (client certificate) issued to each cluster; agents renew at about 2/3 (e.g. 90d).
+    #[arg(long, env = "TETHER_RELAY_IDENTITY_VALIDITY", default_value = "90d", value_parser = parse_duration)]
+    identity_validity: Duration,
+    /// The newest agent version this relay offers; clusters running an older one show "upgrade available".
+    #[arg(long, env = "TETHER_RELAY_LATEST_AGENT_VERSION", default_value = env!("CARGO_PKG_VERSION"))]
+    latest_agent_version: String,
     /// Log format.
     #[arg(
         long,
@@ -67,12 +79,21 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_or((s, "s"), |i| s.split_at(i));
     let n: u64 = num
         .parse()
-        .map_err(|_| format!("invalid duration {s:?} (expected e.g. 10s, 500ms, 1m)"))?;
+        .map_err(|_| format!("invalid duration {s:?} (expected e.g. 10s, 500ms, 15m, 2h, 90d)"))?;
+    let secs = |per: u64| {
+        n.checked_mul(per)
+            .map(Duration::from_secs)
+            .ok_or_else(|| format!("duration {s:?} is too long"))
+    };
     match unit {
         "ms" => Ok(Duration::from_millis(n)),
-        "s" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n * 60)),
-        _ => Err(format!("invalid duration unit in {s:?} (use ms, s or m)")),
+        "s" => secs(1),
+        "m" => secs(60),
+        "h" => secs(3600),
+        "d" => secs(86_400),
+        _ => Err(format!(
+            "invalid duration unit in {s:?} (use ms, s, m, h or d)"
+        )),
     }
 }
 
@@ -87,6 +108,10 @@ impl Args {
         config.admin_token_file = self.admin_token_file.clone();
         config.open_timeout = self.open_timeout;
         config.database_url = self.database_url.clone();
+        config.heartbeat_interval = self.heartbeat_interval;
+        config.offline_threshold = self.offline_threshold;
+        config.identity_validity = self.identity_validity;
+        config.latest_agent_version = self.latest_agent_version.clone();
         config
     }
 }
@@ -199,8 +224,11 @@ mod tests {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
+        assert_eq!(parse_duration("90d"), Ok(Duration::from_secs(90 * 86_400)));
         assert!(parse_duration("fast").is_err());
-        assert!(parse_duration("1h").is_err());
+        assert!(parse_duration("1w").is_err());
+        assert!(parse_duration("99999999999999999999d").is_err());
     }
 
     #[test]

@@ -13,6 +13,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use rustls::pki_types::CertificateDer;
 use serde::de::DeserializeOwned;
 use tether_tunnel::code;
 use tokio::net::{TcpListener, TcpStream};
@@ -21,9 +22,11 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::activity::ActivityLog;
 use crate::body::{self, Body};
 use crate::config::Config;
 use crate::error::{ApiError, RelayError};
+use crate::identity::AgentCa;
 use crate::registry::Registry;
 use crate::store::{Store, TokenHash};
 use crate::{agent, api, user};
@@ -34,18 +37,28 @@ pub(crate) struct Shared {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) registry: Registry,
     pub(crate) admin_token_hash: TokenHash,
+    pub(crate) agent_ca: AgentCa,
+    /// Heartbeats and health waiting for the next batched write.
+    pub(crate) activity: ActivityLog,
     /// Tunnel tasks, awaited on shutdown.
     pub(crate) tasks: TaskTracker,
     shutting_down: AtomicBool,
 }
 
 impl Shared {
-    pub(crate) fn new(config: Config, store: Arc<dyn Store>, admin_token_hash: TokenHash) -> Self {
+    pub(crate) fn new(
+        config: Config,
+        store: Arc<dyn Store>,
+        admin_token_hash: TokenHash,
+        agent_ca: AgentCa,
+    ) -> Self {
         Self {
             config,
             store,
             registry: Registry::default(),
             admin_token_hash,
+            agent_ca,
+            activity: ActivityLog::default(),
             tasks: TaskTracker::new(),
             shutting_down: AtomicBool::new(false),
         }
@@ -63,6 +76,9 @@ pub(crate) struct ConnCtx {
     /// `max_connections` counts them too.
     pub(crate) permit: Arc<OwnedSemaphorePermit>,
     pub(crate) peer: SocketAddr,
+    /// The client certificate the peer presented, already verified against the agent CA (expiry aside). Only
+    /// the tunnel endpoint looks at it.
+    pub(crate) client_cert: Option<Arc<CertificateDer<'static>>>,
 }
 
 /// Accepts connections until `shutdown` resolves, then shuts down gracefully.
@@ -81,6 +97,8 @@ pub(crate) async fn serve(
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "relay listening");
     }
+    let stop_flusher = CancellationToken::new();
+    let flusher = tokio::spawn(flush_activity(shared.clone(), stop_flusher.clone()));
     tokio::pin!(shutdown);
     loop {
         let permit = tokio::select! {
@@ -111,6 +129,7 @@ pub(crate) async fn serve(
             ConnCtx {
                 permit: Arc::new(permit),
                 peer,
+                client_cert: None,
             },
             graceful.clone(),
             hard.clone(),
@@ -152,11 +171,33 @@ pub(crate) async fn serve(
             tracing::warn!("some tasks did not stop after being cut; leaving them");
         }
     }
+    stop_flusher.cancel();
+    if flusher.await.is_err() {
+        tracing::warn!("the activity writer panicked");
+    }
     if let Err(e) = shared.store.close().await {
         tracing::warn!(error = %e, "closing the store failed");
     }
     tracing::info!("relay stopped");
     Ok(())
+}
+
+/// Writes batched heartbeats every `last_seen_interval`, and once more when stopped.
+async fn flush_activity(shared: Arc<Shared>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(shared.config.limits.last_seen_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let stopping = tokio::select! {
+            () = stop.cancelled() => true,
+            _ = tick.tick() => false,
+        };
+        if let Err(e) = shared.activity.flush(shared.store.as_ref()).await {
+            tracing::warn!(error = %e, "cannot write heartbeats to the store; will retry");
+        }
+        if stopping {
+            return;
+        }
+    }
 }
 
 fn is_transient_accept_error(e: &std::io::Error) -> bool {
@@ -171,7 +212,7 @@ async fn serve_connection(
     shared: Arc<Shared>,
     acceptor: TlsAcceptor,
     tcp: TcpStream,
-    ctx: ConnCtx,
+    mut ctx: ConnCtx,
     graceful: CancellationToken,
     hard: CancellationToken,
 ) {
@@ -190,6 +231,12 @@ async fn serve_connection(
             }
         },
     };
+    ctx.client_cert = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .map(|cert| Arc::new(cert.clone().into_owned()));
 
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder

@@ -1,15 +1,17 @@
-//! Persistent state: clusters, the hashes of their onboarding tokens and credentials, and connection facts.
+//! Persistent state: clusters, the hashes of their onboarding tokens, their identities (certificate
+//! fingerprints and expiry), and what their agents report (connectivity, metadata, health).
 //!
 //! [`Store`] is deliberately narrow and backend-neutral (no SQL in its signatures, timestamps as
 //! [`OffsetDateTime`], hashes as [`TokenHash`]) so that a PostgreSQL implementation can sit beside
 //! [`SqliteStore`] when several relay replicas share state. Secrets never reach the store: only SHA-256
-//! hashes of them.
+//! hashes of them. Certificates are not stored either, only their fingerprints.
 
 mod sqlite;
 
 use std::collections::BTreeMap;
 
 use futures_util::future::BoxFuture;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use time::OffsetDateTime;
@@ -79,7 +81,7 @@ impl std::fmt::Debug for TokenHash {
 }
 
 /// A cluster as stored (no secrets).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ClusterRecord {
     /// Unique name (a DNS-1123 label).
     pub name: String,
@@ -87,13 +89,99 @@ pub struct ClusterRecord {
     pub tags: BTreeMap<String, String>,
     /// When it was registered.
     pub created_at: OffsetDateTime,
-    /// Whether its onboarding token was redeemed for a credential.
+    /// Whether its onboarding token was redeemed for an identity.
     pub onboarded: bool,
     /// When its current tunnel connected (`None` when no tunnel is recorded).
     pub connected_since: Option<OffsetDateTime>,
-    /// When its agent was last known to be connected.
+    /// The last time its agent was heard from: a tunnel connect or a heartbeat (`lastConnectivityTime`).
     pub last_seen: Option<OffsetDateTime>,
-    /// The version its agent reported when it last connected.
+    /// The version its agent last reported.
+    pub agent_version: Option<String>,
+    /// Its current identity, once onboarded.
+    pub identity: Option<ClusterIdentity>,
+    /// The latest metadata its agent reported.
+    pub metadata: Option<ClusterMetadata>,
+    /// The latest health its agent reported.
+    pub health: Option<AgentHealth>,
+}
+
+/// A cluster's identity: which client certificate the relay accepts for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterIdentity {
+    /// SHA-256 of the current certificate's DER, lowercase hex.
+    pub fingerprint: String,
+    /// The current certificate's expiry.
+    pub not_after: OffsetDateTime,
+    /// The certificate it replaced at the last renewal, accepted until the agent connects with the current one.
+    pub previous_fingerprint: Option<String>,
+}
+
+impl ClusterIdentity {
+    /// True when `fingerprint` is the current or the just-replaced certificate.
+    pub fn accepts(&self, fingerprint: &str) -> bool {
+        self.fingerprint == fingerprint || self.previous_fingerprint.as_deref() == Some(fingerprint)
+    }
+}
+
+/// A newly issued certificate, as the store keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewIdentity {
+    /// SHA-256 of its DER, lowercase hex.
+    pub fingerprint: String,
+    /// Its expiry.
+    pub not_after: OffsetDateTime,
+}
+
+/// What an agent reports about its cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterMetadata {
+    /// The apiserver's version.
+    pub kubernetes_version: String,
+    /// Number of nodes.
+    pub node_count: u64,
+    /// Total CPU capacity, millicores.
+    pub total_cpu_millis: u64,
+    /// Total memory capacity, bytes.
+    pub total_memory_bytes: u64,
+    /// Kubernetes distribution (`k3s`, `eks`, … or `generic`).
+    pub distribution: String,
+    /// Infrastructure (`aws`, `gcp`, … or `generic`).
+    pub infrastructure: String,
+    /// When the relay received it.
+    #[serde(with = "time::serde::timestamp")]
+    pub reported_at: OffsetDateTime,
+}
+
+/// What an agent reports about itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentHealth {
+    /// Seconds since the agent started.
+    pub uptime_seconds: u64,
+    /// The agent's resident memory, bytes.
+    pub memory_bytes: u64,
+    /// CPU time the agent used, seconds.
+    pub cpu_seconds: f64,
+    /// Tunnel reconnects since the agent started.
+    pub reconnects: u64,
+    /// The tunnel's round-trip time, when measured.
+    pub tunnel_rtt_millis: Option<f64>,
+    /// When the relay received it.
+    #[serde(with = "time::serde::timestamp")]
+    pub reported_at: OffsetDateTime,
+}
+
+/// Connectivity facts gathered in memory for one cluster and written in a batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Activity {
+    /// The cluster.
+    pub name: String,
+    /// The last time its agent was heard from.
+    pub seen_at: OffsetDateTime,
+    /// The latest health report, if one came since the last batch.
+    pub health: Option<AgentHealth>,
+    /// The agent version from that report.
     pub agent_version: Option<String>,
 }
 
@@ -110,15 +198,13 @@ pub struct NewCluster {
     pub created_at: OffsetDateTime,
 }
 
-/// The hashes stored for a cluster, for constant-time comparison by the caller.
+/// The onboarding secrets stored for a cluster, for constant-time comparison by the caller.
 #[derive(Debug, Clone)]
 pub struct ClusterSecrets {
     /// Hash of the onboarding token.
     pub onboarding_token_hash: Option<TokenHash>,
     /// Whether the onboarding token was already used.
     pub onboarding_used: bool,
-    /// Hash of the agent credential, once onboarded.
-    pub credential_hash: Option<TokenHash>,
 }
 
 /// Persistent relay state. Implementations must be safe to share between tasks; every method is one atomic
@@ -133,21 +219,34 @@ pub trait Store: Send + Sync + 'static {
     /// All clusters, ordered by name.
     fn list_clusters(&self) -> StoreFuture<'_, Vec<ClusterRecord>>;
 
-    /// Removes a cluster and its credential; false if there was none.
+    /// Removes a cluster and its identity; false if there was none.
     fn delete_cluster<'a>(&'a self, name: &'a str) -> StoreFuture<'a, bool>;
 
-    /// The stored hashes of a cluster, `None` for an unknown cluster.
+    /// The stored onboarding secrets of a cluster, `None` for an unknown cluster.
     fn secrets<'a>(&'a self, name: &'a str) -> StoreFuture<'a, Option<ClusterSecrets>>;
 
-    /// Atomically marks the onboarding token used and stores the credential hash, only if the cluster exists,
+    /// Atomically marks the onboarding token used and stores the first identity, only if the cluster exists,
     /// its token hash equals `token` and it was not used yet. True when this call redeemed it.
     fn redeem_onboarding_token<'a>(
         &'a self,
         name: &'a str,
         token: &'a TokenHash,
-        credential: &'a TokenHash,
+        identity: &'a NewIdentity,
         at: OffsetDateTime,
     ) -> StoreFuture<'a, bool>;
+
+    /// A renewal: `identity` becomes current and `presented` (the certificate the renewing agent is using)
+    /// becomes the previous one, only if the cluster exists and `presented` is its current or previous
+    /// fingerprint. True when this call renewed it.
+    fn renew_identity<'a>(
+        &'a self,
+        name: &'a str,
+        presented: &'a str,
+        identity: &'a NewIdentity,
+    ) -> StoreFuture<'a, bool>;
+
+    /// The agent connected with its current certificate: forget the previous one.
+    fn confirm_identity<'a>(&'a self, name: &'a str, fingerprint: &'a str) -> StoreFuture<'a, ()>;
 
     /// Records that the cluster's agent connected (sets connected-since, last-seen and agent version).
     fn record_connected<'a>(
@@ -157,11 +256,21 @@ pub trait Store: Send + Sync + 'static {
         at: OffsetDateTime,
     ) -> StoreFuture<'a, ()>;
 
-    /// Records that the cluster's agent is still connected.
-    fn record_seen<'a>(&'a self, name: &'a str, at: OffsetDateTime) -> StoreFuture<'a, ()>;
+    /// Writes a batch of connectivity facts in one transaction. A last-seen time never moves backwards;
+    /// unknown clusters are skipped.
+    fn record_activity<'a>(&'a self, batch: &'a [Activity]) -> StoreFuture<'a, ()>;
 
-    /// Records that the cluster's agent disconnected (clears connected-since, sets last-seen).
-    fn record_disconnected<'a>(&'a self, name: &'a str, at: OffsetDateTime) -> StoreFuture<'a, ()>;
+    /// Stores the metadata (and the agent version it carries) the cluster's agent reported.
+    fn record_metadata<'a>(
+        &'a self,
+        name: &'a str,
+        metadata: &'a ClusterMetadata,
+        agent_version: &'a str,
+    ) -> StoreFuture<'a, ()>;
+
+    /// Records that the cluster's agent disconnected (clears connected-since; last-seen stays the last time
+    /// the agent was heard from).
+    fn record_disconnected<'a>(&'a self, name: &'a str) -> StoreFuture<'a, ()>;
 
     /// Flushes and closes the backend.
     fn close(&self) -> StoreFuture<'_, ()>;
