@@ -71,6 +71,9 @@ pub enum TestkitError {
     /// A kubectl process could not be started or waited for.
     #[error("kubectl: {0}")]
     Kubectl(String),
+    /// An object could not be created in the sample apiserver's store.
+    #[error("cannot create the object: {0}")]
+    Create(String),
     /// Something did not happen before its deadline.
     #[error("timed out: {0}")]
     Timeout(String),
@@ -250,6 +253,31 @@ impl SampleApiserver {
         self.shared
             .requests
             .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many requests reached the server with no bearer token or an unknown one (each answered 401).
+    pub fn unauthenticated_requests(&self) -> u64 {
+        self.shared
+            .unauthenticated
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Adds a Ready node named `name` with `cpu` and `memory` (Kubernetes quantities such as `"8"`, `"500m"`,
+    /// `"16Gi"`) as capacity and allocatable, the standard hostname/os/arch labels plus `labels`, and
+    /// `provider_id` as `spec.providerID` (none when empty). Watchers of nodes see it as ADDED. Fails if a node of
+    /// that name exists.
+    pub fn add_node(
+        &self,
+        name: &str,
+        cpu: &str,
+        memory: &str,
+        labels: &[(&str, &str)],
+        provider_id: &str,
+    ) -> Result<(), TestkitError> {
+        let node = resources::node(name, cpu, memory, labels, provider_id);
+        handlers::create_object(&self.shared.store, Resource::Nodes, node)
+            .map(|_| ())
+            .map_err(|e| TestkitError::Create(e.message))
     }
 
     /// Stops accepting, ends every connection and stream, and waits for the background tasks.

@@ -493,26 +493,52 @@ fn default_pod(obj: &mut Value, now: &str) {
 
 /// The one node of the sample cluster.
 pub(crate) fn sample_node() -> Value {
+    let mut node = node(
+        NODE_NAME,
+        "4",
+        "8Gi",
+        &[
+            ("node.kubernetes.io/instance-type", "sample"),
+            ("topology.kubernetes.io/region", "sample-region"),
+            ("topology.kubernetes.io/zone", "sample-zone-a"),
+        ],
+        &format!("sample://{NODE_NAME}"),
+    );
+    node["spec"]["podCIDR"] = json!("10.244.0.0/24");
+    node["status"]["addresses"] = json!([{"type": "InternalIP", "address": "10.0.0.11"}, {"type": "Hostname", "address": NODE_NAME}]);
+    node
+}
+
+/// A Ready node with `cpu` and `memory` (Kubernetes quantities) as capacity and allocatable, the standard
+/// hostname/os/arch labels plus `labels`, and `provider_id` (none when empty).
+pub(crate) fn node(
+    name: &str,
+    cpu: &str,
+    memory: &str,
+    labels: &[(&str, &str)],
+    provider_id: &str,
+) -> Value {
+    let mut all = Map::new();
+    all.insert("kubernetes.io/hostname".into(), json!(name));
+    all.insert("kubernetes.io/os".into(), json!("linux"));
+    all.insert("kubernetes.io/arch".into(), json!(go_arch()));
+    for (k, v) in labels {
+        all.insert((*k).to_string(), json!(v));
+    }
+    let mut spec = Map::new();
+    if !provider_id.is_empty() {
+        spec.insert("providerID".into(), json!(provider_id));
+    }
     json!({
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {
-            "name": NODE_NAME,
-            "labels": {
-                "kubernetes.io/hostname": NODE_NAME,
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": go_arch(),
-                "node.kubernetes.io/instance-type": "sample",
-                "topology.kubernetes.io/region": "sample-region",
-                "topology.kubernetes.io/zone": "sample-zone-a",
-            },
-        },
-        "spec": {"providerID": format!("sample://{NODE_NAME}"), "podCIDR": "10.244.0.0/24"},
+        "metadata": {"name": name, "labels": all},
+        "spec": spec,
         "status": {
-            "capacity": {"cpu": "4", "memory": "8Gi", "pods": "110", "ephemeral-storage": "100Gi"},
-            "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "110", "ephemeral-storage": "100Gi"},
+            "capacity": {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "100Gi"},
+            "allocatable": {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "100Gi"},
             "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"}],
-            "addresses": [{"type": "InternalIP", "address": "10.0.0.11"}, {"type": "Hostname", "address": NODE_NAME}],
+            "addresses": [{"type": "Hostname", "address": name}],
             "nodeInfo": {
                 "kubeletVersion": GIT_VERSION,
                 "osImage": "Tether Sample OS",

@@ -36,6 +36,8 @@ pub(crate) struct Shared {
     pub(crate) store: Store,
     pub(crate) tokens: Tokens,
     pub(crate) requests: AtomicU64,
+    /// Requests refused for a missing or unknown bearer token.
+    pub(crate) unauthenticated: AtomicU64,
     /// The listen address, for discovery's `serverAddressByClientCIDRs`.
     pub(crate) addr: SocketAddr,
     /// When the server started: the demo pod's log ticks count from here.
@@ -92,6 +94,7 @@ impl Shared {
             store,
             tokens: Tokens::default(),
             requests: AtomicU64::new(0),
+            unauthenticated: AtomicU64::new(0),
             addr,
             started: Instant::now(),
             started_wall: time::OffsetDateTime::now_utc(),
@@ -185,7 +188,10 @@ async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<Incoming>) -
     let version = req.version();
     let response = match shared.tokens.authenticate(req.headers()) {
         Ok(user) => crate::handlers::route(&shared, user, req).await,
-        Err(e) => crate::handlers::error_response(&e),
+        Err(e) => {
+            shared.unauthenticated.fetch_add(1, Ordering::Relaxed);
+            crate::handlers::error_response(&e)
+        }
     };
     tracing::debug!(
         %peer, %method, path, ?version, status = response.status().as_u16(),

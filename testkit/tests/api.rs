@@ -40,6 +40,92 @@ async fn unauthenticated_requests_get_a_401_status_on_every_path() -> anyhow::Re
 }
 
 #[tokio::test]
+async fn only_requests_without_a_valid_token_count_as_unauthenticated() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let client = Client::new(&fx.server, false)?;
+    assert_eq!(client.get("/version").await?.status, StatusCode::OK);
+    assert_eq!(fx.server.unauthenticated_requests(), 0);
+    let anonymous = Client::new(&fx.server, false)?.without_token();
+    assert_eq!(
+        anonymous.get("/version").await?.status,
+        StatusCode::UNAUTHORIZED
+    );
+    let mut wrong = Client::new(&fx.server, true)?;
+    wrong.token = Some("not-a-token".into());
+    assert_eq!(
+        wrong.get("/api/v1/namespaces").await?.status,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(fx.server.unauthenticated_requests(), 2);
+    assert_eq!(client.get("/healthz").await?.status, StatusCode::OK);
+    assert_eq!(fx.server.unauthenticated_requests(), 2);
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_added_node_is_listed_and_watchers_see_it_added() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let client = Client::new(&fx.server, false)?;
+    let list = client.get("/api/v1/nodes").await?.json()?;
+    let rv = list["metadata"]["resourceVersion"]
+        .as_str()
+        .context("rv")?
+        .to_string();
+    let response = client
+        .send(
+            Method::GET,
+            &format!("/api/v1/nodes?watch=1&resourceVersion={rv}"),
+            None,
+            Vec::new(),
+        )
+        .await?;
+    let mut events = Events::new(response);
+    fx.server.add_node(
+        "worker-2",
+        "8",
+        "16Gi",
+        &[("eks.amazonaws.com/nodegroup", "ng-1")],
+        "aws:///eu-west-1a/i-0123456789abcdef0",
+    )?;
+    let event = events.next().await?.context("event")?;
+    assert_eq!(event["type"], "ADDED");
+    let node = &event["object"];
+    assert_eq!(node["metadata"]["name"], "worker-2");
+    assert_eq!(
+        node["metadata"]["labels"]["eks.amazonaws.com/nodegroup"],
+        "ng-1"
+    );
+    assert_eq!(
+        node["metadata"]["labels"]["kubernetes.io/hostname"],
+        "worker-2"
+    );
+    assert_eq!(
+        node["spec"]["providerID"],
+        "aws:///eu-west-1a/i-0123456789abcdef0"
+    );
+    assert_eq!(node["status"]["capacity"]["cpu"], "8");
+    assert_eq!(node["status"]["allocatable"]["memory"], "16Gi");
+
+    let list = client.get("/api/v1/nodes").await?.json()?;
+    let names: Vec<&str> = list["items"]
+        .as_array()
+        .context("items")?
+        .iter()
+        .filter_map(|n| n["metadata"]["name"].as_str())
+        .collect();
+    assert_eq!(names, ["sample-node-1", "worker-2"]);
+    // The seeded node keeps its shape.
+    let seeded = client.get("/api/v1/nodes/sample-node-1").await?.json()?;
+    assert_eq!(seeded["spec"]["providerID"], "sample://sample-node-1");
+    assert_eq!(seeded["status"]["capacity"]["cpu"], "4");
+    assert!(
+        fx.server.add_node("worker-2", "1", "1Gi", &[], "").is_err(),
+        "a second node of the same name"
+    );
+    Ok(())
+}
+
+#[tokio::test]
 async fn extra_tokens_authenticate_and_requests_are_counted() -> anyhow::Result<()> {
     let fx = start().await?;
     fx.server.add_token("bob-token", "bob", &["dev"]);
