@@ -192,6 +192,7 @@ async fn onboarding_token_works_once() -> anyhow::Result<()> {
 
     let invalid = "onboarding token is invalid or already used";
     // Wrong token, another cluster's token, unknown cluster: one answer for all.
+    let (_, any_csr) = common::new_csr("x")?;
     for (cluster, t) in [
         ("edge", "nope"),
         ("edge", other.as_str()),
@@ -201,35 +202,62 @@ async fn onboarding_token_works_once() -> anyhow::Result<()> {
             .post_json(
                 "/agent/v1/onboard",
                 None,
-                &json!({ "cluster": cluster, "token": t }),
+                &json!({ "cluster": cluster, "token": t, "csr": any_csr }),
             )
             .await?;
         assert_eq!(reply.status_message(401)?, invalid);
     }
-    let first = client
+    let (key_pem, csr) = common::new_csr("edge")?;
+    // A CSR is required.
+    client
         .post_json(
             "/agent/v1/onboard",
             None,
             &json!({ "cluster": "edge", "token": token }),
         )
+        .await?
+        .status_message(400)?;
+    // A garbage CSR is refused without using up the token.
+    let msg = client
+        .post_json(
+            "/agent/v1/onboard",
+            None,
+            &json!({ "cluster": "edge", "token": token, "csr": "-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n" }),
+        )
+        .await?
+        .status_message(400)?;
+    assert!(msg.contains("certificate signing request"), "{msg}");
+    let first = client
+        .post_json(
+            "/agent/v1/onboard",
+            None,
+            &json!({ "cluster": "edge", "token": token, "csr": csr }),
+        )
         .await?;
     assert_eq!(first.status, StatusCode::OK);
     let v = first.json()?;
     assert_eq!(v["cluster"], "edge");
-    let credential = v["credential"].as_str().unwrap_or_default();
-    assert_eq!(credential.len(), 43);
+    assert!(v.get("credential").is_none(), "{v}");
+    assert!(
+        v["certificate"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("-----BEGIN CERTIFICATE-----")),
+        "{v}"
+    );
+    assert!(v["notAfter"].is_string(), "{v}");
+    let credential = key_pem.as_str();
     let second = client
         .post_json(
             "/agent/v1/onboard",
             None,
-            &json!({ "cluster": "edge", "token": token }),
+            &json!({ "cluster": "edge", "token": token, "csr": csr }),
         )
         .await?;
     assert_eq!(second.status_message(401)?, invalid);
     assert_eq!(admin.show("edge").await?.json()?["onboarded"], true);
     assert_eq!(admin.show("other").await?.json()?["onboarded"], false);
 
-    // The store holds only hashes: neither secret appears in the database files.
+    // The store holds only hashes: neither the token nor the agent's key appears in the database files.
     relay.stop().await?;
     for entry in std::fs::read_dir(dir.path())? {
         let path = entry?.path();
@@ -256,16 +284,18 @@ async fn concurrent_onboarding_redeems_the_token_exactly_once() -> anyhow::Resul
     let relay = TestRelay::start(dir.path()).await?;
     let admin = relay.admin()?;
     let token = admin.create_ok("race").await?;
+    let (_, csr) = common::new_csr("race")?;
     let mut tasks = Vec::new();
     for _ in 0..8 {
         let client = relay.client()?;
         let token = token.clone();
+        let csr = csr.clone();
         tasks.push(tokio::spawn(async move {
             client
                 .post_json(
                     "/agent/v1/onboard",
                     None,
-                    &json!({ "cluster": "race", "token": token }),
+                    &json!({ "cluster": "race", "token": token, "csr": csr }),
                 )
                 .await
         }));
@@ -382,16 +412,10 @@ async fn state_tls_and_admin_token_survive_a_restart() -> anyhow::Result<()> {
     };
     let shown = admin.show("persist").await?;
     assert_eq!(shown.status, StatusCode::OK);
-    // The onboarding token issued before the restart still works (once).
-    let reply = admin
-        .client
-        .post_json(
-            "/agent/v1/onboard",
-            None,
-            &json!({ "cluster": "persist", "token": token }),
-        )
-        .await?;
-    assert_eq!(reply.status, StatusCode::OK);
+    // The onboarding token issued before the restart still works (once), and the agent CA is the same.
+    let agent_ca = std::fs::read(dir.path().join("agent-ca.pem"))?;
+    admin.onboard("persist", &token).await?;
+    assert_eq!(relay.agent_ca_pem.as_bytes(), &agent_ca[..]);
     relay.stop().await?;
 
     #[cfg(unix)]
@@ -408,13 +432,16 @@ async fn state_tls_and_admin_token_survive_a_restart() -> anyhow::Result<()> {
                 & 0o777,
             0o600
         );
-        assert_eq!(
-            std::fs::metadata(dir.path().join("ca-key.pem"))?
-                .permissions()
-                .mode()
-                & 0o777,
-            0o600
-        );
+        for key in ["ca-key.pem", "agent-ca-key.pem"] {
+            assert_eq!(
+                std::fs::metadata(dir.path().join(key))?
+                    .permissions()
+                    .mode()
+                    & 0o777,
+                0o600,
+                "{key}"
+            );
+        }
     }
     Ok(())
 }
@@ -511,13 +538,14 @@ fn binary_exits_64_on_bad_config() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn agent_tunnel_is_authenticated_before_upgrading() -> anyhow::Result<()> {
+async fn agent_tunnel_is_authenticated_by_client_certificate_before_upgrading() -> anyhow::Result<()>
+{
     let dir = tempfile::tempdir()?;
     let relay = TestRelay::start(dir.path()).await?;
     let admin = relay.admin()?;
-    let credential = admin.onboarded("edge").await?;
-    let client = relay.client()?;
-    let upgrade = |cluster: &str, cred: Option<&str>| {
+    let edge = admin.onboarded("edge").await?;
+    let other = admin.onboarded("other").await?;
+    let upgrade = |client: &common::Client, cluster: &str, bearer: Option<&str>| {
         let mut b = client
             .request(false, Method::GET, "/agent/v1/tunnel")
             .header(http::header::CONNECTION, "Upgrade")
@@ -526,34 +554,49 @@ async fn agent_tunnel_is_authenticated_before_upgrading() -> anyhow::Result<()> 
             .header(http::header::SEC_WEBSOCKET_KEY, "dGhlIHNhbXBsZSBub25jZQ==")
             .header(http::header::SEC_WEBSOCKET_PROTOCOL, "tether.v1")
             .header("tether-cluster", cluster);
-        if let Some(c) = cred {
-            b = b.header(http::header::AUTHORIZATION, format!("Bearer {c}"));
+        if let Some(t) = bearer {
+            b = b.header(http::header::AUTHORIZATION, format!("Bearer {t}"));
         }
         b.body(Full::<Bytes>::default())
     };
-    for (cluster, cred) in [
-        ("edge", None),
-        ("edge", Some("wrong")),
-        ("ghost", Some(credential.as_str())),
-        ("", Some(credential.as_str())),
-    ] {
-        let reply = client.send(false, upgrade(cluster, cred)?).await?;
-        let msg = reply.status_message(401)?;
-        assert!(msg.contains("credential"), "{msg}");
-    }
-    // The onboarding token is not a credential.
+    let anonymous = relay.client()?;
+    let as_edge = relay.client_as(&edge)?;
+    let as_other = relay.client_as(&other)?;
+    // No certificate (a bearer token does not help: the onboarding token is no credential either).
     let token = admin.create_ok("fresh").await?;
-    client
-        .send(false, upgrade("fresh", Some(&token))?)
-        .await?
-        .status_message(401)?;
-    // Authenticated but not a WebSocket upgrade: 400.
-    let req = client
+    for (cluster, bearer) in [("edge", None), ("fresh", Some(token.as_str()))] {
+        let msg = anonymous
+            .send(false, upgrade(&anonymous, cluster, bearer)?)
+            .await?
+            .status_message(401)?;
+        assert!(msg.contains("no client certificate"), "{msg}");
+    }
+    // One cluster's identity never serves another cluster's name.
+    for (client, cluster) in [
+        (&as_other, "edge"),
+        (&as_edge, "other"),
+        (&as_edge, "ghost"),
+        (&as_edge, ""),
+    ] {
+        let reply = client.send(false, upgrade(client, cluster, None)?).await?;
+        let msg = reply.status_message(401)?;
+        assert_eq!(reply.json()?["reason"], "Unauthorized", "{msg}");
+    }
+    // The right certificate, but not a WebSocket upgrade: 400, so it did pass authentication.
+    let req = as_edge
         .request(false, Method::GET, "/agent/v1/tunnel")
         .header("tether-cluster", "edge")
-        .header(http::header::AUTHORIZATION, format!("Bearer {credential}"))
         .body(Full::default())?;
-    client.send(false, req).await?.status_message(400)?;
+    as_edge.send(false, req).await?.status_message(400)?;
+    // Client certificates mean nothing to the admin API and the user endpoint.
+    assert_eq!(
+        as_edge.get("/api/v1/clusters", None).await?.status,
+        StatusCode::UNAUTHORIZED
+    );
+    as_edge
+        .get("/clusters/edge/api", Some("t"))
+        .await?
+        .status_message(503)?;
     relay.stop().await
 }
 

@@ -8,14 +8,14 @@ use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
 use bytes::Bytes;
-use common::TestRelay;
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use common::{AgentIdentity, TestRelay};
+use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use serde_json::json;
-use tether_tunnel::{Connection, Role, SessionConfig, ws};
+use tether_tunnel::Connection;
 
 const KUBE_TOKEN: &str = "kube-user-token";
 
@@ -73,21 +73,8 @@ fn apiserver(req: &Request<Incoming>) -> (StatusCode, serde_json::Value) {
     }
 }
 
-async fn connect_agent(relay: &TestRelay, credential: &str) -> anyhow::Result<Connection> {
-    let tls = tether_tunnel::tls::client_config(Some(relay.ca_pem.as_bytes()), &[b"http/1.1"])?;
-    let mut headers = HeaderMap::new();
-    headers.insert(
-        "authorization",
-        HeaderValue::from_str(&format!("Bearer {credential}"))?,
-    );
-    headers.insert("tether-cluster", HeaderValue::from_static("edge"));
-    let conn = ws::connect(
-        &relay.tunnel_url(),
-        tls,
-        headers,
-        SessionConfig::new(Role::Client),
-    )
-    .await?;
+async fn connect_agent(relay: &TestRelay, identity: &AgentIdentity) -> anyhow::Result<Connection> {
+    let conn = common::dial(relay, identity).await?;
     let c = conn.clone();
     tokio::spawn(async move {
         while let Some(incoming) = c.accept().await {
@@ -162,9 +149,9 @@ async fn kubectl_lists_namespaces_through_the_tunnel() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let relay = TestRelay::start(&dir.path().join("relay")).await?;
     let admin = relay.admin()?;
-    let credential = admin.onboarded("edge").await?;
+    let identity = admin.onboarded("edge").await?;
     admin.create_ok("idle").await?;
-    let _agent = connect_agent(&relay, &credential).await?;
+    let _agent = connect_agent(&relay, &identity).await?;
     admin.wait_connected("edge", true).await?;
     let home = dir.path().join("home");
     std::fs::create_dir_all(&home)?;

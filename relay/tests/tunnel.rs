@@ -12,16 +12,14 @@ use std::time::Duration;
 
 use anyhow::{Context as _, anyhow};
 use bytes::Bytes;
-use common::{Client, TestRelay};
-use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use common::{AgentIdentity, Client, TestRelay, dial};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tether_tunnel::{
-    Connection, OpenOptions, Priority, Role, SessionConfig, TunnelError, code, kind, ws,
-};
+use tether_tunnel::{Connection, OpenOptions, Priority, TunnelError, code, kind, ws};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
@@ -60,43 +58,13 @@ where
     Mode::Serve(Arc::new(move |req| Box::pin(f(req))))
 }
 
-async fn dial(
-    relay: &TestRelay,
-    cluster: &str,
-    credential: &str,
-) -> Result<Connection, ws::ConnectError> {
-    let tls = tether_tunnel::tls::client_config(Some(relay.ca_pem.as_bytes()), &[b"http/1.1"])
-        .map_err(|e| ws::ConnectError::Handshake(e.to_string()))?;
-    let mut headers = HeaderMap::new();
-    let value = |s: String| {
-        HeaderValue::from_str(&s).map_err(|e| ws::ConnectError::Handshake(e.to_string()))
-    };
-    headers.insert(
-        http::header::AUTHORIZATION,
-        value(format!("Bearer {credential}"))?,
-    );
-    headers.insert("tether-cluster", value(cluster.to_owned())?);
-    headers.insert(
-        "tether-agent-version",
-        HeaderValue::from_static("0.0.0-test"),
-    );
-    ws::connect(
-        &relay.tunnel_url(),
-        tls,
-        headers,
-        SessionConfig::new(Role::Client),
-    )
-    .await
-}
-
 impl FakeAgent {
     async fn connect(
         relay: &TestRelay,
-        cluster: &str,
-        credential: &str,
+        identity: &AgentIdentity,
         mode: Mode,
     ) -> anyhow::Result<FakeAgent> {
-        let conn = dial(relay, cluster, credential).await?;
+        let conn = dial(relay, identity).await?;
         let opened = Arc::new(AtomicUsize::new(0));
         let (c, n) = (conn.clone(), opened.clone());
         tokio::spawn(async move {
@@ -141,19 +109,19 @@ impl FakeAgent {
 async fn setup(
     dir: &std::path::Path,
     mode: Mode,
-) -> anyhow::Result<(TestRelay, FakeAgent, String)> {
+) -> anyhow::Result<(TestRelay, FakeAgent, AgentIdentity)> {
     setup_with(tether_relay::Config::new(dir.to_path_buf()), mode).await
 }
 
 async fn setup_with(
     config: tether_relay::Config,
     mode: Mode,
-) -> anyhow::Result<(TestRelay, FakeAgent, String)> {
+) -> anyhow::Result<(TestRelay, FakeAgent, AgentIdentity)> {
     let relay = TestRelay::start_with(config).await?;
-    let credential = relay.admin()?.onboarded("edge").await?;
-    let agent = FakeAgent::connect(&relay, "edge", &credential, mode).await?;
+    let identity = relay.admin()?.onboarded("edge").await?;
+    let agent = FakeAgent::connect(&relay, &identity, mode).await?;
     relay.admin()?.wait_connected("edge", true).await?;
-    Ok((relay, agent, credential))
+    Ok((relay, agent, identity))
 }
 
 async fn within<T>(what: &str, fut: impl Future<Output = T>) -> anyhow::Result<T> {
@@ -449,18 +417,18 @@ async fn a_refused_stream_is_a_502_with_the_agents_reason() -> anyhow::Result<()
 }
 
 #[tokio::test]
-async fn delete_closes_the_tunnel_and_revokes_the_credential() -> anyhow::Result<()> {
+async fn delete_closes_the_tunnel_and_revokes_the_identity() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let (relay, agent, credential) = setup(dir.path(), echo_agent()).await?;
+    let (relay, agent, identity) = setup(dir.path(), echo_agent()).await?;
     let admin = relay.admin()?;
     assert_eq!(admin.delete("edge").await?.status, StatusCode::NO_CONTENT);
     within("the tunnel to close", agent.conn.closed()).await?;
-    match dial(&relay, "edge", &credential).await {
+    match dial(&relay, &identity).await {
         Err(ws::ConnectError::Rejected { status, .. }) => {
             assert_eq!(status, StatusCode::UNAUTHORIZED)
         }
         other => anyhow::bail!(
-            "reconnecting with a revoked credential: {:?}",
+            "reconnecting with a revoked identity: {:?}",
             other.map(|_| "connected")
         ),
     }
@@ -469,14 +437,23 @@ async fn delete_closes_the_tunnel_and_revokes_the_credential() -> anyhow::Result
         .get("/clusters/edge/api", Some("t"))
         .await?
         .status_message(404)?;
+    // A cluster registered again under the same name does not take the old identity back.
+    admin.create_ok("edge").await?;
+    assert!(
+        matches!(
+            dial(&relay, &identity).await,
+            Err(ws::ConnectError::Rejected { status, .. }) if status == StatusCode::UNAUTHORIZED
+        ),
+        "the old identity works for the new registration"
+    );
     relay.stop().await
 }
 
 #[tokio::test]
 async fn a_newer_tunnel_replaces_the_old_one() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let (relay, first, credential) = setup(dir.path(), echo_agent()).await?;
-    let second = FakeAgent::connect(&relay, "edge", &credential, echo_agent()).await?;
+    let (relay, first, identity) = setup(dir.path(), echo_agent()).await?;
+    let second = FakeAgent::connect(&relay, &identity, echo_agent()).await?;
     within("the old tunnel to go away", first.conn.closed()).await?;
     let reply = relay.client()?.get("/clusters/edge/api", Some("t")).await?;
     assert_eq!(reply.status, StatusCode::OK);
@@ -490,12 +467,12 @@ async fn a_newer_tunnel_replaces_the_old_one() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn streams_opened_by_the_agent_are_refused() -> anyhow::Result<()> {
+async fn streams_other_than_control_opened_by_the_agent_are_refused() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let (relay, agent, _) = setup(dir.path(), echo_agent()).await?;
     let stream = agent.conn.open(OpenOptions {
-        kind: kind::CONTROL,
-        priority: Priority::Control,
+        kind: kind::HTTP,
+        priority: Priority::Normal,
         deadline: Some(Duration::from_secs(10)),
         metadata: Bytes::new(),
     })?;
@@ -595,7 +572,7 @@ async fn shutdown_cuts_what_outlives_the_grace_period() -> anyhow::Result<()> {
 #[tokio::test]
 async fn the_store_reflects_a_restart_and_the_agent_can_reconnect() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let (relay, agent, credential) = setup(dir.path(), echo_agent()).await?;
+    let (relay, agent, identity) = setup(dir.path(), echo_agent()).await?;
     relay.stop().await?;
     within("the tunnel to close", agent.conn.closed()).await?;
     let relay = TestRelay::start(dir.path()).await?;
@@ -604,7 +581,7 @@ async fn the_store_reflects_a_restart_and_the_agent_can_reconnect() -> anyhow::R
         (shown["connected"].clone(), shown["onboarded"].clone()),
         (false.into(), true.into())
     );
-    let _agent = FakeAgent::connect(&relay, "edge", &credential, echo_agent())
+    let _agent = FakeAgent::connect(&relay, &identity, echo_agent())
         .await
         .context("reconnect")?;
     relay.admin()?.wait_connected("edge", true).await?;

@@ -23,6 +23,8 @@ use tokio_rustls::TlsConnector;
 pub struct TestRelay {
     pub addr: SocketAddr,
     pub ca_pem: String,
+    /// The agent CA that issues cluster identities.
+    pub agent_ca_pem: String,
     pub admin_token: Secret,
     stop: Option<oneshot::Sender<()>>,
     join: Option<JoinHandle<Result<(), RelayError>>>,
@@ -44,6 +46,7 @@ impl TestRelay {
             .try_init();
         let relay = Relay::new(config).await?;
         let ca_pem = relay.ca_pem().map(str::to_owned).unwrap_or_default();
+        let agent_ca_pem = relay.agent_ca_pem().to_owned();
         let admin_token = relay.admin_token().clone();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -54,6 +57,7 @@ impl TestRelay {
         Ok(Self {
             addr,
             ca_pem,
+            agent_ca_pem,
             admin_token,
             stop: Some(tx),
             join: Some(join),
@@ -73,6 +77,15 @@ impl TestRelay {
 
     pub fn client(&self) -> anyhow::Result<Client> {
         Client::new(self.addr, self.ca_pem.as_bytes(), "localhost")
+    }
+
+    /// A client presenting `identity` as its TLS client certificate.
+    pub fn client_as(&self, identity: &AgentIdentity) -> anyhow::Result<Client> {
+        Client::with_config(
+            self.addr,
+            agent_tls(self, Some(identity), &[b"h2", b"http/1.1"])?,
+            "localhost",
+        )
     }
 
     pub fn admin(&self) -> anyhow::Result<Admin> {
@@ -132,6 +145,14 @@ pub struct Client {
 impl Client {
     pub fn new(addr: SocketAddr, ca_pem: &[u8], server_name: &str) -> anyhow::Result<Self> {
         let tls = tether_tunnel::tls::client_config(Some(ca_pem), &[b"h2", b"http/1.1"])?;
+        Self::with_config(addr, tls, server_name)
+    }
+
+    pub fn with_config(
+        addr: SocketAddr,
+        tls: Arc<rustls::ClientConfig>,
+        server_name: &str,
+    ) -> anyhow::Result<Self> {
         Ok(Self {
             addr,
             tls,
@@ -251,22 +272,85 @@ impl Admin {
             .ok_or_else(|| anyhow!("no onboardingToken"))
     }
 
-    /// Creates `name` and onboards it; returns the agent credential.
-    pub async fn onboarded(&self, name: &str) -> anyhow::Result<String> {
+    /// Creates `name` and onboards it as an agent would; returns the agent's identity.
+    pub async fn onboarded(&self, name: &str) -> anyhow::Result<AgentIdentity> {
         let token = self.create_ok(name).await?;
+        self.onboard(name, &token).await
+    }
+
+    /// Onboards `name` with `token`: a new key, a CSR, the relay's certificate.
+    pub async fn onboard(&self, name: &str, token: &str) -> anyhow::Result<AgentIdentity> {
+        let (key_pem, csr) = new_csr("whatever-the-agent-asks-for")?;
         let reply = self
             .client
             .post_json(
                 "/agent/v1/onboard",
                 None,
-                &serde_json::json!({ "cluster": name, "token": token }),
+                &serde_json::json!({ "cluster": name, "token": token, "csr": csr }),
             )
             .await?;
         anyhow::ensure!(reply.status == StatusCode::OK, "onboard {name}: {reply:?}");
-        reply.json()?["credential"]
-            .as_str()
-            .map(str::to_owned)
-            .ok_or_else(|| anyhow!("no credential"))
+        let v = reply.json()?;
+        anyhow::ensure!(v["cluster"] == name, "{v}");
+        Ok(AgentIdentity {
+            cluster: name.to_owned(),
+            cert_pem: v["certificate"]
+                .as_str()
+                .ok_or_else(|| anyhow!("no certificate: {v}"))?
+                .to_owned(),
+            key_pem,
+            not_after: v["notAfter"]
+                .as_str()
+                .ok_or_else(|| anyhow!("no notAfter: {v}"))?
+                .to_owned(),
+        })
+    }
+
+    /// `GET /api/v1/clusters?QUERY`, the names in order.
+    pub async fn list_names(&self, query: &str) -> anyhow::Result<Vec<String>> {
+        let reply = self
+            .client
+            .get(&format!("/api/v1/clusters?{query}"), Some(&self.token))
+            .await?;
+        anyhow::ensure!(reply.status == StatusCode::OK, "list {query}: {reply:?}");
+        Ok(reply.json()?["items"]
+            .as_array()
+            .ok_or_else(|| anyhow!("no items"))?
+            .iter()
+            .filter_map(|c| c["name"].as_str().map(str::to_owned))
+            .collect())
+    }
+
+    /// Waits until `check` holds for the cluster as `show` returns it; returns that JSON.
+    pub async fn wait_for(
+        &self,
+        name: &str,
+        what: &str,
+        check: impl Fn(&Value) -> bool,
+    ) -> anyhow::Result<Value> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let reply = self.show(name).await?;
+            let v = if reply.status == StatusCode::OK {
+                reply.json()?
+            } else {
+                Value::Null
+            };
+            if check(&v) {
+                return Ok(v);
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "cluster {name} never became {what}: {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until `name`'s `connectivityStatus` is `status`.
+    pub async fn wait_status(&self, name: &str, status: &str) -> anyhow::Result<Value> {
+        self.wait_for(name, status, |v| v["connectivityStatus"] == status)
+            .await
     }
 
     pub async fn show(&self, name: &str) -> anyhow::Result<Reply> {
@@ -309,4 +393,87 @@ impl Admin {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
+
+/// What an agent keeps after onboarding.
+#[derive(Debug, Clone)]
+pub struct AgentIdentity {
+    pub cluster: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub not_after: String,
+}
+
+/// A fresh ECDSA P-256 key (PEM) and a CSR for it asking for `cn`.
+pub fn new_csr(cn: &str) -> anyhow::Result<(String, String)> {
+    let key = rcgen::KeyPair::generate()?;
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, cn);
+    let csr = params.serialize_request(&key)?.pem()?;
+    Ok((key.serialize_pem(), csr))
+}
+
+/// An agent's TLS config: trusts the relay's CA, presents `identity` when given.
+pub fn agent_tls(
+    relay: &TestRelay,
+    identity: Option<&AgentIdentity>,
+    alpn: &[&[u8]],
+) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile::certs(&mut relay.ca_pem.as_bytes()) {
+        roots.add(cert?)?;
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots);
+    let mut config = match identity {
+        Some(id) => {
+            let chain = rustls_pemfile::certs(&mut id.cert_pem.as_bytes())
+                .collect::<Result<Vec<_>, _>>()?;
+            let key = rustls_pemfile::private_key(&mut id.key_pem.as_bytes())?
+                .ok_or_else(|| anyhow!("no key"))?;
+            builder.with_client_auth_cert(chain, key)?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
+/// Dials the tunnel endpoint as `identity`'s agent (header `Tether-Cluster: cluster`).
+pub async fn dial_as(
+    relay: &TestRelay,
+    identity: Option<&AgentIdentity>,
+    cluster: &str,
+) -> Result<tether_tunnel::Connection, tether_tunnel::ws::ConnectError> {
+    use tether_tunnel::ws::ConnectError;
+    let tls = agent_tls(relay, identity, &[b"http/1.1"])
+        .map_err(|e| ConnectError::Handshake(e.to_string()))?;
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        "tether-cluster",
+        http::HeaderValue::from_str(cluster).map_err(|e| ConnectError::Handshake(e.to_string()))?,
+    );
+    headers.insert(
+        "tether-agent-version",
+        http::HeaderValue::from_static("0.0.0-test"),
+    );
+    tether_tunnel::ws::connect(
+        &relay.tunnel_url(),
+        tls,
+        headers,
+        tether_tunnel::SessionConfig::new(tether_tunnel::Role::Client),
+    )
+    .await
+}
+
+/// Dials as the agent of `identity.cluster`.
+pub async fn dial(
+    relay: &TestRelay,
+    identity: &AgentIdentity,
+) -> Result<tether_tunnel::Connection, tether_tunnel::ws::ConnectError> {
+    dial_as(relay, Some(identity), &identity.cluster).await
 }
