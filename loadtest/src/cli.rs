@@ -1,0 +1,508 @@
+//! Command-line configuration: one subcommand per scenario, with defaults sized for a 2-core machine.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::Serialize;
+
+use crate::client::Protocol;
+use crate::peers::RatholeTransport;
+
+/// Load tests for Tether: throughput, latency and scale, side by side with the direct path and rathole.
+#[derive(Debug, Parser)]
+#[command(name = "tether-loadtest", version)]
+pub struct Cli {
+    /// Options shared by every scenario.
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// The scenario.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options shared by every scenario.
+#[derive(Debug, Clone, Args)]
+pub struct CommonArgs {
+    /// Where results go: SCENARIO.json, SCENARIO.txt and SVG plots.
+    #[arg(long, global = true, default_value = "loadtest-results")]
+    pub out: PathBuf,
+    /// Directory holding tether-relay and tether-agent (default: next to this binary, else PATH).
+    #[arg(long, global = true, env = "TETHER_BIN_DIR")]
+    pub bin_dir: Option<PathBuf>,
+    /// The rathole binary (default: PATH, else ~/.cargo/bin); without one, rathole runs are skipped.
+    #[arg(long, global = true)]
+    pub rathole: Option<PathBuf>,
+    /// How rathole's client and server talk.
+    #[arg(long, global = true, value_enum, default_value_t = RatholeTransport::Tcp)]
+    pub rathole_transport: RatholeTransport,
+    /// The iperf3 binary (default: PATH); without one, the raw loopback figure is skipped.
+    #[arg(long, global = true)]
+    pub iperf3: Option<PathBuf>,
+    /// Working directory for data dirs, configs and process logs (default: a temporary one, removed at the end).
+    #[arg(long, global = true)]
+    pub work_dir: Option<PathBuf>,
+    /// RUST_LOG for the relay and agent processes.
+    #[arg(long, global = true, default_value = "warn")]
+    pub log_level: String,
+    /// A command line to run the relay under, e.g. "valgrind --tool=callgrind --callgrind-out-file=relay.%p".
+    #[arg(long, global = true)]
+    pub relay_wrapper: Option<String>,
+    /// A command line to run the agent under.
+    #[arg(long, global = true)]
+    pub agent_wrapper: Option<String>,
+    /// No progress bars.
+    #[arg(long, global = true)]
+    pub no_progress: bool,
+}
+
+/// The scenarios.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Concurrent kubectl-like requests (get, list, watch) through Tether, directly, and through rathole.
+    Requests(RequestsArgs),
+    /// Large streamed responses over one stream and over many, against the same paths and iperf3.
+    Bulk(BulkArgs),
+    /// Many idle tunnels on one relay: relay RSS per tunnel, heartbeat CPU, connect rate, idle agent RSS.
+    Tunnels(TunnelsArgs),
+    /// The relay restarted under many connected agents: time until all are back, peak vs mean accept rate.
+    Reconnect(ReconnectArgs),
+    /// A stalled reader beside parallel GETs on the same tunnel: GET p99 with and without it.
+    Hol(HolArgs),
+    /// Every scenario in turn, with its defaults.
+    All,
+    /// Internal: serve the upstream (used as a child process by the scenarios).
+    #[command(hide = true)]
+    Upstream(UpstreamArgs),
+}
+
+/// Which path a request takes to the upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PathKind {
+    /// Client → relay → tunnel → agent → upstream.
+    Tether,
+    /// Client → upstream.
+    Direct,
+    /// Client → rathole server → rathole client → upstream (TCP; TLS end to end).
+    Rathole,
+}
+
+impl PathKind {
+    /// Its label in reports.
+    pub fn label(self) -> &'static str {
+        match self {
+            PathKind::Tether => "tether",
+            PathKind::Direct => "direct",
+            PathKind::Rathole => "rathole",
+        }
+    }
+}
+
+/// `requests` options.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct RequestsArgs {
+    /// Concurrent clients, each with one request in flight.
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// Measured time per path.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub duration: Duration,
+    /// Unmeasured time before it, per path.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub warmup: Duration,
+    /// HTTP version of the client.
+    #[arg(long, value_enum, default_value_t = Protocol::H1)]
+    pub protocol: Protocol,
+    /// Request mix as KIND=WEIGHT (kinds: get, list, watch).
+    #[arg(long, default_value = "get=80,list=15,watch=5", value_parser = parse_mix)]
+    pub mix: Mix,
+    /// Pods in the list response.
+    #[arg(long, default_value_t = 50)]
+    pub list_items: usize,
+    /// Paths to measure.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "direct,tether,rathole"
+    )]
+    pub paths: Vec<PathKind>,
+}
+
+impl Default for RequestsArgs {
+    fn default() -> Self {
+        Self {
+            concurrency: 32,
+            duration: Duration::from_secs(10),
+            warmup: Duration::from_secs(2),
+            protocol: Protocol::H1,
+            mix: default_mix(),
+            list_items: 50,
+            paths: vec![PathKind::Direct, PathKind::Tether, PathKind::Rathole],
+        }
+    }
+}
+
+/// `bulk` options.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct BulkArgs {
+    /// Size of each streamed response (e.g. 64MiB).
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    pub size: u64,
+    /// Parallel streams to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    pub streams: Vec<usize>,
+    /// Measured time per path and stream count.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub duration: Duration,
+    /// Unmeasured time before it.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub warmup: Duration,
+    /// HTTP version of the client.
+    #[arg(long, value_enum, default_value_t = Protocol::H1)]
+    pub protocol: Protocol,
+    /// Paths to measure.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "direct,tether,rathole"
+    )]
+    pub paths: Vec<PathKind>,
+    /// Seconds of iperf3 per stream count (0 skips it).
+    #[arg(long, default_value_t = 3)]
+    pub iperf_seconds: u64,
+}
+
+impl Default for BulkArgs {
+    fn default() -> Self {
+        Self {
+            size: 64 << 20,
+            streams: vec![1, 8],
+            duration: Duration::from_secs(5),
+            warmup: Duration::from_secs(1),
+            protocol: Protocol::H1,
+            paths: vec![PathKind::Direct, PathKind::Tether, PathKind::Rathole],
+            iperf_seconds: 3,
+        }
+    }
+}
+
+/// `tunnels` options.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct TunnelsArgs {
+    /// Tunnels to hold (the target is 10,000: needs `ulimit -n` above 10,100 for this process).
+    #[arg(long, default_value_t = 1000)]
+    pub count: usize,
+    /// Idle time over which heartbeat CPU is measured.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub idle: Duration,
+    /// Heartbeat interval asked of the relay (when it has `--heartbeat-interval`) and used until a relay
+    /// names one.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub heartbeat_interval: Duration,
+    /// Tunnel connects in flight at once.
+    #[arg(long, default_value_t = 64)]
+    pub connect_concurrency: usize,
+    /// Registrations and onboardings in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub onboard_concurrency: usize,
+    /// Skip the idle `tether-agent` process (its RSS is the "idle agent" figure).
+    #[arg(long)]
+    pub no_real_agent: bool,
+}
+
+impl Default for TunnelsArgs {
+    fn default() -> Self {
+        Self {
+            count: 1000,
+            idle: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(5),
+            connect_concurrency: 64,
+            onboard_concurrency: 8,
+            no_real_agent: false,
+        }
+    }
+}
+
+/// How the relay is stopped in `reconnect`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StopSignal {
+    /// SIGTERM: the relay sends GOAWAY and drains (a rolling restart).
+    Term,
+    /// SIGKILL: a crash.
+    Kill,
+}
+
+/// `reconnect` options.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct ReconnectArgs {
+    /// Connected agents (the target is 10,000).
+    #[arg(long, default_value_t = 1000)]
+    pub count: usize,
+    /// How the relay is stopped.
+    #[arg(long, value_enum, default_value_t = StopSignal::Term)]
+    pub signal: StopSignal,
+    /// Give up waiting for the agents after this long.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub deadline: Duration,
+    /// Width of the accept-rate bins (peak vs mean is taken over these).
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub bin: Duration,
+    /// Tunnel connects in flight at once for the initial connection.
+    #[arg(long, default_value_t = 64)]
+    pub connect_concurrency: usize,
+    /// Registrations and onboardings in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub onboard_concurrency: usize,
+}
+
+impl Default for ReconnectArgs {
+    fn default() -> Self {
+        Self {
+            count: 1000,
+            signal: StopSignal::Term,
+            deadline: Duration::from_secs(120),
+            bin: Duration::from_secs(1),
+            connect_concurrency: 64,
+            onboard_concurrency: 8,
+        }
+    }
+}
+
+/// `hol` options.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct HolArgs {
+    /// Concurrent GET clients.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Measured time of each phase (baseline, stalled, baseline again).
+    #[arg(long, default_value = "8s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub duration: Duration,
+    /// Unmeasured time before each phase.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub warmup: Duration,
+    /// Size of the response the stalled reader asks for and stops reading.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    pub stall_size: u64,
+    /// HTTP version of the GET clients (the stalled reader always has its own HTTP/1.1 connection).
+    #[arg(long, value_enum, default_value_t = Protocol::H1)]
+    pub protocol: Protocol,
+}
+
+impl Default for HolArgs {
+    fn default() -> Self {
+        Self {
+            concurrency: 8,
+            duration: Duration::from_secs(8),
+            warmup: Duration::from_secs(1),
+            stall_size: 1 << 30,
+            protocol: Protocol::H1,
+        }
+    }
+}
+
+/// `upstream` (internal) options.
+#[derive(Debug, Clone, Args)]
+pub struct UpstreamArgs {
+    /// Address to bind; the bound address is printed on stdout.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// PEM certificate chain.
+    #[arg(long)]
+    pub cert: PathBuf,
+    /// PEM private key.
+    #[arg(long)]
+    pub key: PathBuf,
+    /// Pods in the list response.
+    #[arg(long, default_value_t = 50)]
+    pub list_items: usize,
+}
+
+/// A request mix: (kind, weight) pairs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Mix(pub Vec<(String, u32)>);
+
+fn default_mix() -> Mix {
+    Mix(vec![
+        ("get".into(), 80),
+        ("list".into(), 15),
+        ("watch".into(), 5),
+    ])
+}
+
+fn ser_duration<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format!("{d:?}"))
+}
+
+/// Parses `10s`, `500ms`, `2m`, `1.5s` (a bare number is seconds).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (expected e.g. 10s, 500ms, 2m)"))?;
+    let secs = match unit.trim() {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => {
+            return Err(format!(
+                "invalid duration unit in {s:?} (use ms, s, m or h)"
+            ));
+        }
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("invalid duration {s:?}: {e}"))
+}
+
+/// Parses a byte size: `4096`, `64KiB`, `64MiB`, `1GiB`, `10MB` (powers of 1000), `512k` (= KiB).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid size {s:?} (expected e.g. 64MiB)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        _ => {
+            return Err(format!(
+                "invalid size unit in {s:?} (use KiB, MiB, GiB, KB, MB or GB)"
+            ));
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} is too large"))
+}
+
+/// Parses `get=80,list=15,watch=5`.
+pub fn parse_mix(s: &str) -> Result<Mix, String> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (kind, weight) = part
+            .split_once('=')
+            .ok_or_else(|| format!("invalid mix entry {part:?} (expected KIND=WEIGHT)"))?;
+        let kind = kind.trim();
+        if !matches!(kind, "get" | "list" | "watch") {
+            return Err(format!(
+                "unknown request kind {kind:?} (use get, list, watch)"
+            ));
+        }
+        let weight: u32 = weight
+            .trim()
+            .parse()
+            .map_err(|_| format!("invalid weight in {part:?}"))?;
+        if weight > 1000 {
+            return Err(format!("weight in {part:?} is above 1000"));
+        }
+        out.push((kind.to_owned(), weight));
+    }
+    if out.iter().all(|(_, w)| *w == 0) {
+        return Err("the mix needs at least one kind with a weight above 0".to_owned());
+    }
+    Ok(Mix(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+        assert!(parse_duration("fast").is_err());
+        assert!(parse_duration("1d").is_err());
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("10MB"), Ok(10_000_000));
+        assert_eq!(parse_size("512k"), Ok(512 << 10));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("1PB").is_err());
+        assert!(parse_size("99999999999999999999GiB").is_err());
+    }
+
+    #[test]
+    fn mixes_parse() {
+        assert_eq!(parse_mix("get=80,list=15,watch=5"), Ok(default_mix()));
+        assert_eq!(parse_mix("get=1"), Ok(Mix(vec![("get".into(), 1)])));
+        assert!(parse_mix("get").is_err());
+        assert!(parse_mix("delete=1").is_err());
+        assert!(parse_mix("get=0").is_err());
+        assert!(parse_mix("get=x").is_err());
+    }
+
+    #[test]
+    fn cli_defaults_match_the_structs() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from(["tether-loadtest", "requests"]).expect("defaults parse");
+        match cli.command {
+            Command::Requests(a) => {
+                let d = RequestsArgs::default();
+                assert_eq!(
+                    (a.concurrency, a.duration, a.warmup),
+                    (d.concurrency, d.duration, d.warmup)
+                );
+                assert_eq!((a.mix, a.paths, a.protocol), (d.mix, d.paths, d.protocol));
+            }
+            other => panic!("parsed {other:?}"),
+        }
+        let cli = Cli::try_parse_from([
+            "tether-loadtest",
+            "bulk",
+            "--streams",
+            "1,4",
+            "--size",
+            "8MiB",
+        ])
+        .expect("bulk parses");
+        match cli.command {
+            Command::Bulk(a) => assert_eq!((a.streams, a.size), (vec![1, 4], 8 << 20)),
+            other => panic!("parsed {other:?}"),
+        }
+        for (scenario, ok) in [
+            ("tunnels", true),
+            ("reconnect", true),
+            ("hol", true),
+            ("nope", false),
+        ] {
+            assert_eq!(
+                Cli::try_parse_from(["tether-loadtest", scenario]).is_ok(),
+                ok,
+                "{scenario}"
+            );
+        }
+    }
+}

@@ -1,0 +1,411 @@
+//! The scenarios and the environment they share: working directory, progress bars, the upstream child
+//! process, and the Tether and rathole paths to it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+use crate::certs::ServerTls;
+use crate::cli::{CommonArgs, PathKind};
+use crate::client::{self, HttpClient, Protocol, Target};
+use crate::peers::Rathole;
+use crate::procs::{self, Proc};
+use crate::report::{Figure, Report};
+use crate::tether::{AgentOptions, AgentProcess, Binaries, RelayOptions, RelayProcess};
+use crate::upstream;
+
+pub mod bulk;
+pub mod hol;
+pub mod reconnect;
+pub mod requests;
+pub mod tunnels;
+
+/// What every scenario needs: options, a working directory, progress bars.
+#[derive(Debug)]
+pub struct Env {
+    /// The shared options.
+    pub common: CommonArgs,
+    /// Working directory (data dirs, configs, process logs).
+    pub work: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl Env {
+    /// Sets up the working directory.
+    pub fn new(common: CommonArgs) -> anyhow::Result<Self> {
+        let (work, tmp) = match &common.work_dir {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)?;
+                (dir.clone(), None)
+            }
+            None => {
+                let tmp = tempfile::Builder::new()
+                    .prefix("tether-loadtest-")
+                    .tempdir()?;
+                (tmp.path().to_path_buf(), Some(tmp))
+            }
+        };
+        Ok(Self {
+            common,
+            work,
+            _tmp: tmp,
+        })
+    }
+
+    /// A fresh subdirectory of the working directory.
+    pub fn dir(&self, name: &str) -> anyhow::Result<PathBuf> {
+        let d = self.work.join(name);
+        if d.exists() {
+            std::fs::remove_dir_all(&d)?;
+        }
+        std::fs::create_dir_all(&d)?;
+        Ok(d)
+    }
+
+    /// A progress bar of `len` steps (hidden with --no-progress or when stderr is not a terminal).
+    pub fn bar(&self, len: u64, message: &str) -> ProgressBar {
+        if self.common.no_progress {
+            return ProgressBar::hidden();
+        }
+        let bar = ProgressBar::new(len);
+        if let Ok(style) =
+            ProgressStyle::with_template("{msg:32} [{bar:36}] {pos}/{len} {elapsed_precise}")
+        {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_message(message.to_owned());
+        bar
+    }
+
+    /// Prints a line without tearing progress bars.
+    pub fn say(&self, line: &str) {
+        eprintln!("{line}");
+    }
+
+    /// The Tether binaries.
+    pub fn binaries(&self) -> anyhow::Result<Binaries> {
+        Binaries::locate(self.common.bin_dir.as_deref())
+    }
+
+    /// The rathole binary, if one can be found.
+    pub fn rathole_binary(&self) -> Option<PathBuf> {
+        self.common
+            .rathole
+            .clone()
+            .or_else(|| procs::find_program("rathole", None))
+    }
+
+    /// The iperf3 binary, if one can be found.
+    pub fn iperf3_binary(&self) -> Option<PathBuf> {
+        self.common
+            .iperf3
+            .clone()
+            .or_else(|| procs::find_program("iperf3", None))
+    }
+
+    /// Starts a relay with data under `name`.
+    pub async fn relay(
+        &self,
+        name: &str,
+        heartbeat: Option<Duration>,
+    ) -> anyhow::Result<RelayProcess> {
+        let bins = self.binaries()?;
+        let dir = self.dir(name)?;
+        RelayProcess::start(&bins.relay, &dir, None, &self.relay_options(heartbeat)).await
+    }
+
+    /// The relay options these common options give.
+    pub fn relay_options(&self, heartbeat: Option<Duration>) -> RelayOptions {
+        RelayOptions {
+            wrapper: self.common.relay_wrapper.clone(),
+            log_level: self.common.log_level.clone(),
+            heartbeat_interval: heartbeat,
+        }
+    }
+
+    /// Starts the upstream as a child process (its own CPU, apart from the load client's).
+    pub async fn upstream(&self, list_items: usize) -> anyhow::Result<UpstreamProcess> {
+        let dir = self.dir("upstream")?;
+        let tls = ServerTls::generate()?;
+        let cert = dir.join("upstream.crt");
+        let key = dir.join("upstream.key");
+        std::fs::write(&cert, &tls.cert_pem)?;
+        std::fs::write(&key, &tls.key_pem)?;
+        let exe = std::env::current_exe()?;
+        let mut command = Command::new(exe);
+        command
+            .arg("upstream")
+            .arg("--cert")
+            .arg(&cert)
+            .arg("--key")
+            .arg(&key)
+            .arg("--list-items")
+            .arg(list_items.to_string());
+        let mut proc =
+            Proc::spawn_command("upstream", command, &[], &dir.join("upstream.log"), true)?;
+        let stdout = proc.child_mut().stdout.take().context("upstream stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+            .await
+            .context("the upstream did not start within 20 s")??
+            .context("the upstream exited before listening")?;
+        let addr: SocketAddr = line
+            .strip_prefix("listening on ")
+            .context("unexpected upstream output")?
+            .parse()?;
+        Ok(UpstreamProcess {
+            proc,
+            addr,
+            ca_pem: tls.ca_pem,
+            dir,
+        })
+    }
+
+    /// Starts a relay and an agent for cluster `loadtest` in front of `up`.
+    pub async fn tether_path(&self, up: &UpstreamProcess) -> anyhow::Result<TetherPath> {
+        let bins = self.binaries()?;
+        let relay = self.relay("relay", None).await?;
+        let token = relay.register("loadtest").await?;
+        let kubeconfig = up.dir.join("kubeconfig");
+        crate::tether::write_kubeconfig(&kubeconfig, &format!("https://{}", up.addr), &up.ca_pem)?;
+        let agent = AgentProcess::start(
+            &bins.agent,
+            &relay,
+            "loadtest",
+            &token,
+            &kubeconfig,
+            &self.dir("agent")?,
+            &AgentOptions {
+                wrapper: self.common.agent_wrapper.clone(),
+                log_level: self.common.log_level.clone(),
+            },
+        )
+        .await?;
+        Ok(TetherPath { relay, agent })
+    }
+
+    /// Starts rathole in front of `up`, or explains why not.
+    pub async fn rathole(&self, up: &UpstreamProcess) -> Result<Rathole, String> {
+        let Some(bin) = self.rathole_binary() else {
+            return Err(
+                "rathole not found (cargo install rathole): rathole runs skipped".to_owned(),
+            );
+        };
+        let probe = async {
+            let client = client::http_client(&[&up.ca_pem], Protocol::H1)?;
+            Rathole::start(
+                &bin,
+                &self.dir("rathole")?,
+                up.addr,
+                self.common.rathole_transport,
+                &client,
+                "/version",
+            )
+            .await
+        };
+        probe
+            .await
+            .map_err(|e| format!("rathole could not start: {e:#}"))
+    }
+
+    /// The paths asked for, starting what each needs; unavailable peers are noted in `report` and skipped.
+    pub async fn paths(
+        &self,
+        up: &UpstreamProcess,
+        wanted: &[PathKind],
+        report: &mut Report,
+    ) -> anyhow::Result<Paths> {
+        let mut paths = Paths::default();
+        let mut wanted = wanted.to_vec();
+        wanted.dedup();
+        for kind in wanted {
+            match kind {
+                PathKind::Direct => paths.direct = true,
+                PathKind::Tether => paths.tether = Some(self.tether_path(up).await?),
+                PathKind::Rathole => match self.rathole(up).await {
+                    Ok(r) => paths.rathole = Some(r),
+                    Err(note) => report.notes.push(note),
+                },
+            }
+        }
+        Ok(paths)
+    }
+}
+
+/// The upstream child process.
+#[derive(Debug)]
+pub struct UpstreamProcess {
+    /// The process.
+    pub proc: Proc,
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// The CA its certificate chains to.
+    pub ca_pem: String,
+    /// Its directory (certificates, kubeconfig for agents).
+    pub dir: PathBuf,
+}
+
+/// Relay and agent in front of the upstream.
+#[derive(Debug)]
+pub struct TetherPath {
+    /// The relay.
+    pub relay: RelayProcess,
+    /// The agent for cluster `loadtest`.
+    pub agent: AgentProcess,
+}
+
+/// The paths a scenario measures.
+#[derive(Debug, Default)]
+pub struct Paths {
+    /// Straight to the upstream.
+    pub direct: bool,
+    /// Through relay and agent.
+    pub tether: Option<TetherPath>,
+    /// Through rathole.
+    pub rathole: Option<Rathole>,
+}
+
+impl Paths {
+    /// The targets in measuring order, each with the processes on its path (for CPU accounting).
+    pub fn targets(&self, up: &UpstreamProcess) -> Vec<(Target, Vec<(String, u32)>)> {
+        let mut out = Vec::new();
+        let upstream = ("upstream".to_owned(), up.proc.pid());
+        if self.direct {
+            out.push((
+                Target {
+                    label: "direct".into(),
+                    base: format!("https://{}", up.addr),
+                },
+                vec![upstream.clone()],
+            ));
+        }
+        if let Some(t) = &self.tether {
+            out.push((
+                Target {
+                    label: "tether".into(),
+                    base: format!("{}/clusters/loadtest", t.relay.url),
+                },
+                vec![
+                    ("relay".to_owned(), t.relay.pid()),
+                    ("agent".to_owned(), t.agent.process().pid()),
+                    upstream.clone(),
+                ],
+            ));
+        }
+        if let Some(r) = &self.rathole {
+            out.push((
+                Target {
+                    label: "rathole".into(),
+                    base: format!("https://{}", r.service),
+                },
+                vec![
+                    ("rathole server".to_owned(), r.server.pid()),
+                    ("rathole client".to_owned(), r.client.pid()),
+                    upstream,
+                ],
+            ));
+        }
+        out
+    }
+
+    /// The CAs a client must trust to reach every target.
+    pub fn client(&self, up: &UpstreamProcess, protocol: Protocol) -> anyhow::Result<HttpClient> {
+        let mut cas = vec![up.ca_pem.as_str()];
+        if let Some(t) = &self.tether {
+            cas.push(&t.relay.ca_pem);
+        }
+        client::http_client(&cas, protocol)
+    }
+
+    /// Stops every process.
+    pub async fn stop(self) {
+        if let Some(t) = self.tether {
+            t.agent.stop(Duration::from_secs(5)).await;
+            t.relay.stop(Duration::from_secs(5)).await;
+        }
+        if let Some(r) = self.rathole {
+            r.stop().await;
+        }
+    }
+}
+
+/// CPU time of a set of processes (and of this one) over a measured period.
+#[derive(Debug)]
+pub struct CpuMeter {
+    start: Vec<(String, u32, Option<Duration>)>,
+    own: Option<Duration>,
+}
+
+impl CpuMeter {
+    /// Starts measuring `procs` (name, pid).
+    pub fn start(procs: &[(String, u32)]) -> Self {
+        Self {
+            start: procs
+                .iter()
+                .map(|(n, pid)| (n.clone(), *pid, procs::cpu_time(*pid)))
+                .collect(),
+            own: procs::own_cpu_time(),
+        }
+    }
+
+    /// CPU time used since the start, per process, with the load client (this process) last.
+    pub fn finish(&self) -> Vec<(String, Duration)> {
+        let mut out: Vec<(String, Duration)> = self
+            .start
+            .iter()
+            .filter_map(|(n, pid, start)| {
+                Some((n.clone(), procs::cpu_time(*pid)?.saturating_sub((*start)?)))
+            })
+            .collect();
+        if let (Some(a), Some(b)) = (self.own, procs::own_cpu_time()) {
+            out.push(("load client".to_owned(), b.saturating_sub(a)));
+        }
+        out
+    }
+
+    /// Adds "CPU µs per request" figures for `label` to `report`.
+    pub fn per_request_figures(&self, report: &mut Report, label: &str, requests: u64) {
+        if requests == 0 {
+            return;
+        }
+        for (name, cpu) in self.finish() {
+            report.figures.push(Figure::new(
+                format!("{label}: {name} CPU per request"),
+                cpu.as_secs_f64() * 1e6 / requests as f64,
+                "µs",
+            ));
+        }
+    }
+}
+
+/// Serves the upstream in this process until SIGTERM/SIGINT (the `upstream` subcommand).
+pub async fn serve_upstream(args: &crate::cli::UpstreamArgs) -> anyhow::Result<()> {
+    let cert = std::fs::read_to_string(&args.cert)?;
+    let key = std::fs::read_to_string(&args.key)?;
+    let tls = ServerTls {
+        ca_pem: String::new(),
+        cert_pem: cert,
+        key_pem: key,
+    }
+    .server_config()?;
+    upstream::bind_and_serve(
+        args.listen,
+        tls,
+        args.list_items,
+        |addr| println!("listening on {addr}"),
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        },
+    )
+    .await
+}
+
+/// Stops `up` (kills it: it holds no state).
+pub async fn stop_upstream(up: UpstreamProcess) {
+    up.proc.kill().await;
+}

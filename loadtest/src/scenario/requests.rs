@@ -1,0 +1,182 @@
+//! `requests`: N concurrent clients making kubectl-like requests (get, list, watch) on each path in turn.
+
+use std::time::Duration;
+
+use crate::cli::RequestsArgs;
+use crate::client::{self, Kind, LoadPlan};
+use crate::report::{Figure, Report, TargetCheck};
+use crate::scenario::{CpuMeter, Env, stop_upstream};
+use crate::upstream::paths;
+
+/// The request kinds of a mix.
+pub fn kinds(mix: &[(String, u32)]) -> Vec<(Kind, u32)> {
+    mix.iter()
+        .map(|(name, w)| {
+            let path = match name.as_str() {
+                "list" => paths::LIST,
+                "watch" => paths::WATCH,
+                _ => paths::GET,
+            };
+            (
+                Kind {
+                    name: name.clone(),
+                    path: path.to_owned(),
+                },
+                *w,
+            )
+        })
+        .collect()
+}
+
+/// Runs the scenario.
+pub async fn run(env: &Env, args: &RequestsArgs) -> anyhow::Result<Report> {
+    let mut report = Report::new("requests");
+    report.setting("concurrency", args.concurrency);
+    report.setting("duration", format!("{:?}", args.duration));
+    report.setting("warmup", format!("{:?}", args.warmup));
+    report.setting("protocol", args.protocol);
+    report.setting(
+        "mix",
+        args.mix
+            .0
+            .iter()
+            .map(|(k, w)| format!("{k}={w}"))
+            .collect::<Vec<_>>()
+            .join(","),
+    );
+    report.setting("list_items", args.list_items);
+    report.setting("rathole_transport", env.common.rathole_transport);
+
+    let up = env.upstream(args.list_items).await?;
+    let paths = env.paths(&up, &args.paths, &mut report).await?;
+    let plan = LoadPlan {
+        concurrency: args.concurrency,
+        warmup: args.warmup,
+        duration: args.duration,
+        schedule: client::schedule(&kinds(&args.mix.0)),
+        request_timeout: Duration::from_secs(10),
+        interval: Duration::from_millis(250),
+        timeline_bytes: false,
+    };
+    let targets = paths.targets(&up);
+    for (target, procs) in &targets {
+        let client = paths.client(&up, args.protocol)?;
+        let bar = env.bar(
+            args.duration.as_secs(),
+            &format!("requests via {}", target.label),
+        );
+        // The meter starts with the warm-up, so CPU per request is slightly overstated; the ratio between
+        // processes is what matters.
+        let meter = CpuMeter::start(procs);
+        let (outcome, timeline) = client::run_load(&client, target, &plan, Some(&bar)).await?;
+        bar.finish_and_clear();
+        let result = outcome.into_result(&target.label, &plan, &timeline);
+        env.say(&format!(
+            "requests via {}: {:.0} req/s, p99 {:.2} ms, {} errors",
+            target.label,
+            result.requests_per_sec,
+            result.latency.as_ref().map_or(f64::NAN, |l| l.p99_ms),
+            result.errors
+        ));
+        meter.per_request_figures(&mut report, &target.label, result.requests);
+        report.runs.push(result);
+    }
+    if let Some(t) = &paths.tether {
+        if let Some(kib) = t.agent.process().rss_kib() {
+            report.figures.push(Figure::new(
+                "agent RSS after the run",
+                kib as f64 / 1024.0,
+                "MiB",
+            ));
+        }
+        if let Some(kib) = t.relay.process().rss_kib() {
+            report.figures.push(Figure::new(
+                "relay RSS after the run",
+                kib as f64 / 1024.0,
+                "MiB",
+            ));
+        }
+    }
+    ratios_and_targets(&mut report);
+    paths.stop().await;
+    stop_upstream(up).await;
+    Ok(report)
+}
+
+fn ratios_and_targets(report: &mut Report) {
+    let rps = |r: &Report, l: &str| r.run(l).map(|x| x.requests_per_sec);
+    let p50 = |r: &Report, l: &str| r.run(l).and_then(|x| x.latency.as_ref()).map(|s| s.p50_ms);
+    let p99 = |r: &Report, l: &str| r.run(l).and_then(|x| x.latency.as_ref()).map(|s| s.p99_ms);
+    let (t, d, r) = (
+        rps(report, "tether"),
+        rps(report, "direct"),
+        rps(report, "rathole"),
+    );
+    let vs_direct = report.ratio("req/s tether/direct", t, d);
+    let vs_rathole = report.ratio("req/s tether/rathole", t, r);
+    report.ratio("req/s rathole/direct", r, d);
+    let (tp50, dp50, rp50) = (
+        p50(report, "tether"),
+        p50(report, "direct"),
+        p50(report, "rathole"),
+    );
+    report.ratio("p50 latency tether/direct", tp50, dp50);
+    report.ratio("p50 latency tether/rathole", tp50, rp50);
+    let (tp99, dp99, rp99) = (
+        p99(report, "tether"),
+        p99(report, "direct"),
+        p99(report, "rathole"),
+    );
+    report.ratio("p99 latency tether/direct", tp99, dp99);
+    report.ratio("p99 latency tether/rathole", tp99, rp99);
+    report.targets.push(TargetCheck::compare(
+        "requests ≥ 1.0× rathole",
+        vs_rathole,
+        1.0,
+        true,
+        "×",
+    ));
+    report.targets.push(TargetCheck::compare(
+        "requests ≥ 0.5× the direct path",
+        vs_direct,
+        0.5,
+        true,
+        "×",
+    ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::RunResult;
+
+    #[test]
+    fn kinds_map_to_upstream_paths() {
+        let k = kinds(&[("get".into(), 2), ("list".into(), 1), ("watch".into(), 1)]);
+        assert_eq!(k[0].0.path, paths::GET);
+        assert_eq!(k[1].0.path, paths::LIST);
+        assert_eq!(k[2].0.path, paths::WATCH);
+        assert_eq!(k[0].1, 2);
+    }
+
+    #[test]
+    fn targets_compare_against_both_peers() {
+        let mut r = Report::new("requests");
+        for (label, rps) in [("direct", 1000.0), ("tether", 600.0), ("rathole", 800.0)] {
+            r.runs.push(RunResult {
+                label: label.into(),
+                requests_per_sec: rps,
+                ..RunResult::default()
+            });
+        }
+        ratios_and_targets(&mut r);
+        assert_eq!(r.targets.len(), 2);
+        assert_eq!(r.targets[0].met, Some(false)); // 0.75× rathole
+        assert_eq!(r.targets[1].met, Some(true)); // 0.6× direct
+        assert!(
+            r.ratios
+                .iter()
+                .any(|f| f.name == "req/s tether/direct" && (f.value - 0.6).abs() < 1e-9)
+        );
+    }
+}

@@ -1,0 +1,533 @@
+//! Simulated agents: many tunnels from one process, each onboarded by the real relay, holding its tunnel idle
+//! with the control channel's heartbeats, and reconnecting with the agent's full-jitter backoff.
+//!
+//! Onboarding sends a CSR: a relay that issues client certificates answers with one (the tunnel then
+//! authenticates with mTLS); an older relay ignores the CSR and answers with a bearer credential. Both work.
+//!
+//! The control channel (a stream of kind CONTROL; messages are a u32 big-endian length then JSON) is spoken
+//! here independently of `tether_tunnel`'s own codec: `hello` and `metadata` at connect, then `heartbeat`
+//! and `health` every interval the relay's `welcome` names. When the relay refuses the control stream (a relay
+//! without one), the tunnel is held with protocol keepalives only, and [`SimStats::control_refused`] says so.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use rand::RngExt as _;
+use serde_json::{Value, json};
+use tether_tunnel::ws::{self, ConnectError};
+use tether_tunnel::{Connection, OpenOptions, Priority, Role, SessionConfig, code, kind};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::certs;
+use crate::stats::Timeline;
+use crate::tether::RelayProcess;
+
+/// Largest control message accepted (as the protocol says).
+const MAX_CONTROL_MESSAGE: usize = 1024 * 1024;
+
+/// How a simulated agent proves who it is.
+#[derive(Clone)]
+enum Identity {
+    /// `Authorization: Bearer …` (relays before client certificates).
+    Bearer(String),
+    /// A client certificate issued by the relay's agent CA.
+    Certificate,
+}
+
+/// One simulated agent, onboarded and ready to dial.
+#[derive(Clone)]
+pub struct SimAgent {
+    /// Its cluster name.
+    pub cluster: String,
+    tunnel_url: String,
+    tls: Arc<rustls::ClientConfig>,
+    headers: HeaderMap,
+    identity: Identity,
+}
+
+impl std::fmt::Debug for SimAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let identity = match self.identity {
+            Identity::Bearer(_) => "bearer",
+            Identity::Certificate => "certificate",
+        };
+        f.debug_struct("SimAgent")
+            .field("cluster", &self.cluster)
+            .field("identity", &identity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SimAgent {
+    /// Onboards `cluster` at `relay` with its one-time `token`.
+    pub async fn onboard(relay: &RelayProcess, cluster: &str, token: &str) -> anyhow::Result<Self> {
+        let (key_pem, csr_pem) = certs::key_and_csr(cluster)?;
+        let answer = relay.onboard(cluster, token, &csr_pem).await?;
+        let (identity, tls) = match (
+            answer["certificate"].as_str(),
+            answer["credential"].as_str(),
+        ) {
+            (Some(cert), _) => (
+                Identity::Certificate,
+                certs::client_config(&[&relay.ca_pem], &[], Some((cert, &key_pem)))?,
+            ),
+            (None, Some(credential)) => (
+                Identity::Bearer(credential.to_owned()),
+                certs::client_config(&[&relay.ca_pem], &[], None)?,
+            ),
+            (None, None) => {
+                anyhow::bail!("onboarding answer has neither certificate nor credential: {answer}")
+            }
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert("tether-cluster", HeaderValue::from_str(cluster)?);
+        headers.insert(
+            "tether-agent-version",
+            HeaderValue::from_static(env!("CARGO_PKG_VERSION")),
+        );
+        if let Identity::Bearer(credential) = &identity {
+            let mut v = HeaderValue::from_str(&format!("Bearer {credential}"))?;
+            v.set_sensitive(true);
+            headers.insert(http::header::AUTHORIZATION, v);
+        }
+        Ok(Self {
+            cluster: cluster.to_owned(),
+            tunnel_url: format!("{}/agent/v1/tunnel", relay.url),
+            tls,
+            headers,
+            identity,
+        })
+    }
+
+    /// Whether the relay issued a client certificate (mTLS) rather than a bearer credential.
+    pub fn uses_certificate(&self) -> bool {
+        matches!(self.identity, Identity::Certificate)
+    }
+
+    /// Dials the relay and upgrades to a tunnel.
+    pub async fn connect(&self) -> Result<Connection, ConnectError> {
+        ws::connect(
+            &self.tunnel_url,
+            self.tls.clone(),
+            self.headers.clone(),
+            SessionConfig::new(Role::Client),
+        )
+        .await
+    }
+}
+
+/// Counters shared by many simulated agents.
+#[derive(Debug, Default)]
+pub struct SimStats {
+    /// Tunnels up right now.
+    pub connected: AtomicU64,
+    /// Successful connects, all time.
+    pub connects: AtomicU64,
+    /// Failed connect attempts.
+    pub connect_errors: AtomicU64,
+    /// Connects refused with an HTTP status (e.g. 503 while the relay starts).
+    pub rejected: AtomicU64,
+    /// Heartbeats sent.
+    pub heartbeats: AtomicU64,
+    /// Tunnels whose control stream the relay accepted.
+    pub control_accepted: AtomicU64,
+    /// Tunnels whose control stream the relay refused (a relay without a control channel).
+    pub control_refused: AtomicU64,
+    /// Tunnels lost (closed by the relay or the network).
+    pub disconnects: AtomicU64,
+    /// The first distinct connect error seen.
+    pub first_error: std::sync::Mutex<Option<String>>,
+}
+
+impl SimStats {
+    fn note_error(&self, e: &ConnectError) {
+        self.connect_errors.fetch_add(1, Ordering::Relaxed);
+        if matches!(e, ConnectError::Rejected { .. }) {
+            self.rejected.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Ok(mut first) = self.first_error.lock()
+            && first.is_none()
+        {
+            *first = Some(crate::client::error_chain(e));
+        }
+    }
+
+    /// A counter's value.
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
+fn encode(msg: &Value) -> Vec<u8> {
+    let body = msg.to_string().into_bytes();
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&u32::try_from(body.len()).unwrap_or(u32::MAX).to_be_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+async fn read_message<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> anyhow::Result<Value> {
+    let len = r.read_u32().await? as usize;
+    anyhow::ensure!(
+        len <= MAX_CONTROL_MESSAGE,
+        "control message of {len} bytes is too large"
+    );
+    let mut buf = vec![0; len];
+    r.read_exact(&mut buf).await?;
+    Ok(serde_json::from_slice(&buf)?)
+}
+
+/// Holds a connected tunnel until it closes or `stop` is cancelled: refuses streams the relay opens, speaks
+/// the control channel (heartbeats at the relay's interval, `default_heartbeat` until it names one).
+pub async fn hold(
+    conn: &Connection,
+    default_heartbeat: Duration,
+    stats: &SimStats,
+    stop: &CancellationToken,
+) {
+    let refuser = async {
+        while let Some(incoming) = conn.accept().await {
+            incoming.refuse(code::UNSUPPORTED_KIND, "simulated agent serves no streams");
+        }
+    };
+    let control = async {
+        if control_channel(conn, default_heartbeat, stats)
+            .await
+            .is_err()
+        {
+            // Without a control channel (or after it failed) the tunnel still lives on keepalives.
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        _ = conn.closed() => {}
+        () = refuser => {}
+        () = control => {}
+        () = stop.cancelled() => conn.close(code::NO_ERROR, "load test over"),
+    }
+}
+
+async fn control_channel(
+    conn: &Connection,
+    default_heartbeat: Duration,
+    stats: &SimStats,
+) -> anyhow::Result<()> {
+    let stream = conn.open(OpenOptions {
+        kind: kind::CONTROL,
+        priority: Priority::Control,
+        deadline: Some(Duration::from_secs(30)),
+        metadata: Bytes::new(),
+    })?;
+    let answer = stream.control();
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let version = env!("CARGO_PKG_VERSION");
+    wr.write_all(&encode(&json!({"type": "hello", "agentVersion": version})))
+        .await?;
+    wr.write_all(&encode(&json!({
+        "type": "metadata", "kubernetesVersion": "v1.33.0", "nodeCount": 1, "totalCpuMillis": 2000,
+        "totalMemoryBytes": 4_294_967_296u64, "distribution": "loadtest", "infrastructure": "loopback",
+        "agentVersion": version
+    })))
+    .await?;
+    if answer.accepted().await.is_err() {
+        stats.control_refused.fetch_add(1, Ordering::Relaxed);
+        anyhow::bail!("control stream refused");
+    }
+    stats.control_accepted.fetch_add(1, Ordering::Relaxed);
+    let mut interval = default_heartbeat;
+    if let Ok(Ok(msg)) = tokio::time::timeout(Duration::from_secs(30), read_message(&mut rd)).await
+        && msg["type"] == "welcome"
+        && let Some(secs) = msg["heartbeatIntervalSeconds"].as_f64()
+        && secs > 0.0
+    {
+        interval = Duration::from_secs_f64(secs);
+    }
+    // Agents started together should not beat together: start at a random phase.
+    let phase = interval.mul_f64(rand::rng().random_range(0.0..1.0));
+    let mut tick = tokio::time::interval_at(Instant::now() + phase, interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let started = Instant::now();
+    let mut seq = 0u64;
+    let reader = async {
+        // Drain whatever the relay sends (certificates, snapshots); end when the stream ends.
+        while read_message(&mut rd).await.is_ok() {}
+    };
+    tokio::pin!(reader);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                seq += 1;
+                wr.write_all(&encode(&json!({"type": "heartbeat", "seq": seq}))).await?;
+                wr.write_all(&encode(&json!({
+                    "type": "health", "agentVersion": version,
+                    "uptimeSeconds": started.elapsed().as_secs(), "memoryBytes": 0, "cpuSeconds": 0.0,
+                    "reconnects": 0, "tunnelRttMillis": conn.rtt().map_or(0, |d| d.as_millis() as u64)
+                })))
+                .await?;
+                stats.heartbeats.fetch_add(1, Ordering::Relaxed);
+            }
+            () = &mut reader => anyhow::bail!("control stream ended"),
+        }
+    }
+}
+
+/// Reconnect pacing, the same policy as `tether_agent::Backoff`: the sleep before retry `n` is uniform in
+/// `[0, min(cap, base·2^n)]`; the counter resets when a tunnel stayed up for `stable`.
+#[derive(Debug, Clone, Copy)]
+pub struct Backoff {
+    /// First ceiling.
+    pub base: Duration,
+    /// Largest ceiling.
+    pub cap: Duration,
+    /// Uptime that resets the counter.
+    pub stable: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            base: Duration::from_millis(500),
+            cap: Duration::from_secs(30),
+            stable: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Backoff {
+    /// The ceiling for retry `attempt`.
+    pub fn ceiling(&self, attempt: u32) -> Duration {
+        let factor = 1u32.checked_shl(attempt.min(31)).unwrap_or(u32::MAX);
+        self.base
+            .checked_mul(factor)
+            .map_or(self.cap, |d| d.min(self.cap))
+    }
+
+    fn delay(&self, attempt: u32) -> Duration {
+        let ceiling = u64::try_from(self.ceiling(attempt).as_nanos()).unwrap_or(u64::MAX);
+        Duration::from_nanos(rand::rng().random_range(0..=ceiling))
+    }
+}
+
+/// Shared by the agents of a [`Fleet`].
+#[derive(Debug)]
+struct FleetShared {
+    backoff: Backoff,
+    default_heartbeat: Duration,
+    stats: Arc<SimStats>,
+    accepts: RwLock<Option<Arc<Timeline>>>,
+    stop: CancellationToken,
+    /// Bounds concurrent FIRST connects (the initial ramp); reconnects are not bounded, as in the field.
+    initial_gate: Option<Arc<Semaphore>>,
+}
+
+/// Many simulated agents running at once, each connecting, holding its tunnel and reconnecting with the
+/// agent's backoff until [`Fleet::shutdown`].
+#[derive(Debug)]
+pub struct Fleet {
+    shared: Arc<FleetShared>,
+    tasks: JoinSet<()>,
+}
+
+impl Fleet {
+    /// Starts one task per agent. At most `initial_concurrency` first connects are in flight at once.
+    pub fn start(
+        agents: &[Arc<SimAgent>],
+        backoff: Backoff,
+        default_heartbeat: Duration,
+        initial_concurrency: Option<usize>,
+    ) -> Self {
+        let shared = Arc::new(FleetShared {
+            backoff,
+            default_heartbeat,
+            stats: Arc::new(SimStats::default()),
+            accepts: RwLock::new(None),
+            stop: CancellationToken::new(),
+            initial_gate: initial_concurrency.map(|n| Arc::new(Semaphore::new(n.max(1)))),
+        });
+        let mut tasks = JoinSet::new();
+        for agent in agents {
+            tasks.spawn(run(agent.clone(), shared.clone()));
+        }
+        Self { shared, tasks }
+    }
+
+    /// The fleet's counters.
+    pub fn stats(&self) -> &SimStats {
+        &self.shared.stats
+    }
+
+    /// From now on, every successful connect is also counted in `timeline`.
+    pub fn count_accepts_in(&self, timeline: Arc<Timeline>) {
+        if let Ok(mut slot) = self.shared.accepts.write() {
+            *slot = Some(timeline);
+        }
+    }
+
+    /// Waits until `until` holds for the counters, polling every 20 ms, or fails after `limit`. The bar (if
+    /// any) shows tunnels up.
+    pub async fn wait_for(
+        &self,
+        limit: Duration,
+        bar: Option<&indicatif::ProgressBar>,
+        until: impl Fn(&SimStats) -> bool,
+    ) -> anyhow::Result<Duration> {
+        let start = Instant::now();
+        loop {
+            let stats = self.stats();
+            if let Some(b) = bar {
+                b.set_position(SimStats::get(&stats.connected));
+            }
+            if until(stats) {
+                return Ok(start.elapsed());
+            }
+            if start.elapsed() > limit {
+                let first = stats.first_error.lock().ok().and_then(|e| e.clone());
+                anyhow::bail!(
+                    "gave up after {limit:?}: {} tunnels up, {} connect errors (first: {})",
+                    SimStats::get(&stats.connected),
+                    SimStats::get(&stats.connect_errors),
+                    first.as_deref().unwrap_or("none")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Closes every tunnel and waits for the tasks.
+    pub async fn shutdown(mut self) {
+        self.shared.stop.cancel();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// One simulated agent until `stop`: connect, hold, and on loss reconnect with the backoff.
+async fn run(agent: Arc<SimAgent>, fleet: Arc<FleetShared>) {
+    let stats = &fleet.stats;
+    let mut attempt = 0u32;
+    let mut first_permit = match &fleet.initial_gate {
+        Some(gate) => tokio::select! {
+            p = gate.clone().acquire_owned() => p.ok(),
+            () = fleet.stop.cancelled() => return,
+        },
+        None => None,
+    };
+    loop {
+        let connecting = tokio::time::timeout(Duration::from_secs(15), agent.connect());
+        let result = tokio::select! {
+            r = connecting => r,
+            () = fleet.stop.cancelled() => return,
+        };
+        drop(first_permit.take());
+        match result {
+            Ok(Ok(conn)) => {
+                let up = Instant::now();
+                stats.connects.fetch_add(1, Ordering::Relaxed);
+                stats.connected.fetch_add(1, Ordering::Relaxed);
+                if let Ok(slot) = fleet.accepts.read()
+                    && let Some(t) = slot.as_ref()
+                {
+                    t.add(1);
+                }
+                hold(&conn, fleet.default_heartbeat, stats, &fleet.stop).await;
+                stats.connected.fetch_sub(1, Ordering::Relaxed);
+                if fleet.stop.is_cancelled() {
+                    return;
+                }
+                stats.disconnects.fetch_add(1, Ordering::Relaxed);
+                if up.elapsed() >= fleet.backoff.stable {
+                    attempt = 0;
+                }
+            }
+            Ok(Err(ConnectError::Rejected { status, .. }))
+                if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN =>
+            {
+                // The real agent gives up here: its identity was refused.
+                stats.note_error(&ConnectError::Rejected {
+                    status,
+                    body: "identity refused".to_owned(),
+                });
+                return;
+            }
+            Ok(Err(e)) => stats.note_error(&e),
+            Err(_) => stats.note_error(&ConnectError::TimedOut),
+        }
+        let delay = fleet.backoff.delay(attempt);
+        attempt = attempt.saturating_add(1);
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = fleet.stop.cancelled() => return,
+        }
+    }
+}
+
+/// Registers and onboards `count` clusters named `PREFIX-N` with `concurrency` requests in flight.
+pub async fn onboard_many(
+    relay: &RelayProcess,
+    prefix: &str,
+    count: usize,
+    concurrency: usize,
+    progress: Option<&indicatif::ProgressBar>,
+) -> anyhow::Result<Vec<Arc<SimAgent>>> {
+    use futures_util::stream::{self, StreamExt as _, TryStreamExt as _};
+    let agents: Vec<Arc<SimAgent>> = stream::iter(0..count)
+        .map(|i| async move {
+            let name = format!("{prefix}-{i}");
+            let token = relay.register(&name).await?;
+            let agent = SimAgent::onboard(relay, &name, &token)
+                .await
+                .with_context(|| format!("onboarding {name}"))?;
+            if let Some(p) = progress {
+                p.inc(1);
+            }
+            anyhow::Ok(Arc::new(agent))
+        })
+        .buffered(concurrency.max(1))
+        .try_collect()
+        .await?;
+    Ok(agents)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_messages_are_length_prefixed_json() -> anyhow::Result<()> {
+        let bytes = encode(&json!({"type": "heartbeat", "seq": 1}));
+        let len = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
+        assert_eq!(len, bytes.len() - 4);
+        let v: Value = serde_json::from_slice(&bytes[4..])?;
+        assert_eq!(v["type"], "heartbeat");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn control_messages_round_trip_and_oversize_is_refused() -> anyhow::Result<()> {
+        let mut input: &[u8] = &encode(&json!({"type": "welcome", "heartbeatIntervalSeconds": 30}));
+        let v = read_message(&mut input).await?;
+        assert_eq!(v["heartbeatIntervalSeconds"], 30);
+        let mut huge: &[u8] = &(MAX_CONTROL_MESSAGE as u32 + 1).to_be_bytes();
+        assert!(read_message(&mut huge).await.is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn backoff_matches_the_agent_policy() {
+        let b = Backoff::default();
+        assert_eq!(b.ceiling(0), Duration::from_millis(500));
+        assert_eq!(b.ceiling(1), Duration::from_secs(1));
+        assert_eq!(b.ceiling(6), Duration::from_secs(30));
+        assert_eq!(b.ceiling(u32::MAX), Duration::from_secs(30));
+        for attempt in 0..8 {
+            assert!(b.delay(attempt) <= b.ceiling(attempt));
+        }
+    }
+}
