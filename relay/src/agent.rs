@@ -13,6 +13,7 @@ use tether_tunnel::{Connection, Role, code, kind, ws};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use crate::auth;
 use crate::body::Body;
@@ -195,6 +196,7 @@ async fn accept_streams(
     peer: PeerCert,
     conn: Connection,
     valid_until: watch::Sender<OffsetDateTime>,
+    draining: CancellationToken,
 ) {
     let mut valid_until = Some(valid_until);
     let mut control_task = None;
@@ -220,6 +222,7 @@ async fn accept_streams(
                     cluster: cluster.clone(),
                     held_fingerprint: peer.fingerprint.clone(),
                     valid_until,
+                    draining: draining.clone(),
                 };
                 control_task = Some(tokio::spawn(control::serve(channel, stream)));
             }
@@ -239,9 +242,10 @@ async fn run_tunnel(
     peer: &PeerCert,
     conn: Connection,
 ) {
-    let (id, replaced) = shared.registry.insert(cluster, conn.clone());
+    let (tunnel, replaced) = shared.registry.insert(cluster, conn.clone());
+    let id = tunnel.id;
     if let Some(old) = replaced {
-        old.conn.go_away(
+        old.go_away(
             code::SHUTDOWN,
             "replaced by a newer tunnel for the same cluster",
         );
@@ -268,6 +272,7 @@ async fn run_tunnel(
         peer.clone(),
         conn.clone(),
         valid_until,
+        tunnel.draining.clone(),
     ));
 
     let closed = conn.closed();

@@ -261,8 +261,10 @@ async fn delete(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
     Ok(resp)
 }
 
+/// RFC 3339 in whole seconds (what the store keeps), so a value does not change when it is written.
 fn rfc3339(t: Option<OffsetDateTime>) -> Value {
-    t.and_then(|t| t.format(&Rfc3339).ok())
+    t.and_then(|t| t.replace_nanosecond(0).ok())
+        .and_then(|t| t.format(&Rfc3339).ok())
         .map_or(Value::Null, Value::String)
 }
 

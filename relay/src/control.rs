@@ -15,6 +15,7 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use crate::identity::IssueError;
 use crate::server::Shared;
@@ -32,6 +33,8 @@ pub(crate) struct Channel {
     pub(crate) held_fingerprint: String,
     /// Until when the tunnel's identity is valid; moved forward by each renewal.
     pub(crate) valid_until: watch::Sender<OffsetDateTime>,
+    /// Cancelled when the tunnel gets GOAWAY (relay shutdown, a newer tunnel): the channel ends at once.
+    pub(crate) draining: CancellationToken,
 }
 
 /// Why a control channel was cut.
@@ -58,15 +61,28 @@ pub(crate) async fn serve(mut channel: Channel, stream: Stream) {
     let control = stream.control();
     let (rd, mut wr) = tokio::io::split(stream);
     let mut reader = Reader::new(rd);
-    match run(&mut channel, &mut reader, &mut wr).await {
+    let draining = channel.draining.clone();
+    let result = tokio::select! {
+        result = run(&mut channel, &mut reader, &mut wr) => result,
+        () = draining.cancelled() => {
+            // The agent takes the end of its control channel as the signal to reconnect.
+            tracing::debug!(cluster = %channel.cluster, "control channel ended: the tunnel is going away");
+            control.reset(code::SHUTDOWN);
+            return;
+        }
+    };
+    match result {
         Ok(()) => {
             let _ = wr.shutdown().await;
             tracing::debug!(cluster = %channel.cluster, "control channel ended by the agent");
         }
-        Err(
-            e @ (ChannelError::Protocol(_)
-            | ChannelError::Wire(ControlError::TooLarge(_) | ControlError::Malformed(_))),
-        ) => {
+        Err(ChannelError::Protocol(why)) => {
+            // The agent was told why; end our side and let it close (a reset could drop that message).
+            tracing::info!(cluster = %channel.cluster, error = why, "control channel ended: protocol violation");
+            let _ = wr.shutdown().await;
+            while let Ok(Some(_)) = reader.recv().await {}
+        }
+        Err(ChannelError::Wire(e @ (ControlError::TooLarge(_) | ControlError::Malformed(_)))) => {
             tracing::info!(cluster = %channel.cluster, error = %e, "control channel reset: bad message");
             control.reset(code::PROTOCOL_ERROR);
         }

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tether_tunnel::Connection;
 use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
 
 /// A registered tunnel, with the id that tells it apart from a newer tunnel of the same cluster.
 #[derive(Debug, Clone)]
@@ -13,6 +14,17 @@ pub(crate) struct Tunnel {
     pub(crate) id: u64,
     pub(crate) conn: Connection,
     pub(crate) since: OffsetDateTime,
+    /// Cancelled with [`Tunnel::go_away`]: tells the tunnel's own tasks (the control channel) to end, so the
+    /// graceful close is not held up by a stream that never finishes by itself.
+    pub(crate) draining: CancellationToken,
+}
+
+impl Tunnel {
+    /// GOAWAY: streams in flight may finish, the control channel ends now.
+    pub(crate) fn go_away(&self, code: u32, reason: &str) {
+        self.conn.go_away(code, reason);
+        self.draining.cancel();
+    }
 }
 
 /// Cluster name → current tunnel.
@@ -30,16 +42,17 @@ impl Registry {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Registers `conn` for `cluster`; returns its id and the tunnel it replaced, if any.
-    pub(crate) fn insert(&self, cluster: &str, conn: Connection) -> (u64, Option<Tunnel>) {
+    /// Registers `conn` for `cluster`; returns it as registered and the tunnel it replaced, if any.
+    pub(crate) fn insert(&self, cluster: &str, conn: Connection) -> (Tunnel, Option<Tunnel>) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let tunnel = Tunnel {
             id,
             conn,
             since: OffsetDateTime::now_utc(),
+            draining: CancellationToken::new(),
         };
-        let old = self.lock().insert(cluster.to_owned(), tunnel);
-        (id, old)
+        let old = self.lock().insert(cluster.to_owned(), tunnel.clone());
+        (tunnel, old)
     }
 
     /// The current tunnel of `cluster`.

@@ -140,7 +140,7 @@ pub(crate) async fn serve(
 
     shared.shutting_down.store(true, Ordering::Release);
     for tunnel in shared.registry.all() {
-        tunnel.conn.go_away(code::SHUTDOWN, "relay shutting down");
+        tunnel.go_away(code::SHUTDOWN, "relay shutting down");
     }
     graceful.cancel();
     connections.close();
