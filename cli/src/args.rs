@@ -1,7 +1,9 @@
 //! Command-line arguments.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
@@ -44,7 +46,7 @@ pub struct GlobalArgs {
 pub enum Command {
     /// Quickstart: run a relay, a sample (or your) cluster and its agent here, and write a kubeconfig.
     Up(UpArgs),
-    /// Register, list, show and delete clusters.
+    /// Register, list, show, delete, export and import clusters.
     Cluster {
         /// What to do.
         #[command(subcommand)]
@@ -61,10 +63,16 @@ pub enum ClusterCommand {
     Connect(ConnectArgs),
     /// List clusters.
     List(ListArgs),
-    /// Show one cluster.
+    /// Show one cluster: status, Kubernetes metadata, agent health, identity expiry.
     Show(NameArgs),
-    /// Delete a cluster: revokes its agent's credential and closes its tunnel.
+    /// Delete a cluster: revokes its identity and closes its tunnel.
     Delete(NameArgs),
+    /// Print a cluster's registration and configuration (name, tags, role assignments) as JSON, for
+    /// `tether cluster import` at another relay.
+    Export(ExportArgs),
+    /// Register a cluster at this relay from a file written by `tether cluster export`, and print the agent
+    /// command (the agent onboards again here with a new token).
+    Import(ImportArgs),
 }
 
 /// Output formats.
@@ -92,8 +100,8 @@ pub struct ConnectArgs {
 
 impl ConnectArgs {
     /// The tags as a map; a tag without `=` or with an empty key is a usage error.
-    pub fn parsed_tags(&self) -> Result<std::collections::BTreeMap<String, String>, ConfigError> {
-        let mut tags = std::collections::BTreeMap::new();
+    pub fn parsed_tags(&self) -> Result<BTreeMap<String, String>, ConfigError> {
+        let mut tags = BTreeMap::new();
         for tag in &self.tags {
             match tag.split_once('=') {
                 Some((key, value)) if !key.is_empty() => {
@@ -110,9 +118,73 @@ impl ConnectArgs {
     }
 }
 
+/// A cluster's connectivity status, as the relay computes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "PascalCase")]
+pub enum ConnectivityStatus {
+    /// Registered, its agent never connected.
+    Connecting,
+    /// Heard from within the relay's offline threshold.
+    Connected,
+    /// Not heard from for the offline threshold.
+    Offline,
+    /// Its identity expired: delete the cluster and connect it again.
+    Expired,
+}
+
+impl ConnectivityStatus {
+    /// The name the API uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConnectivityStatus::Connecting => "Connecting",
+            ConnectivityStatus::Connected => "Connected",
+            ConnectivityStatus::Offline => "Offline",
+            ConnectivityStatus::Expired => "Expired",
+        }
+    }
+}
+
 /// `tether cluster list`
 #[derive(Debug, Args)]
 pub struct ListArgs {
+    /// Only clusters in this status; repeatable (any of them).
+    #[arg(long = "status", value_enum, ignore_case = true, value_name = "STATUS")]
+    pub statuses: Vec<ConnectivityStatus>,
+    /// Only clusters with this tag (KEY=VALUE, or KEY for any value); repeatable (all of them).
+    #[arg(long = "tag", value_name = "KEY=VALUE")]
+    pub tags: Vec<String>,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+impl ListArgs {
+    /// The tag filters, checked: a filter with an empty key is a usage error.
+    pub fn tag_filters(&self) -> Result<Vec<String>, ConfigError> {
+        for tag in &self.tags {
+            let key = tag.split_once('=').map_or(tag.as_str(), |(k, _)| k);
+            if key.is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "tag filter {tag:?} is not KEY=VALUE or KEY"
+                )));
+            }
+        }
+        Ok(self.tags.clone())
+    }
+}
+
+/// `tether cluster export`
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// Cluster name.
+    pub name: String,
+}
+
+/// `tether cluster import`
+#[derive(Debug, Args)]
+pub struct ImportArgs {
+    /// The file written by `tether cluster export` (`-` reads stdin).
+    pub file: PathBuf,
     /// Output format.
     #[arg(short, long, value_enum, default_value_t)]
     pub output: OutputFormat,
@@ -164,4 +236,119 @@ pub struct UpArgs {
     /// Address the relay listens on.
     #[arg(long, default_value = "127.0.0.1:8443")]
     pub listen: SocketAddr,
+    /// How often the agent sends heartbeats (e.g. 30s; default: the relay's, 30s).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub heartbeat_interval: Option<Duration>,
+    /// How long without a heartbeat before the cluster shows Offline (e.g. 1m; default: the relay's, 15m).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub offline_threshold: Option<Duration>,
+    /// Validity of the identity issued to the agent, renewed at about 2/3 (e.g. 2m to watch renewals;
+    /// default: the relay's, 90d).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub identity_validity: Option<Duration>,
+    /// The newest agent version the relay offers (older agents show "upgrade available"; default: this
+    /// version).
+    #[arg(long, value_name = "VERSION")]
+    pub latest_agent_version: Option<String>,
+}
+
+/// Parses `500ms`, `10s`, `15m`, `2h`, `90d` (a bare number is seconds), like the relay's flags.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, "s"), |i| s.split_at(i));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (expected e.g. 10s, 500ms, 15m, 2h, 90d)"))?;
+    let secs = |per: u64| {
+        n.checked_mul(per)
+            .map(Duration::from_secs)
+            .ok_or_else(|| format!("duration {s:?} is too long"))
+    };
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => secs(1),
+        "m" => secs(60),
+        "h" => secs(3600),
+        "d" => secs(86_400),
+        _ => Err(format!(
+            "invalid duration unit in {s:?} (use ms, s, m, h or d)"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("15"), Ok(Duration::from_secs(15)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("90d"), Ok(Duration::from_secs(90 * 86_400)));
+        assert!(parse_duration("3 weeks").is_err());
+        assert!(parse_duration("s").is_err());
+    }
+
+    #[test]
+    fn list_filters_parse() -> anyhow::Result<()> {
+        let cli = Cli::try_parse_from([
+            "tether",
+            "cluster",
+            "list",
+            "--status",
+            "offline",
+            "--status",
+            "Connected",
+            "--tag",
+            "env=prod",
+            "--tag",
+            "team",
+        ])?;
+        let Command::Cluster {
+            command: ClusterCommand::List(args),
+        } = cli.command
+        else {
+            anyhow::bail!("not a list command");
+        };
+        assert_eq!(
+            args.statuses,
+            [ConnectivityStatus::Offline, ConnectivityStatus::Connected]
+        );
+        assert_eq!(args.tag_filters()?, ["env=prod", "team"]);
+        assert!(Cli::try_parse_from(["tether", "cluster", "list", "--status", "up"]).is_err());
+        let bad = ListArgs {
+            statuses: vec![],
+            tags: vec!["=x".into()],
+            output: OutputFormat::Table,
+        };
+        assert!(bad.tag_filters().is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn up_takes_short_lifecycle_settings() -> anyhow::Result<()> {
+        let cli = Cli::try_parse_from([
+            "tether",
+            "up",
+            "--heartbeat-interval",
+            "1s",
+            "--offline-threshold",
+            "5s",
+            "--identity-validity",
+            "2m",
+        ])?;
+        let Command::Up(args) = cli.command else {
+            anyhow::bail!("not up");
+        };
+        assert_eq!(args.heartbeat_interval, Some(Duration::from_secs(1)));
+        assert_eq!(args.offline_threshold, Some(Duration::from_secs(5)));
+        assert_eq!(args.identity_validity, Some(Duration::from_secs(120)));
+        assert_eq!(args.latest_agent_version, None);
+        Ok(())
+    }
 }

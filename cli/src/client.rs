@@ -65,6 +65,25 @@ pub struct CreatedCluster {
     pub raw: Value,
 }
 
+impl CreatedCluster {
+    fn from_answer(raw: Value) -> Result<Self, ClientError> {
+        let name = raw
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ClientError::Decode("no name in the answer".into()))?
+            .to_string();
+        let onboarding_token = raw
+            .get("onboardingToken")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ClientError::Decode("no onboardingToken in the answer".into()))?;
+        Ok(CreatedCluster {
+            name,
+            onboarding_token: Secret::new(onboarding_token),
+            raw,
+        })
+    }
+}
+
 /// The admin API client.
 #[derive(Clone)]
 pub struct RelayClient {
@@ -117,24 +136,62 @@ impl RelayClient {
         let raw = self
             .call(Method::POST, "/api/v1/clusters", Some(body))
             .await?;
-        let onboarding_token = raw
-            .get("onboardingToken")
-            .and_then(Value::as_str)
-            .ok_or_else(|| ClientError::Decode("no onboardingToken in the answer".into()))?;
-        Ok(CreatedCluster {
-            name: name.to_string(),
-            onboarding_token: Secret::new(onboarding_token),
-            raw: raw.clone(),
-        })
+        CreatedCluster::from_answer(raw)
     }
 
     /// Lists clusters.
     pub async fn list_clusters(&self) -> Result<Vec<Value>, ClientError> {
-        let answer = self.call(Method::GET, "/api/v1/clusters", None).await?;
+        self.list_clusters_matching(&[], &[]).await
+    }
+
+    /// Lists the clusters whose `connectivityStatus` is one of `statuses` (any status when empty) and that carry
+    /// every tag filter in `tags` (`KEY=VALUE`, or `KEY` for any value).
+    pub async fn list_clusters_matching(
+        &self,
+        statuses: &[&str],
+        tags: &[String],
+    ) -> Result<Vec<Value>, ClientError> {
+        let mut query = url::form_urlencoded::Serializer::new(String::new());
+        for status in statuses {
+            query.append_pair("status", status);
+        }
+        for tag in tags {
+            query.append_pair("tag", tag);
+        }
+        let query = query.finish();
+        let path = if query.is_empty() {
+            "/api/v1/clusters".to_string()
+        } else {
+            format!("/api/v1/clusters?{query}")
+        };
+        let answer = self.call(Method::GET, &path, None).await?;
         match answer.get("items") {
             Some(Value::Array(items)) => Ok(items.clone()),
             _ => Err(ClientError::Decode("no items array in the answer".into())),
         }
+    }
+
+    /// A cluster's export document (`kind: ClusterExport`): what `import` needs at another relay.
+    pub async fn export_cluster(&self, name: &str) -> Result<Value, ClientError> {
+        self.call(
+            Method::GET,
+            &format!("{}/export", cluster_path(name)?),
+            None,
+        )
+        .await
+    }
+
+    /// Registers a cluster from an export document; like [`RelayClient::create_cluster`], the answer carries a
+    /// new onboarding token.
+    pub async fn import_cluster(&self, document: &Value) -> Result<CreatedCluster, ClientError> {
+        let raw = self
+            .call(
+                Method::POST,
+                "/api/v1/clusters/import",
+                Some(document.clone()),
+            )
+            .await?;
+        CreatedCluster::from_answer(raw)
     }
 
     /// Shows one cluster.

@@ -122,19 +122,41 @@ async fn cluster_command(
             }
         }
         ClusterCommand::List(args) => {
-            let clusters = client.list_clusters().await?;
+            let tags = args.tag_filters()?;
+            let statuses: Vec<&str> = args.statuses.iter().map(|s| s.as_str()).collect();
+            let filtered = !statuses.is_empty() || !tags.is_empty();
+            let clusters = client.list_clusters_matching(&statuses, &tags).await?;
             match args.output {
                 OutputFormat::Json => {
                     output::json(&mut out, &serde_json::json!({ "items": clusters }))
                 }
-                OutputFormat::Table => output::cluster_table(&mut out, &clusters),
+                OutputFormat::Table => output::cluster_table(
+                    &mut out,
+                    &clusters,
+                    filtered,
+                    time::OffsetDateTime::now_utc(),
+                ),
             }
         }
         ClusterCommand::Show(args) => {
             let cluster = client.show_cluster(&args.name).await?;
             match args.output {
                 OutputFormat::Json => output::json(&mut out, &cluster),
-                OutputFormat::Table => output::cluster_details(&mut out, &cluster),
+                OutputFormat::Table => {
+                    output::cluster_details(&mut out, &cluster, time::OffsetDateTime::now_utc())
+                }
+            }
+        }
+        ClusterCommand::Export(args) => {
+            let document = client.export_cluster(&args.name).await?;
+            output::json(&mut out, &document)
+        }
+        ClusterCommand::Import(args) => {
+            let document = read_export(&args.file)?;
+            let created = client.import_cluster(&document).await?;
+            match args.output {
+                OutputFormat::Json => output::json(&mut out, &created.raw),
+                OutputFormat::Table => output::import_instructions(&mut out, config, &created),
             }
         }
         ClusterCommand::Delete(args) => {
@@ -146,4 +168,32 @@ async fn cluster_command(
         }
     }
     .map_err(CliError::Output)
+}
+
+/// Reads an export document (`-` is stdin) and checks it is a JSON object; the relay checks the rest.
+fn read_export(path: &std::path::Path) -> Result<serde_json::Value, ConfigError> {
+    use std::io::Read as _;
+    let read_error = |source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut text = Vec::new();
+    if path.as_os_str() == "-" {
+        std::io::stdin()
+            .read_to_end(&mut text)
+            .map_err(read_error)?;
+    } else {
+        text = std::fs::read(path).map_err(read_error)?;
+    }
+    match serde_json::from_slice::<serde_json::Value>(&text) {
+        Ok(value @ serde_json::Value::Object(_)) => Ok(value),
+        Ok(_) => Err(ConfigError::Invalid(format!(
+            "{} is not a cluster export: expected a JSON object from `tether cluster export`",
+            path.display()
+        ))),
+        Err(e) => Err(ConfigError::Invalid(format!(
+            "{} is not a cluster export (JSON from `tether cluster export`): {e}",
+            path.display()
+        ))),
+    }
 }

@@ -2,10 +2,11 @@
 //! tests drive, so the quickstart and the tests wire the pieces the same way.
 //!
 //! Layout of the directory:
-//! `relay/` (the relay's data dir: SQLite, generated CA and certificate, admin token), `agent/` (the agent's state
-//! dir: its credential), `sample-apiserver/` (only without `--kubeconfig`), `kubeconfig` (for kubectl, through
+//! `relay/` (the relay's data dir: SQLite, generated CAs and certificate, admin token), `agent/` (the agent's state
+//! dir: its identity, `identity.json` and `identity-key.pem`), `sample-apiserver/` (only without `--kubeconfig`), `kubeconfig` (for kubectl, through
 //! the relay) and `config.json` (for the other `tether` commands).
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -75,10 +76,21 @@ pub struct UpOptions {
     pub listen: SocketAddr,
     /// Extra names for the relay's generated certificate.
     pub extra_hostnames: Vec<String>,
+    /// Tags given to the cluster when it is registered.
+    pub tags: BTreeMap<String, String>,
+    /// The relay's heartbeat interval (whole seconds); `None` keeps the relay's default (30 s).
+    pub heartbeat_interval: Option<Duration>,
+    /// The relay's offline threshold; `None` keeps the relay's default (15 min).
+    pub offline_threshold: Option<Duration>,
+    /// Validity of the identities the relay issues; `None` keeps the relay's default (90 days).
+    pub identity_validity: Option<Duration>,
+    /// The newest agent version the relay offers; `None` keeps the relay's default (its own version).
+    pub latest_agent_version: Option<String>,
 }
 
 impl UpOptions {
-    /// Options for tests: a fresh directory, the sample apiserver, a free port.
+    /// Options for tests: a fresh directory, the sample apiserver, a free port, the relay's default lifecycle
+    /// settings (set the `Option` fields for short ones).
     pub fn for_tests(dir: &Path) -> Self {
         Self {
             dir: dir.to_path_buf(),
@@ -86,6 +98,11 @@ impl UpOptions {
             cluster: "demo".into(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             extra_hostnames: Vec::new(),
+            tags: BTreeMap::new(),
+            heartbeat_interval: None,
+            offline_threshold: None,
+            identity_validity: None,
+            latest_agent_version: None,
         }
     }
 }
@@ -98,6 +115,11 @@ impl From<UpArgs> for UpOptions {
             cluster: args.cluster,
             listen: args.listen,
             extra_hostnames: vec![],
+            tags: BTreeMap::new(),
+            heartbeat_interval: args.heartbeat_interval,
+            offline_threshold: args.offline_threshold,
+            identity_validity: args.identity_validity,
+            latest_agent_version: args.latest_agent_version,
         }
     }
 }
@@ -148,6 +170,10 @@ impl Up {
     /// Starts everything and waits until the agent is connected.
     pub async fn start(options: UpOptions) -> Result<Up, UpError> {
         validate_name(&options.cluster)?;
+        // Bad lifecycle settings are the user's to fix (exit 64), found before anything starts.
+        relay_config(&options.dir, &options)
+            .validate()
+            .map_err(|e| UpError::Config(e.to_string()))?;
         let dir = &options.dir;
         create_private_dir(dir)?;
         let dir = std::fs::canonicalize(dir).map_err(|source| UpError::Io {
@@ -244,17 +270,39 @@ impl Up {
         self.options.dir.join("agent")
     }
 
+    /// True when the agent's state dir holds an unexpired identity for this relay and cluster.
+    fn onboarded_here(&self) -> bool {
+        match tether_agent::identity::load(
+            &self.agent_state_dir(),
+            &self.relay_url,
+            &self.options.cluster,
+        ) {
+            Ok(Some(identity)) => !identity.is_expired(time::OffsetDateTime::now_utc()),
+            Ok(None) => false,
+            Err(e) => {
+                tracing::warn!(error = %e, "the agent's stored identity is unusable; onboarding again");
+                false
+            }
+        }
+    }
+
     /// Registers the cluster unless this directory's agent is already onboarded; returns the onboarding token.
     async fn register(&self) -> Result<Option<Secret>, UpError> {
         let client = self.client()?;
         let name = &self.options.cluster;
-        let onboarded_here = self.agent_state_dir().join("credential.json").is_file();
+        let onboarded_here = self.onboarded_here();
         match client.show_cluster(name).await {
             Ok(_) if onboarded_here => return Ok(None),
             Ok(_) => client.delete_cluster(name).await?,
             Err(e) if e.status() == Some(http::StatusCode::NOT_FOUND) => {}
             Err(e) => return Err(e.into()),
         }
+        self.remove_agent_state()?;
+        let created = client.create_cluster(name, &self.options.tags).await?;
+        Ok(Some(created.onboarding_token))
+    }
+
+    fn remove_agent_state(&self) -> Result<(), UpError> {
         let state = self.agent_state_dir();
         if state.exists() {
             std::fs::remove_dir_all(&state).map_err(|source| UpError::Io {
@@ -262,8 +310,7 @@ impl Up {
                 source,
             })?;
         }
-        let created = client.create_cluster(name, &Default::default()).await?;
-        Ok(Some(created.onboarding_token))
+        Ok(())
     }
 
     fn agent_config(&self, onboarding_token: Option<Secret>) -> tether_agent::Config {
@@ -330,11 +377,34 @@ impl Up {
         }
     }
 
-    /// Starts the agent again (it reuses its stored credential).
+    /// Starts the agent again (it reuses its stored identity).
     pub async fn start_agent(&mut self) -> Result<(), UpError> {
         self.stop_agent().await?;
         self.spawn_agent(None);
         self.wait_connected(CONNECT_WAIT).await
+    }
+
+    /// Stops the agent, removes its state (its identity) and starts it with `onboarding_token`, as reinstalling
+    /// the agent after `tether cluster connect` does; waits until it is connected.
+    pub async fn onboard_agent(&mut self, onboarding_token: Secret) -> Result<(), UpError> {
+        self.stop_agent().await?;
+        self.remove_agent_state()?;
+        self.spawn_agent(Some(onboarding_token));
+        self.wait_connected(CONNECT_WAIT).await
+    }
+
+    /// Waits up to `limit` for the agent to stop by itself (a fatal error such as a revoked or expired
+    /// identity). `None` if it is still running (or was never started); else `Ok(())` for a clean stop or the
+    /// agent's error message.
+    pub async fn wait_agent_stopped(&mut self, limit: Duration) -> Option<Result<(), String>> {
+        let deadline = Instant::now() + limit;
+        while self.agent.as_ref().is_some_and(|a| !a.join.is_finished()) {
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Some(self.agent.take()?.stop().await)
     }
 
     /// Stops the relay (graceful: tunnels get GOAWAY).
@@ -400,6 +470,18 @@ fn relay_config(dir: &Path, options: &UpOptions) -> tether_relay::Config {
     }
     hostnames.extend(options.extra_hostnames.iter().cloned());
     config.hostnames = hostnames;
+    if let Some(interval) = options.heartbeat_interval {
+        config.heartbeat_interval = interval;
+    }
+    if let Some(threshold) = options.offline_threshold {
+        config.offline_threshold = threshold;
+    }
+    if let Some(validity) = options.identity_validity {
+        config.identity_validity = validity;
+    }
+    if let Some(version) = &options.latest_agent_version {
+        config.latest_agent_version = version.clone();
+    }
     config
 }
 

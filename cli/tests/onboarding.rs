@@ -9,6 +9,13 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
+/// A certificate request made with rcgen, as any agent could: the relay must not care who built it.
+fn csr() -> anyhow::Result<String> {
+    let key = rcgen::KeyPair::generate()?;
+    let params = rcgen::CertificateParams::new(vec!["ignored.example".to_string()])?;
+    Ok(params.serialize_request(&key)?.pem()?)
+}
+
 async fn post_onboard(
     env: &Env,
     cluster: &str,
@@ -21,7 +28,9 @@ async fn post_onboard(
         .enable_http1()
         .build();
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(connector);
-    let body = serde_json::to_vec(&serde_json::json!({ "cluster": cluster, "token": token }))?;
+    let body = serde_json::to_vec(
+        &serde_json::json!({ "cluster": cluster, "token": token, "csr": csr()? }),
+    )?;
     let request = Request::builder()
         .method(Method::POST)
         .uri(format!("{}/agent/v1/onboard", env.up.relay_url))
@@ -43,10 +52,21 @@ async fn an_onboarding_token_cannot_be_used_twice() -> anyhow::Result<()> {
     let (status, body) = post_onboard(&env, "edge-1", &token).await?;
     assert_eq!(status, StatusCode::OK, "{body}");
     let answer: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(answer["cluster"], "edge-1", "{body}");
     assert!(
-        answer["credential"].as_str().is_some_and(|c| c.len() >= 32),
+        answer["certificate"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("-----BEGIN CERTIFICATE-----")),
         "{body}"
     );
+    assert!(answer["notAfter"].as_str().is_some(), "{body}");
+    assert!(
+        answer.get("credential").is_none(),
+        "bearer credentials are gone: {body}"
+    );
+    let shown = client.show_cluster("edge-1").await?;
+    assert_eq!(shown["onboarded"], serde_json::Value::Bool(true));
+    assert_eq!(shown["identity"]["notAfter"], answer["notAfter"], "{shown}");
 
     let (status, body) = post_onboard(&env, "edge-1", &token).await?;
     assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");

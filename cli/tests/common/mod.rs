@@ -3,7 +3,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tether_cli::up::{Up, UpOptions};
@@ -16,10 +16,115 @@ pub struct Env {
 
 impl Env {
     pub async fn start() -> anyhow::Result<Env> {
+        Self::start_with(|_| {}).await
+    }
+
+    /// A quickstart with options adjusted by `adjust` (short lifecycle settings, tags, …).
+    pub async fn start_with(adjust: impl FnOnce(&mut UpOptions)) -> anyhow::Result<Env> {
         tether_tunnel::tls::install_crypto_provider();
         let dir = tempfile::tempdir()?;
-        let up = Up::start(UpOptions::for_tests(&dir.path().join("up"))).await?;
+        let mut options = UpOptions::for_tests(&dir.path().join("up"));
+        adjust(&mut options);
+        let up = Up::start(options).await?;
         Ok(Env { up, dir })
+    }
+
+    /// The relay's CA file.
+    pub fn relay_ca_file(&self) -> PathBuf {
+        self.up.dir().join("relay").join("ca.pem")
+    }
+
+    /// Runs the real `tether` binary with `--config` pointing at this quickstart.
+    pub async fn tether(&self, args: &[&str]) -> anyhow::Result<CliOutput> {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_tether"));
+        command
+            .arg("--config")
+            .arg(&self.up.config_path)
+            .args(args)
+            .env_remove("TETHER_RELAY")
+            .env_remove("TETHER_RELAY_CA")
+            .env_remove("TETHER_ADMIN_TOKEN_FILE")
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        let out = tokio::time::timeout(Duration::from_secs(60), command.output()).await??;
+        Ok(CliOutput {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        })
+    }
+
+    /// `tether …` that must succeed; its stdout.
+    pub async fn tether_ok(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out = self.tether(args).await?;
+        anyhow::ensure!(
+            out.code == Some(0),
+            "`tether {}` failed ({:?}): {}",
+            args.join(" "),
+            out.code,
+            out.stderr
+        );
+        Ok(out.stdout)
+    }
+
+    /// The cluster as `GET /api/v1/clusters/NAME` returns it.
+    pub async fn cluster(&self, name: &str) -> anyhow::Result<serde_json::Value> {
+        Ok(self.up.client()?.show_cluster(name).await?)
+    }
+
+    /// Waits until `name` shows `connectivityStatus == status`; returns the cluster then.
+    pub async fn wait_status(
+        &self,
+        name: &str,
+        status: &str,
+        limit: Duration,
+    ) -> anyhow::Result<serde_json::Value> {
+        self.wait_cluster(name, limit, |c| c["connectivityStatus"] == status)
+            .await
+            .map_err(|last| {
+                anyhow::anyhow!(
+                    "{name} did not become {status} within {limit:?}; last seen: {last}"
+                )
+            })
+    }
+
+    /// Waits until the cluster satisfies `check`; on timeout, the last state seen as the error.
+    pub async fn wait_cluster(
+        &self,
+        name: &str,
+        limit: Duration,
+        mut check: impl FnMut(&serde_json::Value) -> bool,
+    ) -> Result<serde_json::Value, String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let last = match self.cluster(name).await {
+                Ok(cluster) if check(&cluster) => return Ok(cluster),
+                Ok(cluster) => cluster.to_string(),
+                Err(e) => e.to_string(),
+            };
+            if Instant::now() >= deadline {
+                return Err(last);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// An agent (in this process) for another cluster at this quickstart's relay, serving the same sample
+    /// apiserver.
+    pub fn agent(
+        &self,
+        cluster: &str,
+        onboarding_token: Option<&str>,
+        state_dir: &Path,
+    ) -> anyhow::Result<TestAgent> {
+        TestAgent::start(
+            &self.up.relay_url,
+            &self.relay_ca_file(),
+            &self.sample()?.kubeconfig_path(),
+            cluster,
+            onboarding_token,
+            state_dir,
+        )
     }
 
     pub fn kubectl(&self) -> anyhow::Result<tether_testkit::kubectl::Kubectl> {
@@ -77,4 +182,73 @@ where
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// What a `tether` run printed, and its exit status.
+#[derive(Debug)]
+pub struct CliOutput {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// A `tether_agent::run` in a task, stopped (drained) by [`TestAgent::stop`].
+pub struct TestAgent {
+    shutdown: tokio::sync::oneshot::Sender<()>,
+    join: tokio::task::JoinHandle<Result<(), tether_agent::AgentError>>,
+}
+
+impl TestAgent {
+    pub fn start(
+        relay_url: &str,
+        relay_ca: &Path,
+        kubeconfig: &Path,
+        cluster: &str,
+        onboarding_token: Option<&str>,
+        state_dir: &Path,
+    ) -> anyhow::Result<TestAgent> {
+        let mut config = tether_agent::Config::new(relay_url, cluster, state_dir);
+        config.onboarding_token = onboarding_token.map(tether_agent::Secret::new);
+        config.relay_ca = Some(relay_ca.to_path_buf());
+        config.kubeconfig = Some(kubeconfig.to_path_buf());
+        config.drain_timeout = Duration::from_secs(5);
+        let (shutdown, stopped) = tokio::sync::oneshot::channel::<()>();
+        let join = tokio::spawn(tether_agent::run(config, async move {
+            let _ = stopped.await;
+        }));
+        Ok(TestAgent { shutdown, join })
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.join.is_finished()
+    }
+
+    /// Stops the agent; its own error if it had already failed.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        let _ = self.shutdown.send(());
+        Ok(self.join.await??)
+    }
+}
+
+/// The `onboardingToken` of a `tether cluster connect|import -o json` answer.
+pub fn onboarding_token(json: &str) -> anyhow::Result<String> {
+    let answer: serde_json::Value = serde_json::from_str(json)?;
+    answer["onboardingToken"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| anyhow::anyhow!("no onboardingToken in {json}"))
+}
+
+/// The names in a `tether cluster list -o json` answer, sorted.
+pub fn names(json: &str) -> anyhow::Result<Vec<String>> {
+    let answer: serde_json::Value = serde_json::from_str(json)?;
+    let items = answer["items"]
+        .as_array()
+        .ok_or_else(|| anyhow::anyhow!("no items in {json}"))?;
+    let mut names: Vec<String> = items
+        .iter()
+        .filter_map(|c| c["name"].as_str().map(str::to_string))
+        .collect();
+    names.sort();
+    Ok(names)
 }
