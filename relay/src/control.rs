@@ -105,6 +105,7 @@ where
     let shared = channel.shared.clone();
     let cluster = channel.cluster.clone();
     let mut welcomed = false;
+    let mut last_metadata = None;
     while let Some(message) = reader.recv().await? {
         let now = OffsetDateTime::now_utc();
         match message {
@@ -151,6 +152,11 @@ where
                     .health(&cluster, health, clean(&h.agent_version));
             }
             Message::Metadata(m) => {
+                shared.activity.touch(&cluster, now);
+                // Agents report on change, but a repeat costs no write.
+                if last_metadata.as_ref() == Some(&m) {
+                    continue;
+                }
                 let metadata = ClusterMetadata {
                     kubernetes_version: clean(&m.kubernetes_version),
                     node_count: m.node_count,
@@ -160,13 +166,15 @@ where
                     infrastructure: clean(&m.infrastructure),
                     reported_at: now,
                 };
-                shared.activity.touch(&cluster, now);
-                if let Err(e) = shared
+                match shared
                     .store
                     .record_metadata(&cluster, &metadata, &clean(&m.agent_version))
                     .await
                 {
-                    tracing::warn!(cluster, error = %e, "cannot store the cluster's metadata");
+                    Ok(()) => last_metadata = Some(m),
+                    Err(e) => {
+                        tracing::warn!(cluster, error = %e, "cannot store the cluster's metadata")
+                    }
                 }
             }
             Message::Renew(renew) => {
