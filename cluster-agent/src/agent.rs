@@ -1,4 +1,6 @@
-//! The agent's life: onboard once, dial the relay, serve streams, reconnect with backoff, drain on shutdown.
+//! The agent's life: onboard once (key pair + CSR → certificate), dial the relay with that identity (mutual
+//! TLS, through the outbound proxy if configured), run the control channel and serve streams, reconnect
+//! with backoff, drain on shutdown.
 
 use std::future::Future;
 use std::path::Path;
@@ -8,15 +10,22 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
+use tether_tunnel::proxy::ProxyConfig;
 use tether_tunnel::ws::{self, ConnectError};
-use tether_tunnel::{Connection, Incoming, Role, Secret, SessionConfig, code, kind, tls};
+use tether_tunnel::{Connection, Incoming, Role, SessionConfig, code, kind, tls};
+use time::OffsetDateTime;
 use tokio::task::JoinSet;
 
 use crate::backoff::Reconnect;
 use crate::config::{Config, ConfigError};
-use crate::credential::{self, Credential, CredentialError};
+use crate::control;
 use crate::forward::{Upstream, UpstreamError, serve_stream};
-use crate::onboard::{OnboardError, onboard};
+use crate::identity::{self, Identity, IdentityError};
+use crate::metadata;
+use crate::onboard::{OnboardError, Onboarding};
+
+/// The Kubernetes `Status` reason with which the relay refuses an expired identity.
+pub const IDENTITY_EXPIRED_REASON: &str = "IdentityExpired";
 
 /// Why the agent stopped. Every variant is fatal: retrying with the same configuration cannot help.
 #[derive(Debug, thiserror::Error)]
@@ -33,12 +42,12 @@ pub enum AgentError {
     /// The agent's own Kubernetes client could not be built.
     #[error("cannot build the agent's Kubernetes client: {0}")]
     KubeClient(#[source] kube::Error),
-    /// The relay CA could not be loaded.
-    #[error("cannot load the relay CA: {0}")]
+    /// The relay CA, the proxy CA or the identity could not be made into a TLS configuration.
+    #[error("cannot set up TLS to the relay: {0}")]
     RelayTls(#[from] tls::TlsError),
-    /// The credential file could not be read or written.
+    /// The identity files could not be read or written, or a key could not be generated.
     #[error(transparent)]
-    Credential(#[from] CredentialError),
+    Identity(#[from] IdentityError),
     /// The relay refused the onboarding token.
     #[error(
         "the relay refused the onboarding token (HTTP {status}): {message}; get a new one with `tether cluster connect`"
@@ -49,15 +58,26 @@ pub enum AgentError {
         /// The relay's message.
         message: String,
     },
-    /// The relay rejected the stored credential: the cluster was deleted or its credential revoked.
+    /// The relay rejected the cluster's identity: the cluster was deleted (its identity revoked), or the
+    /// certificate is not this cluster's.
     #[error(
-        "the relay rejected this cluster's credential (HTTP {status}): it was deleted or revoked; register it again"
+        "the relay rejected this cluster's identity (HTTP {status}): it was deleted or revoked; register it again"
     )]
     CredentialRejected {
         /// HTTP status (401 or 403).
         status: StatusCode,
     },
+    /// The cluster's certificate expired (the agent could not renew it in time, e.g. it was offline).
+    #[error(
+        "this cluster's identity expired: delete it at the relay and connect it again ({message})"
+    )]
+    IdentityExpired {
+        /// The relay's message.
+        message: String,
+    },
 }
+
+type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Runs the agent until `shutdown` resolves (then drains and returns `Ok`) or a fatal error.
 pub async fn run(
@@ -69,22 +89,37 @@ pub async fn run(
     let tunnel_url = config.tunnel_url()?;
     let onboard_url = config.onboard_url()?;
 
-    let kube_config = load_kube_config(config.kubeconfig.as_deref()).await?;
+    let mut kube_config = load_kube_config(config.kubeconfig.as_deref()).await?;
     let upstream = Upstream::from_kube_config(&kube_config)?;
-    // The agent's own identity, kept apart from forwarding (which carries only the users' credentials).
-    let _agent_client = kube::Client::try_from(kube_config).map_err(AgentError::KubeClient)?;
+    // Names the agent's own requests in the apiserver's audit log (forwarded requests keep the user's).
+    kube_config.headers.push((
+        http::header::USER_AGENT,
+        HeaderValue::from_static(concat!("tether-agent/", env!("CARGO_PKG_VERSION"))),
+    ));
+    // The agent's own identity, kept apart from forwarding (which carries only the users' credentials): it
+    // reads the cluster's metadata.
+    let agent_client = kube::Client::try_from(kube_config).map_err(AgentError::KubeClient)?;
 
-    let ca_pem = config.relay_ca.as_deref().map(tls::read_file).transpose()?;
-    let relay_tls = tls::client_config(ca_pem.as_deref(), &[b"http/1.1"])?;
+    let relay_ca = config.relay_ca.as_deref().map(tls::read_file).transpose()?;
+    let proxy_ca = config.proxy_ca.as_deref().map(tls::read_file).transpose()?;
+    let relay_tls = RelayTls { relay_ca, proxy_ca };
+    let proxy = config.proxy.as_ref();
 
-    tracing::info!(relay = %config.relay_url, cluster = %config.cluster, apiserver = %upstream.base(), "agent starting");
-    let mut shutdown: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(shutdown);
+    tracing::info!(
+        relay = %config.relay_url,
+        cluster = %config.cluster,
+        apiserver = %upstream.base(),
+        proxy = %proxy.map_or_else(|| "none".to_owned(), |p| p.proxy.to_string()),
+        "agent starting"
+    );
+    let mut shutdown: Shutdown = Box::pin(shutdown);
     let mut reconnect = Reconnect::new(config.backoff);
 
-    let Some(credential) = ensure_credential(
+    let Some(identity) = ensure_identity(
         &config,
         &onboard_url,
-        &relay_tls,
+        &relay_tls.config(None)?,
+        proxy,
         &mut reconnect,
         &mut shutdown,
     )
@@ -93,19 +128,23 @@ pub async fn run(
         tracing::info!("shut down before onboarding finished");
         return Ok(());
     };
-    let headers = tunnel_headers(&config.cluster, &credential);
+    let metadata = metadata::spawn(agent_client);
+    let mut state = control::State::new(config.state_dir.clone(), identity, metadata);
+    let headers = tunnel_headers(&config.cluster);
 
     // Every stream task, across tunnels: a stream of a tunnel the relay is retiring still drains on shutdown.
     let mut streams = JoinSet::new();
     let mut last_failure: Option<String> = None;
     loop {
         if last_failure.is_none() {
-            tracing::info!(url = %tunnel_url, "connecting to the relay");
+            tracing::info!(url = %tunnel_url, identity = %state.identity.fingerprint, "connecting to the relay");
         }
+        // Built per attempt: a renewal replaces the identity.
+        let tls = relay_tls.config(Some(&state.identity))?;
         let session = SessionConfig::new(Role::Client);
         let connecting = tokio::time::timeout(
             config.connect_timeout,
-            ws::connect(&tunnel_url, relay_tls.clone(), headers.clone(), session),
+            ws::connect_with_proxy(&tunnel_url, tls, headers.clone(), session, proxy),
         );
         let result = tokio::select! {
             result = connecting => result,
@@ -117,7 +156,12 @@ pub async fn run(
         };
         let failure = match result {
             Ok(Ok(conn)) => {
-                tracing::info!("connected to the relay");
+                state.connections += 1;
+                tracing::info!(
+                    identity = %state.identity.fingerprint,
+                    reconnects = state.connections - 1,
+                    "connected to the relay"
+                );
                 last_failure = None;
                 reconnect.connected();
                 match serve(
@@ -126,6 +170,7 @@ pub async fn run(
                     &mut streams,
                     &mut shutdown,
                     config.drain_timeout,
+                    &mut state,
                 )
                 .await
                 {
@@ -137,11 +182,14 @@ pub async fn run(
                     }
                 }
             }
-            Ok(Err(ConnectError::Rejected { status, .. }))
+            Ok(Err(ConnectError::Rejected { status, body }))
                 if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN =>
             {
-                let error = AgentError::CredentialRejected { status };
-                tracing::error!(%error, "giving up");
+                let error = match expired_reason(status, &body) {
+                    Some(message) => AgentError::IdentityExpired { message },
+                    None => AgentError::CredentialRejected { status },
+                };
+                tracing::error!(%error, relay_says = %body, "giving up");
                 return Err(error);
             }
             Ok(Err(e)) => note_failure(&mut last_failure, &mut reconnect, &crate::error_chain(&e)),
@@ -162,6 +210,47 @@ pub async fn run(
     }
 }
 
+/// The relay's message when a 401 says the identity expired (a `Status` with reason `IdentityExpired`).
+fn expired_reason(status: StatusCode, body: &str) -> Option<String> {
+    if status != StatusCode::UNAUTHORIZED {
+        return None;
+    }
+    let parsed = serde_json::from_str::<serde_json::Value>(body).ok();
+    let reason = parsed
+        .as_ref()
+        .and_then(|v| v.get("reason"))
+        .and_then(|r| r.as_str());
+    let expired = match reason {
+        Some(reason) => reason == IDENTITY_EXPIRED_REASON,
+        // A body cut short (or not JSON) still names the reason.
+        None => body.contains(IDENTITY_EXPIRED_REASON),
+    };
+    expired.then(|| crate::onboard::status_message(body.as_bytes()))
+}
+
+/// TLS material for the relay: its CA (or the webpki roots) plus the proxy's CA, and the identity.
+struct RelayTls {
+    relay_ca: Option<Vec<u8>>,
+    proxy_ca: Option<Vec<u8>>,
+}
+
+impl RelayTls {
+    fn config(
+        &self,
+        identity: Option<&Identity>,
+    ) -> Result<Arc<rustls::ClientConfig>, tls::TlsError> {
+        tls::client_config_with(&tls::ClientOptions {
+            ca_pem: self.relay_ca.as_deref(),
+            extra_ca_pem: self.proxy_ca.as_deref(),
+            identity: identity.map(|id| tls::ClientIdentity {
+                cert_pem: id.certificate.as_bytes(),
+                key_pem: id.key.expose().as_bytes(),
+            }),
+            alpn: &[b"http/1.1"],
+        })
+    }
+}
+
 /// Logs a failed attempt (once per distinct error, then quietly) and returns the delay before the next.
 fn note_failure(last: &mut Option<String>, reconnect: &mut Reconnect, error: &str) -> Duration {
     let delay = reconnect.next_delay();
@@ -174,18 +263,27 @@ fn note_failure(last: &mut Option<String>, reconnect: &mut Reconnect, error: &st
     delay
 }
 
-/// The stored credential, or a new one from onboarding (stored before it is returned). `None` when shutdown
+/// The stored identity, or a new one from onboarding (stored before it is returned). `None` when shutdown
 /// came first.
-async fn ensure_credential(
+async fn ensure_identity(
     config: &Config,
     onboard_url: &str,
     relay_tls: &Arc<rustls::ClientConfig>,
+    proxy: Option<&ProxyConfig>,
     reconnect: &mut Reconnect,
-    shutdown: &mut Pin<Box<dyn Future<Output = ()> + Send>>,
-) -> Result<Option<Secret>, AgentError> {
-    if let Some(stored) = credential::load(&config.state_dir, &config.relay_url, &config.cluster)? {
-        tracing::info!(state_dir = %config.state_dir.display(), "using the stored credential");
-        return Ok(Some(stored.credential));
+    shutdown: &mut Shutdown,
+) -> Result<Option<Identity>, AgentError> {
+    if let Some(stored) = identity::load(&config.state_dir, &config.relay_url, &config.cluster)? {
+        tracing::info!(
+            state_dir = %config.state_dir.display(),
+            fingerprint = %stored.fingerprint,
+            not_after = %stored.not_after,
+            "using the stored identity"
+        );
+        if stored.is_expired(OffsetDateTime::now_utc()) {
+            tracing::warn!("the stored identity has expired; the relay will refuse it");
+        }
+        return Ok(Some(stored));
     }
     let Some(token) = &config.onboarding_token else {
         return Err(ConfigError::MissingOnboardingToken {
@@ -195,29 +293,40 @@ async fn ensure_credential(
         }
         .into());
     };
+    // One key for all attempts: the CSR stays valid, and the key never leaves this process until stored.
+    let request = identity::new_key_request(&config.cluster)?;
     let mut last_failure: Option<String> = None;
     loop {
-        let attempt = onboard(
-            onboard_url,
-            relay_tls,
-            &config.cluster,
+        let onboarding = Onboarding {
+            url: onboard_url,
+            tls: relay_tls,
+            proxy,
+            cluster: &config.cluster,
             token,
-            config.connect_timeout,
-        );
+            csr: &request.csr,
+            timeout: config.connect_timeout,
+        };
         let result = tokio::select! {
-            result = attempt => result,
+            result = onboarding.run() => result,
             () = shutdown.as_mut() => return Ok(None),
         };
         let delay = match result {
-            Ok(credential) => {
-                let stored = Credential {
-                    relay: config.relay_url.clone(),
-                    cluster: config.cluster.clone(),
-                    credential: credential.clone(),
-                };
-                credential::store(&config.state_dir, &stored)?;
-                tracing::info!(state_dir = %config.state_dir.display(), "onboarded; credential stored");
-                return Ok(Some(credential));
+            Ok(issued) => {
+                let identity = Identity::new(
+                    &config.relay_url,
+                    &config.cluster,
+                    &issued.certificate,
+                    request.key.clone(),
+                    OffsetDateTime::now_utc(),
+                )?;
+                identity::store(&config.state_dir, &identity)?;
+                tracing::info!(
+                    state_dir = %config.state_dir.display(),
+                    fingerprint = %identity.fingerprint,
+                    not_after = %identity.not_after,
+                    "onboarded; identity stored"
+                );
+                return Ok(Some(identity));
             }
             Err(OnboardError::Refused { status, message }) => {
                 return Err(AgentError::OnboardingRefused { status, message });
@@ -241,12 +350,8 @@ async fn ensure_credential(
     }
 }
 
-fn tunnel_headers(cluster: &str, credential: &Secret) -> HeaderMap {
+fn tunnel_headers(cluster: &str) -> HeaderMap {
     let mut headers = HeaderMap::new();
-    if let Ok(mut value) = HeaderValue::try_from(format!("Bearer {}", credential.expose())) {
-        value.set_sensitive(true);
-        headers.insert(http::header::AUTHORIZATION, value);
-    }
     if let Ok(value) = HeaderValue::try_from(cluster) {
         headers.insert("tether-cluster", value);
     }
@@ -279,14 +384,18 @@ enum Ended {
     Disconnected(String),
 }
 
-/// Serves one tunnel until it ends or shutdown is asked for (then GOAWAY, drain, close).
+/// Serves one tunnel until it ends, its control channel ends, or shutdown is asked for (then GOAWAY, drain,
+/// close).
 async fn serve(
     conn: Connection,
     upstream: &Upstream,
     streams: &mut JoinSet<()>,
-    shutdown: &mut Pin<Box<dyn Future<Output = ()> + Send>>,
+    shutdown: &mut Shutdown,
     drain_timeout: Duration,
+    state: &mut control::State,
 ) -> Ended {
+    let control = control::run(&conn, state);
+    tokio::pin!(control);
     let shutting_down = loop {
         tokio::select! {
             incoming = conn.accept() => match incoming {
@@ -295,6 +404,13 @@ async fn serve(
             },
             // Reap finished streams so the set does not grow.
             Some(_) = streams.join_next(), if !streams.is_empty() => {}
+            reason = &mut control => {
+                if !conn.is_closed() {
+                    conn.close(code::NO_ERROR, "control channel ended");
+                    return Ended::Disconnected(format!("control channel ended: {reason}"));
+                }
+                break false;
+            }
             () = shutdown.as_mut() => break true,
         }
     };

@@ -4,9 +4,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use tether_tunnel::Secret;
+use tether_tunnel::proxy::ProxyConfig;
 
 use crate::backoff::Backoff;
-use crate::credential;
+use crate::identity;
 
 /// Everything the agent needs to run. Build with [`Config::new`], adjust fields, then [`Config::validate`].
 #[derive(Debug, Clone)]
@@ -16,13 +17,19 @@ pub struct Config {
     pub relay_url: String,
     /// This cluster's name at the relay.
     pub cluster: String,
-    /// The one-time onboarding token; needed only while `state_dir` holds no credential for this relay and
+    /// The one-time onboarding token; needed only while `state_dir` holds no identity for this relay and
     /// cluster.
     pub onboarding_token: Option<Secret>,
-    /// Where `credential.json` lives (file 0600, directory 0700).
+    /// Where the identity lives: `identity.json` and `identity-key.pem` (files 0600, directory 0700).
     pub state_dir: PathBuf,
     /// A PEM CA bundle to trust for the relay; `None` trusts the webpki roots.
     pub relay_ca: Option<PathBuf>,
+    /// The HTTP CONNECT proxy to reach the relay through (tunnel and onboarding), with the hosts that bypass
+    /// it; `None` connects directly.
+    pub proxy: Option<ProxyConfig>,
+    /// A PEM CA bundle trusted for the relay connection in addition to `relay_ca`, for proxies that inspect
+    /// TLS (`--proxy-cert`).
+    pub proxy_ca: Option<PathBuf>,
     /// The kubeconfig naming the apiserver; `None` uses `kube::Config::infer()` (KUBECONFIG, ~/.kube/config,
     /// in-cluster).
     pub kubeconfig: Option<PathBuf>,
@@ -56,9 +63,9 @@ pub enum ConfigError {
     /// An onboarding token was given but is empty.
     #[error("the onboarding token is empty")]
     EmptyOnboardingToken,
-    /// There is neither a stored credential nor an onboarding token.
+    /// There is neither a stored identity nor an onboarding token.
     #[error(
-        "no credential for cluster {cluster:?} at {relay} in {state_dir} and no onboarding token: pass the token printed by `tether cluster connect` (--onboarding-token or TETHER_ONBOARDING_TOKEN)"
+        "no identity for cluster {cluster:?} at {relay} in {state_dir} and no onboarding token: pass the token printed by `tether cluster connect` (--onboarding-token or TETHER_ONBOARDING_TOKEN)"
     )]
     MissingOnboardingToken {
         /// The relay URL.
@@ -68,9 +75,9 @@ pub enum ConfigError {
         /// The state directory searched.
         state_dir: String,
     },
-    /// The stored credential file cannot be read.
+    /// The stored identity cannot be read.
     #[error(transparent)]
-    Credential(#[from] credential::CredentialError),
+    Identity(#[from] identity::IdentityError),
     /// A file named in the configuration does not exist.
     #[error("{what} {path} does not exist or is not a file")]
     MissingFile {
@@ -98,6 +105,8 @@ impl Config {
             onboarding_token: None,
             state_dir: state_dir.into(),
             relay_ca: None,
+            proxy: None,
+            proxy_ca: None,
             kubeconfig: None,
             backoff: Backoff::default(),
             drain_timeout: Duration::from_secs(20),
@@ -105,8 +114,8 @@ impl Config {
         }
     }
 
-    /// Checks everything that can be checked without the network: URL, name, files, durations, and that a
-    /// credential or an onboarding token is available.
+    /// Checks everything that can be checked without the network: URL, name, files, durations, and that an
+    /// identity or an onboarding token is available.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.relay_base()?;
         if !is_dns_label(&self.cluster) {
@@ -117,6 +126,7 @@ impl Config {
         }
         for (what, path) in [
             ("relay CA file", &self.relay_ca),
+            ("proxy CA file", &self.proxy_ca),
             ("kubeconfig", &self.kubeconfig),
         ] {
             if let Some(path) = path
@@ -149,7 +159,7 @@ impl Config {
             }
             Some(_) => {}
             None => {
-                if credential::load(&self.state_dir, &self.relay_url, &self.cluster)?.is_none() {
+                if identity::load(&self.state_dir, &self.relay_url, &self.cluster)?.is_none() {
                     return Err(ConfigError::MissingOnboardingToken {
                         relay: self.relay_url.clone(),
                         cluster: self.cluster.clone(),
@@ -216,7 +226,6 @@ fn is_dns_label(name: &str) -> bool {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::credential::Credential;
 
     fn valid(dir: &std::path::Path) -> Config {
         let mut c = Config::new("https://relay.example:8443", "prod-1", dir);
@@ -285,7 +294,7 @@ mod tests {
     }
 
     #[test]
-    fn token_is_required_only_without_a_stored_credential() {
+    fn token_is_required_only_without_a_stored_identity() {
         let tmp = tempfile::tempdir().unwrap();
         let mut c = valid(tmp.path());
         c.onboarding_token = None;
@@ -301,12 +310,18 @@ mod tests {
         ));
 
         c.onboarding_token = None;
-        let stored = Credential {
-            relay: c.relay_url.clone(),
-            cluster: c.cluster.clone(),
-            credential: Secret::new("x"),
-        };
-        credential::store(tmp.path(), &stored).unwrap();
+        // An older agent's credential file does not count.
+        std::fs::write(
+            tmp.path().join("credential.json"),
+            br#"{"relay":"https://relay.example:8443","cluster":"prod-1","credential":"x"}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::MissingOnboardingToken { .. })
+        ));
+        let stored = identity::test_identity(&c.relay_url, &c.cluster, time::Duration::days(1));
+        identity::store(tmp.path(), &stored).unwrap();
         c.validate().unwrap();
     }
 
@@ -319,6 +334,16 @@ mod tests {
             c.validate(),
             Err(ConfigError::MissingFile {
                 what: "relay CA file",
+                ..
+            })
+        ));
+
+        let mut c = valid(tmp.path());
+        c.proxy_ca = Some(tmp.path().join("nope.pem"));
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::MissingFile {
+                what: "proxy CA file",
                 ..
             })
         ));

@@ -1,10 +1,16 @@
 //! The Tether cluster agent.
 //!
-//! It runs inside a cluster that accepts no inbound connection: it trades a one-time onboarding token for a
-//! per-cluster credential (stored in its state directory), dials OUT to the relay over WebSocket/TLS
-//! ([`tether_tunnel::ws::connect`]), and serves every logical stream the relay opens as one HTTP/1.1 exchange
-//! with its own apiserver ([`forward`]). It reconnects with full-jitter exponential backoff ([`Backoff`]) and,
-//! on shutdown, sends GOAWAY and lets open streams finish before closing.
+//! It runs inside a cluster that accepts no inbound connection: it makes its own key pair and trades a
+//! one-time onboarding token and a CSR for the cluster's client certificate ([`identity`], stored in its state
+//! directory), dials OUT to the relay over WebSocket/TLS with that certificate (mutual TLS;
+//! [`tether_tunnel::ws::connect_with_proxy`], through an HTTP CONNECT proxy when configured), and serves every
+//! logical stream the relay opens as one HTTP/1.1 exchange with its own apiserver ([`forward`]).
+//!
+//! Next to the streams, each tunnel carries one control channel ([`tether_tunnel::control`]): heartbeats,
+//! cluster metadata read with the agent's own kube credentials ([`metadata`], a watch on nodes), the agent's
+//! health, and the in-band renewal of its certificate at about two thirds of its lifetime. It reconnects
+//! with full-jitter exponential backoff ([`Backoff`]) and, on shutdown, sends GOAWAY and lets open streams
+//! finish before closing.
 //!
 //! What it does not do: it is never an open proxy. The upstream URL, CA and TLS server name come from the kube
 //! config only, never from a request; forwarded requests carry the user's own `Authorization` (pass-through)
@@ -15,11 +21,14 @@
 mod agent;
 pub mod backoff;
 mod config;
-pub mod credential;
+mod control;
 pub mod forward;
+mod health;
+pub mod identity;
+pub mod metadata;
 mod onboard;
 
-pub use agent::{AgentError, run};
+pub use agent::{AgentError, IDENTITY_EXPIRED_REASON, run};
 pub use backoff::Backoff;
 pub use config::{Config, ConfigError};
 pub use tether_tunnel::Secret;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
 use tether_agent::{AgentError, Config, Secret};
+use tether_tunnel::proxy::ProxyConfig;
 
 /// Exit status for a configuration that cannot be used (EX_USAGE).
 const EXIT_USAGE: u8 = 64;
@@ -36,7 +37,7 @@ struct Args {
     /// A file holding the onboarding token.
     #[arg(long, env = "TETHER_ONBOARDING_TOKEN_FILE")]
     onboarding_token_file: Option<PathBuf>,
-    /// Where the agent keeps its credential.
+    /// Where the agent keeps its identity (identity.json and identity-key.pem, mode 0600).
     #[arg(
         long,
         env = "TETHER_STATE_DIR",
@@ -46,6 +47,18 @@ struct Args {
     /// A PEM CA bundle to trust for the relay (default: the public web PKI roots).
     #[arg(long, env = "TETHER_RELAY_CA")]
     relay_ca: Option<PathBuf>,
+    /// An HTTP proxy to reach the relay through with CONNECT, http://[user:password@]host:port
+    /// (default: HTTPS_PROXY, else https_proxy).
+    #[arg(long, env = "TETHER_PROXY_HTTPS", hide_env_values = true)]
+    proxy_https: Option<String>,
+    /// A PEM CA bundle trusted for the relay connection in addition to --relay-ca, for a proxy that
+    /// inspects TLS.
+    #[arg(long, env = "TETHER_PROXY_CERT")]
+    proxy_cert: Option<PathBuf>,
+    /// Hosts that bypass the proxy: comma-separated names (a name covers its subdomains), .suffix
+    /// domains, IP addresses, CIDRs, or * (default: NO_PROXY, else no_proxy).
+    #[arg(long, env = "TETHER_PROXY_SKIP_RANGE")]
+    proxy_skip_range: Option<String>,
     /// The kubeconfig naming the apiserver (default: KUBECONFIG, ~/.kube/config, else in-cluster).
     #[arg(long, env = "TETHER_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
@@ -127,9 +140,27 @@ fn config_from(args: Args) -> anyhow::Result<Config> {
         (None, None) => None,
     };
     config.relay_ca = args.relay_ca;
+    let proxy_url = args
+        .proxy_https
+        .or_else(|| env_value("HTTPS_PROXY"))
+        .or_else(|| env_value("https_proxy"))
+        .filter(|v| !v.trim().is_empty());
+    let skip = args
+        .proxy_skip_range
+        .or_else(|| env_value("NO_PROXY"))
+        .or_else(|| env_value("no_proxy"));
+    config.proxy = proxy_url
+        .map(|url| ProxyConfig::parse(&url, skip.as_deref()))
+        .transpose()
+        .context("invalid proxy settings")?;
+    config.proxy_ca = args.proxy_cert;
     config.kubeconfig = args.kubeconfig;
     config.drain_timeout = Duration::from_secs(args.drain_timeout);
     Ok(config)
+}
+
+fn env_value(name: &str) -> Option<String> {
+    std::env::var(name).ok()
 }
 
 fn init_tracing(format: LogFormat) {

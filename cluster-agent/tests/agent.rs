@@ -1,135 +1,23 @@
 //! The whole agent (`tether_agent::run`) against a stand-in relay built on `tether_tunnel`'s server side and
-//! a real HTTPS apiserver: onboarding, credential reuse, revocation, stream kinds, reconnects and drain.
+//! a real HTTPS apiserver: onboarding with a CSR, the stored identity presented with mutual TLS, revocation
+//! and expiry, stream kinds, reconnects and drain.
 
 mod common;
 
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use bytes::Bytes;
-use common::relay::{CREDENTIAL, FakeRelay};
+use common::harness::{DEADLINE, Env, Running, env, file_mode, http_stream, request, user_get};
+use common::relay::{FakeRelay, pem_fingerprint};
 use common::{TestApiserver, TestCa};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Empty};
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tether_agent::{AgentError, Backoff, Config, Secret};
-use tether_tunnel::{Connection, OpenOptions, Priority, TunnelError, code, kind};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-
-const DEADLINE: Duration = Duration::from_secs(20);
-
-struct Env {
-    api: TestApiserver,
-    relay: FakeRelay,
-    dir: tempfile::TempDir,
-}
-
-async fn env(onboarding_token: Option<&str>) -> Result<Env> {
-    tether_tunnel::tls::install_crypto_provider();
-    let api = TestApiserver::start().await?;
-    let relay = FakeRelay::start(
-        "127.0.0.1:0".parse()?,
-        Arc::new(TestCa::new()?),
-        onboarding_token,
-    )
-    .await?;
-    let dir = tempfile::tempdir()?;
-    common::write_kubeconfig(dir.path(), &api.url(), &api.ca.pem(), None)?;
-    std::fs::write(dir.path().join("relay-ca.pem"), relay.ca.pem())?;
-    Ok(Env { api, relay, dir })
-}
-
-impl Env {
-    fn state_dir(&self) -> std::path::PathBuf {
-        self.dir.path().join("state")
-    }
-
-    fn config(&self, token: Option<&str>) -> Config {
-        let mut config = Config::new(self.relay.url(), "prod", self.state_dir());
-        config.onboarding_token = token.map(Secret::new);
-        config.relay_ca = Some(self.dir.path().join("relay-ca.pem"));
-        config.kubeconfig = Some(self.dir.path().join("kubeconfig"));
-        config.backoff = Backoff {
-            base: Duration::from_millis(20),
-            cap: Duration::from_millis(200),
-            ..Backoff::default()
-        };
-        config.connect_timeout = Duration::from_secs(5);
-        config
-    }
-
-    /// The next tunnel the agent establishes.
-    async fn next_tunnel(&mut self) -> Result<Connection> {
-        tokio::time::timeout(DEADLINE, self.relay.tunnels.recv())
-            .await?
-            .context("relay stopped")
-    }
-}
-
-struct Running {
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<Result<(), AgentError>>,
-}
-
-impl Running {
-    fn start(config: Config) -> Self {
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(tether_agent::run(config, async move {
-            let _ = stopped.await;
-        }));
-        Self {
-            stop: Some(stop),
-            task,
-        }
-    }
-
-    fn shutdown(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-
-    async fn finished(self) -> Result<Result<(), AgentError>> {
-        Ok(tokio::time::timeout(DEADLINE, self.task).await??)
-    }
-}
-
-fn http_stream(conn: &Connection) -> Result<tether_tunnel::Stream, TunnelError> {
-    conn.open(OpenOptions {
-        kind: kind::HTTP,
-        priority: Priority::Normal,
-        deadline: Some(Duration::from_secs(10)),
-        metadata: Bytes::new(),
-    })
-}
-
-/// Sends one request over a new HTTP stream, as the relay does.
-async fn request(
-    conn: &Connection,
-    req: Request<Empty<Bytes>>,
-) -> Result<http::Response<Incoming>> {
-    let stream = http_stream(conn)?;
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(connection.with_upgrades());
-    Ok(tokio::time::timeout(DEADLINE, sender.send_request(req)).await??)
-}
-
-fn user_get(path: &str) -> Result<Request<Empty<Bytes>>> {
-    Ok(Request::get(path)
-        .header("authorization", "Bearer user-token")
-        .body(Empty::new())?)
-}
-
-fn file_mode(path: &Path) -> Result<u32> {
-    use std::os::unix::fs::PermissionsExt;
-    Ok(std::fs::metadata(path)?.permissions().mode() & 0o777)
-}
+use tether_tunnel::{OpenOptions, Priority, TunnelError, code};
 
 #[tokio::test]
 async fn onboards_then_serves_a_request_end_to_end() -> Result<()> {
@@ -137,16 +25,39 @@ async fn onboards_then_serves_a_request_end_to_end() -> Result<()> {
     let mut agent = Running::start(env.config(Some("onb-1")));
     let conn = env.next_tunnel().await?;
 
-    // Onboarded exactly once, credential stored privately before use.
+    // Onboarded exactly once, with a CSR; the identity stored privately before use.
     assert_eq!(env.relay.state.onboard_calls.load(Ordering::SeqCst), 1);
-    let cred_path = env.state_dir().join("credential.json");
-    assert_eq!(file_mode(&cred_path)?, 0o600);
+    let bodies = env
+        .relay
+        .state
+        .onboard_bodies
+        .lock()
+        .map(|b| b.clone())
+        .unwrap_or_default();
+    assert_eq!(bodies[0]["cluster"], "prod");
+    assert_eq!(bodies[0]["token"], "onb-1");
+    let csr = bodies[0]["csr"].as_str().context("no csr")?;
+    assert!(
+        csr.starts_with("-----BEGIN CERTIFICATE REQUEST-----"),
+        "{csr}"
+    );
+    assert!(!bodies[0].to_string().contains("PRIVATE KEY"));
+
+    let identity_path = env.state_dir().join("identity.json");
+    let key_path = env.state_dir().join("identity-key.pem");
+    assert_eq!(file_mode(&identity_path)?, 0o600);
+    assert_eq!(file_mode(&key_path)?, 0o600);
     assert_eq!(file_mode(&env.state_dir())?, 0o700);
-    let stored: serde_json::Value = serde_json::from_slice(&std::fs::read(&cred_path)?)?;
-    assert_eq!(stored["credential"], CREDENTIAL);
+    let stored: serde_json::Value = serde_json::from_slice(&std::fs::read(&identity_path)?)?;
     assert_eq!(stored["cluster"], "prod");
     assert_eq!(stored["relay"], env.relay.url());
+    assert!(stored["notAfter"].is_string());
+    assert!(std::fs::read_to_string(&key_path)?.starts_with("-----BEGIN PRIVATE KEY-----"));
 
+    // The tunnel is authenticated with that certificate (mutual TLS), not with a header.
+    let stored_fp = pem_fingerprint(stored["certificate"].as_str().unwrap_or_default());
+    assert!(stored_fp.is_some());
+    assert_eq!(env.relay.presented(), vec![stored_fp]);
     let headers = env
         .relay
         .state
@@ -155,10 +66,7 @@ async fn onboards_then_serves_a_request_end_to_end() -> Result<()> {
         .map(|h| h.clone())
         .unwrap_or_default();
     assert_eq!(headers.len(), 1);
-    assert_eq!(
-        headers[0]["authorization"],
-        format!("Bearer {CREDENTIAL}").as_str()
-    );
+    assert!(headers[0].get("authorization").is_none());
     assert_eq!(headers[0]["tether-cluster"], "prod");
     assert_eq!(
         headers[0]["tether-agent-version"],
@@ -178,7 +86,7 @@ async fn onboards_then_serves_a_request_end_to_end() -> Result<()> {
     agent.shutdown();
     agent.finished().await??;
 
-    // A restart reuses the stored credential: the (now used) token is not sent again, so the relay's
+    // A restart reuses the stored identity: the (now used) token is not sent again, so the relay's
     // one-time check cannot fail it.
     let mut agent = Running::start(env.config(Some("onb-1")));
     let conn = env.next_tunnel().await?;
@@ -198,12 +106,12 @@ async fn onboards_then_serves_a_request_end_to_end() -> Result<()> {
 }
 
 #[tokio::test]
-async fn revoked_credential_ends_run_with_a_clear_error() -> Result<()> {
+async fn revoked_identity_ends_run_with_a_clear_error() -> Result<()> {
     let env = env(Some("onb-1")).await?;
     env.relay.state.revoked.store(true, Ordering::SeqCst);
     let agent = Running::start(env.config(Some("onb-1")));
     let err = match agent.finished().await? {
-        Ok(()) => bail!("run must fail when the relay rejects the credential"),
+        Ok(()) => bail!("run must fail when the relay rejects the identity"),
         Err(err) => err,
     };
     assert!(
@@ -217,6 +125,70 @@ async fn revoked_credential_ends_run_with_a_clear_error() -> Result<()> {
     );
     // Retrying cannot help, so it did not.
     assert_eq!(env.relay.state.tunnel_attempts.load(Ordering::SeqCst), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn expired_identity_ends_run_with_the_recovery_steps() -> Result<()> {
+    let mut env = env(Some("onb-1")).await?;
+    let mut agent = Running::start(env.config(Some("onb-1")));
+    let conn = env.next_tunnel().await?;
+    agent.shutdown();
+    agent.finished().await??;
+    drop(conn);
+
+    // The relay now refuses the stored identity as expired.
+    env.relay.state.expired.store(true, Ordering::SeqCst);
+    let agent = Running::start(env.config(None));
+    let err = match agent.finished().await? {
+        Ok(()) => bail!("run must fail when the identity expired"),
+        Err(err) => err,
+    };
+    assert!(matches!(err, AgentError::IdentityExpired { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.starts_with(
+            "this cluster's identity expired: delete it at the relay and connect it again"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("expired at 2020-01-01T00:00:00Z"), "{text}");
+    assert_eq!(env.relay.state.tunnel_attempts.load(Ordering::SeqCst), 2);
+
+    // Recovery as documented: the cluster is registered again (a new token); the agent, pointed at a fresh
+    // state directory, onboards again.
+    env.relay.state.expired.store(false, Ordering::SeqCst);
+    if let Ok(mut token) = env.relay.state.onboarding_token.lock() {
+        *token = Some("onb-2".to_owned());
+    }
+    std::fs::remove_dir_all(env.state_dir())?;
+    let mut agent = Running::start(env.config(Some("onb-2")));
+    let conn = env.next_tunnel().await?;
+    assert_eq!(env.relay.state.onboard_calls.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        request(&conn, user_get("/version")?).await?.status(),
+        StatusCode::OK
+    );
+    agent.shutdown();
+    agent.finished().await??;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_identity_is_not_reused_for_another_cluster_name() -> Result<()> {
+    let mut env = env(Some("onb-1")).await?;
+    let mut agent = Running::start(env.config(Some("onb-1")));
+    let _conn = env.next_tunnel().await?;
+    agent.shutdown();
+    agent.finished().await??;
+
+    // The same state directory pointed at another cluster name: the stored identity is not used for it.
+    let mut config = env.config(None);
+    config.cluster = "staging".to_owned();
+    assert!(matches!(
+        config.validate(),
+        Err(tether_agent::ConfigError::MissingOnboardingToken { .. })
+    ));
     Ok(())
 }
 
@@ -236,7 +208,8 @@ async fn refused_onboarding_token_ends_run() -> Result<()> {
         !err.to_string().contains("a-wrong-token"),
         "the token must never be printed: {err}"
     );
-    assert!(!env.state_dir().join("credential.json").exists());
+    assert!(!env.state_dir().join("identity.json").exists());
+    assert!(!env.state_dir().join("identity-key.pem").exists());
     Ok(())
 }
 

@@ -11,6 +11,13 @@ fn agent() -> Command {
         "TETHER_CLUSTER",
         "TETHER_ONBOARDING_TOKEN",
         "TETHER_ONBOARDING_TOKEN_FILE",
+        "TETHER_PROXY_HTTPS",
+        "TETHER_PROXY_CERT",
+        "TETHER_PROXY_SKIP_RANGE",
+        "HTTPS_PROXY",
+        "https_proxy",
+        "NO_PROXY",
+        "no_proxy",
     ] {
         cmd.env_remove(var);
     }
@@ -95,5 +102,53 @@ fn the_token_is_never_echoed() -> Result<()> {
     );
     assert!(all.contains("kubeconfig"), "{all}");
     assert!(!all.contains("super-secret-onboarding-token"), "{all}");
+    Ok(())
+}
+
+#[test]
+fn bad_proxy_settings_exit_64_without_the_password() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let base = |cmd: &mut Command| {
+        cmd.args(["--relay", "https://relay.example", "--cluster", "prod"])
+            .arg("--state-dir")
+            .arg(&state)
+            .env("TETHER_ONBOARDING_TOKEN", "t");
+    };
+
+    let mut cmd = agent();
+    base(&mut cmd);
+    let out = cmd
+        .args(["--proxy-https", "https://user:hunter2@proxy.corp:3128"])
+        .output()?;
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("invalid proxy URL"), "{stderr}");
+    assert!(
+        stderr.contains("TLS to the proxy is not supported"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+
+    // The environment is read when the flag is absent, and NO_PROXY is checked too.
+    let mut cmd = agent();
+    base(&mut cmd);
+    let out = cmd
+        .env("HTTPS_PROXY", "http://proxy.corp:3128")
+        .env("NO_PROXY", "10.0.0.0/99")
+        .output()?;
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("invalid proxy bypass entry"), "{stderr}");
+
+    let mut cmd = agent();
+    base(&mut cmd);
+    let out = cmd
+        .env("https_proxy", "http://proxy.corp:3128")
+        .args(["--proxy-cert", "/nonexistent/proxy-ca.pem"])
+        .output()?;
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("proxy CA file"), "{stderr}");
     Ok(())
 }

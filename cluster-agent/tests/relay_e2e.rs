@@ -58,9 +58,10 @@ async fn onboard_serve_restart_and_delete_with_the_real_relay() -> Result<()> {
     let seen = api.seen();
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].headers["authorization"], "Bearer user-token");
-    assert!(dir.path().join("agent-state/credential.json").exists());
+    assert!(dir.path().join("agent-state/identity.json").exists());
+    assert!(dir.path().join("agent-state/identity-key.pem").exists());
 
-    // The relay restarts on the same port (same data dir, so the same CA and the same stored credential).
+    // The relay restarts on the same port (same data dir, so the same CAs and the same stored identity).
     let addr = relay.addr;
     relay.stop().await?;
     let relay = RelayProcess::start(&relay_dir, addr).await?;
@@ -68,7 +69,7 @@ async fn onboard_serve_restart_and_delete_with_the_real_relay() -> Result<()> {
     assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
     assert_eq!(api.seen().len(), 2);
 
-    // Deleting the cluster revokes its credential: the agent stops with the fatal error.
+    // Deleting the cluster revokes its identity: the agent stops with the fatal error.
     let (status, _) = relay
         .call(
             Method::DELETE,
@@ -83,9 +84,141 @@ async fn onboard_serve_restart_and_delete_with_the_real_relay() -> Result<()> {
         Err(AgentError::CredentialRejected { status }) => {
             assert!(status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN)
         }
-        other => bail!("expected the credential to be rejected, got {other:?}"),
+        other => bail!("expected the identity to be rejected, got {other:?}"),
     }
     drop(stop_agent);
+    relay.stop().await?;
+    Ok(())
+}
+
+/// Polls the relay's view of cluster `prod` until `check` accepts it.
+async fn cluster_until(
+    relay: &RelayProcess,
+    mut check: impl FnMut(&serde_json::Value) -> bool,
+) -> Result<serde_json::Value> {
+    let give_up = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let json = relay.cluster("prod").await?;
+        if check(&json) {
+            return Ok(json);
+        }
+        if tokio::time::Instant::now() >= give_up {
+            bail!("the cluster never reached the expected state: {json}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn stored_identity(dir: &Path) -> Result<serde_json::Value> {
+    Ok(serde_json::from_slice(&std::fs::read(
+        dir.join("agent-state/identity.json"),
+    )?)?)
+}
+
+#[tokio::test]
+async fn metadata_health_renewal_and_expiry_with_the_real_relay() -> Result<()> {
+    tether_tunnel::tls::install_crypto_provider();
+    let dir = tempfile::tempdir()?;
+    let api = TestApiserver::start().await?;
+    api.set_version("v1.32.4-eks-1234567");
+    api.add_node(
+        "ip-10-0-0-1",
+        "2",
+        "4Gi",
+        &[("eks.amazonaws.com/nodegroup", "ng")],
+        Some("aws:///eu-west-1a/i-1"),
+    );
+    common::write_kubeconfig(dir.path(), &api.url(), &api.ca.pem(), None)?;
+    let relay_dir = dir.path().join("relay");
+    let relay = RelayProcess::start_with(&relay_dir, "127.0.0.1:0".parse()?, |c| {
+        c.heartbeat_interval = Duration::from_secs(1);
+        c.identity_validity = Duration::from_secs(6);
+    })
+    .await?;
+    let token = relay.register("prod").await?;
+    let (stop_agent, agent_stopped) = oneshot::channel::<()>();
+    let agent = tokio::spawn(tether_agent::run(
+        agent_config(&relay, dir.path(), Some(&token))?,
+        async move {
+            let _ = agent_stopped.await;
+        },
+    ));
+
+    // Metadata and health reach the relay.
+    let json = cluster_until(&relay, |c| {
+        c["nodeCount"] == 1 && c["agentHealth"].is_object()
+    })
+    .await?;
+    assert_eq!(json["connectivityStatus"], "Connected");
+    assert_eq!(json["kubernetesVersion"], "v1.32.4-eks-1234567");
+    assert_eq!(json["totalCpuMillis"], 2000);
+    assert_eq!(json["totalMemoryBytes"], 4u64 << 30);
+    assert_eq!(json["distribution"], "eks");
+    assert_eq!(json["infrastructure"], "aws");
+    assert_eq!(json["agentVersion"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(json["agentHealth"]["reconnects"], 0);
+
+    // A node added to the cluster shows up.
+    api.add_node(
+        "ip-10-0-0-2",
+        "2",
+        "4Gi",
+        &[],
+        Some("aws:///eu-west-1b/i-2"),
+    );
+    cluster_until(&relay, |c| {
+        c["nodeCount"] == 2 && c["totalCpuMillis"] == 4000
+    })
+    .await?;
+
+    // The identity is renewed in band, and the relay shows the new one.
+    let first = stored_identity(dir.path())?["certificate"].clone();
+    let give_up = tokio::time::Instant::now() + DEADLINE;
+    while stored_identity(dir.path())?["certificate"] == first {
+        if tokio::time::Instant::now() >= give_up {
+            bail!("no renewal");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, _) = relay.user_get("prod", "/version").await?;
+    assert_eq!(status, StatusCode::OK);
+
+    // Stopped long enough, the identity expires; the relay refuses it with the recovery steps.
+    drop(stop_agent);
+    tokio::time::timeout(DEADLINE, agent).await???;
+    let not_after = stored_identity(dir.path())?["notAfter"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let not_after =
+        time::OffsetDateTime::parse(&not_after, &time::format_description::well_known::Rfc3339)?;
+    let give_up = tokio::time::Instant::now() + DEADLINE;
+    while time::OffsetDateTime::now_utc() <= not_after {
+        if tokio::time::Instant::now() >= give_up {
+            bail!("the identity did not expire");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cluster_until(&relay, |c| c["connectivityStatus"] == "Expired").await?;
+    let result = tokio::time::timeout(
+        DEADLINE,
+        tether_agent::run(
+            agent_config(&relay, dir.path(), None)?,
+            std::future::pending(),
+        ),
+    )
+    .await?;
+    match result {
+        Err(e @ AgentError::IdentityExpired { .. }) => {
+            let text = e.to_string();
+            assert!(
+                text.contains("delete it at the relay and connect it again")
+                    && text.contains("the identity of cluster prod expired at"),
+                "{text}"
+            );
+        }
+        other => bail!("expected IdentityExpired, got {other:?}"),
+    }
     relay.stop().await?;
     Ok(())
 }

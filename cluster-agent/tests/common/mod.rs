@@ -22,6 +22,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
+pub mod harness;
+pub mod proxy;
 pub mod real_relay;
 pub mod relay;
 
@@ -71,6 +73,14 @@ impl TestCa {
         })
     }
 
+    /// Signs a certificate request with this CA.
+    pub fn sign_csr(
+        &self,
+        csr: &rcgen::CertificateSigningRequestParams,
+    ) -> Result<rcgen::Certificate> {
+        Ok(csr.signed_by(&self.issuer)?)
+    }
+
     /// A rustls server config for `names`, ALPN h2 + http/1.1, asking (not requiring) a client certificate.
     pub fn server_config(&self, names: &[&str]) -> Result<Arc<rustls::ServerConfig>> {
         let issued = self.issue(names)?;
@@ -112,11 +122,16 @@ type Body = BoxBody<Bytes, Infallible>;
 ///
 /// - `/stream`: a body fed chunk by chunk from [`TestApiserver::stream_sender`];
 /// - `/upgrade`: 101 to `tether-test`, then reads to EOF and answers `bye:` + what it read, then closes;
+/// - `/version` and `/api/v1/nodes` (list, and watch from a resourceVersion) from the agent's own client
+///   (User-Agent `tether-agent/…`): a small cluster whose nodes tests add with [`TestApiserver::add_node`];
 /// - anything else: 200 with a JSON echo of method, path and query.
+///
+/// [`TestApiserver::seen`] lists every request but the agent's own (those are in `agent_requests`).
 pub struct TestApiserver {
     pub addr: SocketAddr,
     pub ca: Arc<TestCa>,
     seen: Arc<Mutex<Vec<Seen>>>,
+    cluster: Arc<FakeCluster>,
     stream_rx: Arc<Mutex<Option<mpsc::Receiver<Bytes>>>>,
     stream_tx: mpsc::Sender<Bytes>,
     task: tokio::task::JoinHandle<()>,
@@ -135,16 +150,19 @@ impl TestApiserver {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let seen = Arc::new(Mutex::new(Vec::new()));
+        let cluster = Arc::new(FakeCluster::new());
         let (stream_tx, stream_rx) = mpsc::channel(16);
         let stream_rx = Arc::new(Mutex::new(Some(stream_rx)));
         let task = {
             let seen = seen.clone();
             let stream_rx = stream_rx.clone();
+            let cluster = cluster.clone();
             tokio::spawn(async move {
                 while let Ok((tcp, _)) = listener.accept().await {
                     let tls = tls.clone();
                     let seen = seen.clone();
                     let stream_rx = stream_rx.clone();
+                    let cluster = cluster.clone();
                     tokio::spawn(async move {
                         let Ok(tls_stream) = tls.accept(tcp).await else {
                             return;
@@ -153,7 +171,11 @@ impl TestApiserver {
                         let service = hyper::service::service_fn(move |req| {
                             let seen = seen.clone();
                             let stream_rx = stream_rx.clone();
+                            let cluster = cluster.clone();
                             async move {
+                                if is_agent_request(&req) {
+                                    return Ok::<_, Infallible>(cluster.handle(&req));
+                                }
                                 Ok::<_, Infallible>(handle(req, client_cert, &seen, &stream_rx))
                             }
                         });
@@ -168,6 +190,7 @@ impl TestApiserver {
             addr,
             ca,
             seen,
+            cluster,
             stream_rx,
             stream_tx,
             task,
@@ -180,6 +203,35 @@ impl TestApiserver {
 
     pub fn seen(&self) -> Vec<Seen> {
         self.seen.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Adds (or replaces) a node; open watches see ADDED (or MODIFIED).
+    pub fn add_node(
+        &self,
+        name: &str,
+        cpu: &str,
+        memory: &str,
+        labels: &[(&str, &str)],
+        provider_id: Option<&str>,
+    ) {
+        self.cluster
+            .add_node(name, cpu, memory, labels, provider_id);
+    }
+
+    /// Sets the `gitVersion` served at `/version`.
+    pub fn set_version(&self, git_version: &str) {
+        if let Ok(mut v) = self.cluster.version.lock() {
+            *v = git_version.to_owned();
+        }
+    }
+
+    /// The agent's own requests (path and query), in order.
+    pub fn agent_requests(&self) -> Vec<String> {
+        self.cluster
+            .requests
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default()
     }
 
     /// Feeds the `/stream` response body; dropping every sender ends it.
@@ -271,6 +323,160 @@ fn handle(
             resp
         }
     }
+}
+
+fn is_agent_request<B>(req: &Request<B>) -> bool {
+    req.headers()
+        .get("user-agent")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ua| ua.starts_with("tether-agent/"))
+}
+
+/// Nodes and a version, served to the agent's own client (list and watch).
+struct FakeCluster {
+    version: Mutex<String>,
+    /// Every change: (resourceVersion, event type, object).
+    log: Mutex<Vec<(u64, &'static str, serde_json::Value)>>,
+    nodes: Mutex<std::collections::BTreeMap<String, serde_json::Value>>,
+    latest: tokio::sync::watch::Sender<u64>,
+    requests: Mutex<Vec<String>>,
+}
+
+impl FakeCluster {
+    fn new() -> Self {
+        Self {
+            version: Mutex::new("v1.33.1".to_owned()),
+            log: Mutex::new(Vec::new()),
+            nodes: Mutex::new(Default::default()),
+            latest: tokio::sync::watch::channel(1).0,
+            requests: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn add_node(
+        &self,
+        name: &str,
+        cpu: &str,
+        memory: &str,
+        labels: &[(&str, &str)],
+        provider_id: Option<&str>,
+    ) {
+        let (Ok(mut log), Ok(mut nodes)) = (self.log.lock(), self.nodes.lock()) else {
+            return;
+        };
+        let rv = *self.latest.borrow() + 1;
+        let labels: serde_json::Map<String, serde_json::Value> = labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), serde_json::Value::from(*v)))
+            .collect();
+        let mut spec = serde_json::json!({});
+        if let Some(id) = provider_id {
+            spec["providerID"] = id.into();
+        }
+        let node = serde_json::json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": labels, "resourceVersion": rv.to_string()},
+            "spec": spec,
+            "status": {"capacity": {"cpu": cpu, "memory": memory, "pods": "110"}},
+        });
+        let kind = if nodes.insert(name.to_owned(), node.clone()).is_some() {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        log.push((rv, kind, node));
+        self.latest.send_replace(rv);
+    }
+
+    fn handle<B>(self: &Arc<Self>, req: &Request<B>) -> Response<Body> {
+        if let Ok(mut r) = self.requests.lock() {
+            r.push(req.uri().to_string());
+        }
+        let query = req.uri().query().unwrap_or("");
+        let param = |name: &str| {
+            query.split('&').find_map(|kv| {
+                kv.split_once('=')
+                    .filter(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_owned())
+            })
+        };
+        match req.uri().path() {
+            "/version" => {
+                let version = self.version.lock().map(|v| v.clone()).unwrap_or_default();
+                json(serde_json::json!({
+                    "major": "1", "minor": "33", "gitVersion": version, "gitCommit": "", "gitTreeState": "",
+                    "buildDate": "", "goVersion": "", "compiler": "", "platform": "linux/amd64",
+                }))
+            }
+            "/api/v1/nodes" if param("watch").as_deref() == Some("true") => {
+                let from: u64 = param("resourceVersion")
+                    .and_then(|rv| rv.parse().ok())
+                    .unwrap_or(0);
+                self.watch(from)
+            }
+            "/api/v1/nodes" => {
+                let rv = *self.latest.borrow();
+                let items: Vec<serde_json::Value> = self
+                    .nodes
+                    .lock()
+                    .map(|n| n.values().cloned().collect())
+                    .unwrap_or_default();
+                json(serde_json::json!({
+                    "apiVersion": "v1", "kind": "NodeList",
+                    "metadata": {"resourceVersion": rv.to_string()},
+                    "items": items,
+                }))
+            }
+            _ => text(StatusCode::NOT_FOUND, "not served to the agent"),
+        }
+    }
+
+    /// A watch response: every change after `from`, then new ones as they come.
+    fn watch(self: &Arc<Self>, from: u64) -> Response<Body> {
+        let latest = self.latest.subscribe();
+        let frames = futures_util::stream::unfold(
+            (from, latest, Arc::clone(self)),
+            |(mut sent, mut latest, cluster)| async move {
+                loop {
+                    let log: Vec<(u64, &'static str, serde_json::Value)> =
+                        cluster.log.lock().map(|l| l.clone()).unwrap_or_default();
+                    let since = sent;
+                    let chunk: String = log
+                        .into_iter()
+                        .filter(|(rv, _, _)| *rv > since)
+                        .map(|(rv, kind, object)| {
+                            sent = sent.max(rv);
+                            format!("{}\n", serde_json::json!({"type": kind, "object": object}))
+                        })
+                        .collect();
+                    if !chunk.is_empty() {
+                        return Some((
+                            Ok::<_, Infallible>(Frame::data(Bytes::from(chunk))),
+                            (sent, latest, cluster),
+                        ));
+                    }
+                    if latest.changed().await.is_err() {
+                        return None;
+                    }
+                }
+            },
+        );
+        let mut resp = Response::new(BodyExt::boxed(StreamBody::new(frames)));
+        resp.headers_mut().insert(
+            "content-type",
+            http::HeaderValue::from_static("application/json"),
+        );
+        resp
+    }
+}
+
+fn json(value: serde_json::Value) -> Response<Body> {
+    let mut resp = text(StatusCode::OK, &value.to_string());
+    resp.headers_mut().insert(
+        "content-type",
+        http::HeaderValue::from_static("application/json"),
+    );
+    resp
 }
 
 fn text(status: StatusCode, body: &str) -> Response<Body> {

@@ -25,8 +25,18 @@ pub struct RelayProcess {
 
 impl RelayProcess {
     pub async fn start(data_dir: &Path, addr: SocketAddr) -> Result<Self> {
+        Self::start_with(data_dir, addr, |_| {}).await
+    }
+
+    /// Starts with the configuration adjusted by `adjust`.
+    pub async fn start_with(
+        data_dir: &Path,
+        addr: SocketAddr,
+        adjust: impl FnOnce(&mut tether_relay::Config),
+    ) -> Result<Self> {
         let mut config = tether_relay::Config::new(data_dir.to_path_buf());
         config.limits.shutdown_grace = Duration::from_secs(1);
+        adjust(&mut config);
         let relay = tether_relay::Relay::new(config).await?;
         let admin_token = relay.admin_token().expose().to_string();
         let ca_pem = relay
@@ -104,6 +114,22 @@ impl RelayProcess {
             .as_str()
             .context("no onboardingToken")?
             .to_string())
+    }
+
+    /// The cluster's JSON from the admin API.
+    pub async fn cluster(&self, name: &str) -> Result<serde_json::Value> {
+        let (status, body) = self
+            .call(
+                Method::GET,
+                &format!("/api/v1/clusters/{name}"),
+                &self.admin_token,
+                None,
+            )
+            .await?;
+        if status != StatusCode::OK {
+            bail!("show {name}: {status}: {}", String::from_utf8_lossy(&body));
+        }
+        Ok(serde_json::from_slice(&body)?)
     }
 
     /// A user request through the relay, retried while the cluster is not connected yet (503).

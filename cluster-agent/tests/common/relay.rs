@@ -1,9 +1,11 @@
 //! A minimal stand-in for the relay's agent endpoints, built on `tether_tunnel`'s server side: onboarding with
-//! a one-time token, and the tunnel upgrade with credential checks. Tests get each tunnel as a `Connection`.
+//! a one-time token and a CSR (signed by a test agent CA), the tunnel upgrade with client-certificate checks,
+//! and the control channel (welcome, renewals). Tests get each tunnel as a `Connection` and every control
+//! message the agent sent.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
@@ -12,24 +14,53 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tether_tunnel::{Connection, Role, SessionConfig, ws};
+use rustls::pki_types::CertificateDer;
+use sha2::{Digest, Sha256};
+use tether_tunnel::control::{self, Message, Welcome};
+use tether_tunnel::{Connection, Role, SessionConfig, code, kind, ws};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use super::TestCa;
 
-pub const CREDENTIAL: &str = "cred-for-prod";
+/// How the stand-in answers `renew`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RenewMode {
+    /// Issue a certificate.
+    Issue,
+    /// Answer `error` with this message.
+    Refuse(String),
+    /// Do not answer.
+    Ignore,
+}
 
 /// What the fake relay checks and counts.
 pub struct RelayState {
     pub onboarding_token: Mutex<Option<String>>,
     pub onboard_calls: AtomicUsize,
+    /// Bodies of onboarding requests (JSON).
+    pub onboard_bodies: Mutex<Vec<serde_json::Value>>,
     pub tunnel_attempts: AtomicUsize,
     /// When set, the tunnel endpoint answers 401 as for a deleted cluster.
     pub revoked: AtomicBool,
+    /// When set, the tunnel endpoint answers 401 with reason IdentityExpired.
+    pub expired: AtomicBool,
     /// Headers of each tunnel request.
     pub tunnel_headers: Mutex<Vec<http::HeaderMap>>,
+    /// SHA-256 of the client certificate presented on each tunnel request (None: none presented).
+    pub presented: Mutex<Vec<Option<String>>>,
+    /// Fingerprints the tunnel accepts: the current identity and, during a renewal, the previous one.
+    pub accepted_fingerprints: Mutex<Vec<String>>,
+    /// Lifetime of issued certificates.
+    pub validity: Mutex<time::Duration>,
+    pub heartbeat_seconds: AtomicU64,
+    pub renew_mode: Mutex<RenewMode>,
+    pub renew_requests: AtomicUsize,
+    /// Every control stream accepted, to reset from tests.
+    pub control_streams: Mutex<Vec<tether_tunnel::StreamControl>>,
+    ca: Arc<TestCa>,
     tunnels: mpsc::UnboundedSender<Connection>,
+    messages: mpsc::UnboundedSender<Message>,
 }
 
 pub struct FakeRelay {
@@ -37,6 +68,8 @@ pub struct FakeRelay {
     pub ca: Arc<TestCa>,
     pub state: Arc<RelayState>,
     pub tunnels: mpsc::UnboundedReceiver<Connection>,
+    /// Every control message agents sent, in order, across tunnels.
+    pub messages: mpsc::UnboundedReceiver<Message>,
     task: tokio::task::JoinHandle<()>,
     /// Every connection task, aborted on stop so that the port and the tunnels really go away.
     conns: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
@@ -49,22 +82,35 @@ impl Drop for FakeRelay {
 }
 
 impl FakeRelay {
-    /// Starts on `addr` (`127.0.0.1:0` for a fresh port) with the given one-time onboarding token.
+    /// Starts on `addr` (`127.0.0.1:0` for a fresh port) with the given one-time onboarding token. `ca`
+    /// serves the relay's certificate and issues (and verifies) agent certificates.
     pub async fn start(
         addr: SocketAddr,
         ca: Arc<TestCa>,
         onboarding_token: Option<&str>,
     ) -> Result<Self> {
         let (tx, rx) = mpsc::unbounded_channel();
+        let (mtx, mrx) = mpsc::unbounded_channel();
         let state = Arc::new(RelayState {
             onboarding_token: Mutex::new(onboarding_token.map(str::to_string)),
             onboard_calls: AtomicUsize::new(0),
+            onboard_bodies: Mutex::new(Vec::new()),
             tunnel_attempts: AtomicUsize::new(0),
             revoked: AtomicBool::new(false),
+            expired: AtomicBool::new(false),
             tunnel_headers: Mutex::new(Vec::new()),
+            presented: Mutex::new(Vec::new()),
+            accepted_fingerprints: Mutex::new(Vec::new()),
+            validity: Mutex::new(time::Duration::days(1)),
+            heartbeat_seconds: AtomicU64::new(30),
+            renew_mode: Mutex::new(RenewMode::Issue),
+            renew_requests: AtomicUsize::new(0),
+            control_streams: Mutex::new(Vec::new()),
+            ca: ca.clone(),
             tunnels: tx,
+            messages: mtx,
         });
-        Self::start_with(addr, ca, state, rx).await
+        Self::start_with(addr, ca, state, rx, mrx).await
     }
 
     async fn start_with(
@@ -72,6 +118,7 @@ impl FakeRelay {
         ca: Arc<TestCa>,
         state: Arc<RelayState>,
         tunnels: mpsc::UnboundedReceiver<Connection>,
+        messages: mpsc::UnboundedReceiver<Message>,
     ) -> Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
@@ -88,9 +135,16 @@ impl FakeRelay {
                         let Ok(stream) = tls.accept(tcp).await else {
                             return;
                         };
+                        let presented = stream
+                            .get_ref()
+                            .1
+                            .peer_certificates()
+                            .and_then(|c| c.first())
+                            .map(fingerprint);
                         let service = hyper::service::service_fn(move |req| {
                             let state = state.clone();
-                            async move { Ok::<_, Infallible>(handle(req, &state).await) }
+                            let presented = presented.clone();
+                            async move { Ok::<_, Infallible>(handle(req, &state, presented).await) }
                         });
                         let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                             .serve_connection_with_upgrades(TokioIo::new(stream), service)
@@ -107,6 +161,7 @@ impl FakeRelay {
             ca,
             state,
             tunnels,
+            messages,
             task,
             conns,
         })
@@ -133,90 +188,278 @@ impl FakeRelay {
         let task = std::mem::replace(&mut self.task, tokio::spawn(async {}));
         let _ = task.await;
         let (tx, rx) = mpsc::unbounded_channel();
+        let (mtx, mrx) = mpsc::unbounded_channel();
         let old = Arc::clone(&self.state);
+        let copy =
+            |m: &Mutex<Vec<String>>| Mutex::new(m.lock().map(|v| v.clone()).unwrap_or_default());
         let state = Arc::new(RelayState {
             onboarding_token: Mutex::new(old.onboarding_token.lock().ok().and_then(|t| t.clone())),
             onboard_calls: AtomicUsize::new(old.onboard_calls.load(Ordering::SeqCst)),
+            onboard_bodies: Mutex::new(Vec::new()),
             tunnel_attempts: AtomicUsize::new(0),
             revoked: AtomicBool::new(old.revoked.load(Ordering::SeqCst)),
+            expired: AtomicBool::new(old.expired.load(Ordering::SeqCst)),
             tunnel_headers: Mutex::new(Vec::new()),
+            presented: Mutex::new(Vec::new()),
+            accepted_fingerprints: copy(&old.accepted_fingerprints),
+            validity: Mutex::new(
+                old.validity
+                    .lock()
+                    .map(|v| *v)
+                    .unwrap_or(time::Duration::days(1)),
+            ),
+            heartbeat_seconds: AtomicU64::new(old.heartbeat_seconds.load(Ordering::SeqCst)),
+            renew_mode: Mutex::new(
+                old.renew_mode
+                    .lock()
+                    .map(|m| m.clone())
+                    .unwrap_or(RenewMode::Issue),
+            ),
+            renew_requests: AtomicUsize::new(0),
+            control_streams: Mutex::new(Vec::new()),
+            ca: old.ca.clone(),
             tunnels: tx,
+            messages: mtx,
         });
-        Self::start_with(self.addr, self.ca.clone(), state, rx).await
+        Self::start_with(self.addr, self.ca.clone(), state, rx, mrx).await
+    }
+
+    pub fn presented(&self) -> Vec<Option<String>> {
+        self.state
+            .presented
+            .lock()
+            .map(|p| p.clone())
+            .unwrap_or_default()
     }
 }
 
-fn status(code: StatusCode, message: &str) -> Response<Full<Bytes>> {
+/// SHA-256 of a DER certificate, lowercase hex.
+pub fn fingerprint(der: &CertificateDer<'_>) -> String {
+    hex::encode(Sha256::digest(der.as_ref()))
+}
+
+/// SHA-256 of the (first) certificate in a PEM text.
+pub fn pem_fingerprint(pem: &str) -> Option<String> {
+    use rustls::pki_types::pem::PemObject;
+    CertificateDer::pem_slice_iter(pem.as_bytes())
+        .next()?
+        .ok()
+        .map(|der| fingerprint(&der))
+}
+
+impl RelayState {
+    /// Signs `csr` for cluster `prod` (CN and SAN URI, backdated 5 minutes like the real relay) and makes it
+    /// the accepted identity, keeping the previous one acceptable too.
+    fn issue(&self, csr: &str) -> Result<(String, String), String> {
+        let mut params =
+            rcgen::CertificateSigningRequestParams::from_pem(csr).map_err(|e| e.to_string())?;
+        let validity = self
+            .validity
+            .lock()
+            .map(|v| *v)
+            .unwrap_or(time::Duration::days(1));
+        let now = time::OffsetDateTime::now_utc();
+        params.params.distinguished_name = rcgen::DistinguishedName::new();
+        params
+            .params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "prod");
+        params.params.subject_alt_names = vec![rcgen::SanType::URI(
+            "tether://cluster/prod"
+                .try_into()
+                .map_err(|e: rcgen::Error| e.to_string())?,
+        )];
+        params.params.not_before = now - time::Duration::minutes(5);
+        params.params.not_after = now + validity;
+        let cert = self.ca.sign_csr(&params).map_err(|e| e.to_string())?;
+        let fp = fingerprint(cert.der());
+        if let Ok(mut accepted) = self.accepted_fingerprints.lock() {
+            let previous = accepted.last().cloned();
+            *accepted = previous.into_iter().chain([fp]).collect();
+        }
+        let not_after = params
+            .params
+            .not_after
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default();
+        Ok((cert.pem(), not_after))
+    }
+}
+
+fn status(code: StatusCode, reason: &str, message: &str) -> Response<Full<Bytes>> {
     let body = serde_json::json!({
         "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-        "message": message, "code": code.as_u16(),
+        "message": message, "reason": reason, "code": code.as_u16(),
     });
     let mut resp = Response::new(Full::new(Bytes::from(body.to_string())));
     *resp.status_mut() = code;
     resp
 }
 
-async fn handle(req: Request<Incoming>, state: &RelayState) -> Response<Full<Bytes>> {
+async fn handle(
+    req: Request<Incoming>,
+    state: &Arc<RelayState>,
+    presented: Option<String>,
+) -> Response<Full<Bytes>> {
     match req.uri().path() {
         "/agent/v1/onboard" => {
             state.onboard_calls.fetch_add(1, Ordering::SeqCst);
             let Ok(body) = req.into_body().collect().await else {
-                return status(StatusCode::BAD_REQUEST, "bad body");
+                return status(StatusCode::BAD_REQUEST, "BadRequest", "bad body");
             };
             let Ok(json) = serde_json::from_slice::<serde_json::Value>(&body.to_bytes()) else {
-                return status(StatusCode::BAD_REQUEST, "bad json");
+                return status(StatusCode::BAD_REQUEST, "BadRequest", "bad json");
             };
-            let Ok(mut token) = state.onboarding_token.lock() else {
-                return status(StatusCode::INTERNAL_SERVER_ERROR, "poisoned");
-            };
-            if json["cluster"] != "prod"
-                || token.is_none()
-                || json["token"].as_str() != token.as_deref()
-            {
-                return status(
-                    StatusCode::UNAUTHORIZED,
-                    "onboarding token invalid or already used",
-                );
+            if let Ok(mut bodies) = state.onboard_bodies.lock() {
+                bodies.push(json.clone());
             }
-            *token = None;
-            let body = serde_json::json!({"cluster": "prod", "credential": CREDENTIAL});
-            Response::new(Full::new(Bytes::from(body.to_string())))
+            {
+                let Ok(mut token) = state.onboarding_token.lock() else {
+                    return status(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "InternalError",
+                        "poisoned",
+                    );
+                };
+                if json["cluster"] != "prod"
+                    || token.is_none()
+                    || json["token"].as_str() != token.as_deref()
+                {
+                    return status(
+                        StatusCode::UNAUTHORIZED,
+                        "Unauthorized",
+                        "onboarding token invalid or already used",
+                    );
+                }
+                *token = None;
+            }
+            let csr = json["csr"].as_str().unwrap_or_default();
+            match state.issue(csr) {
+                Ok((certificate, not_after)) => {
+                    let body = serde_json::json!({"cluster": "prod", "certificate": certificate, "notAfter": not_after});
+                    Response::new(Full::new(Bytes::from(body.to_string())))
+                }
+                Err(e) => status(StatusCode::BAD_REQUEST, "BadRequest", &e),
+            }
         }
         "/agent/v1/tunnel" => {
             state.tunnel_attempts.fetch_add(1, Ordering::SeqCst);
             if let Ok(mut seen) = state.tunnel_headers.lock() {
                 seen.push(req.headers().clone());
             }
-            let authorized = req
+            if let Ok(mut p) = state.presented.lock() {
+                p.push(presented.clone());
+            }
+            let known = presented.as_ref().is_some_and(|fp| {
+                state
+                    .accepted_fingerprints
+                    .lock()
+                    .is_ok_and(|a| a.contains(fp))
+            });
+            let for_prod = req
                 .headers()
-                .get("authorization")
+                .get("tether-cluster")
                 .and_then(|v| v.to_str().ok())
-                == Some(&format!("Bearer {CREDENTIAL}"))
-                && req
-                    .headers()
-                    .get("tether-cluster")
-                    .and_then(|v| v.to_str().ok())
-                    == Some("prod");
-            if !authorized || state.revoked.load(Ordering::SeqCst) {
-                return status(StatusCode::UNAUTHORIZED, "unknown credential");
+                == Some("prod");
+            if state.expired.load(Ordering::SeqCst) {
+                return status(
+                    StatusCode::UNAUTHORIZED,
+                    "IdentityExpired",
+                    "the identity of cluster prod expired at 2020-01-01T00:00:00Z: delete the cluster and connect it again",
+                );
+            }
+            if !known || !for_prod || state.revoked.load(Ordering::SeqCst) {
+                return status(StatusCode::UNAUTHORIZED, "Unauthorized", "unknown identity");
+            }
+            // The agent connected with its newest identity: forget the previous one.
+            if let (Some(fp), Ok(mut accepted)) = (&presented, state.accepted_fingerprints.lock())
+                && accepted.last() == Some(fp)
+            {
+                accepted.retain(|a| a == fp);
             }
             let response = match ws::upgrade_response(&req) {
                 Ok(response) => response,
-                Err(e) => return status(StatusCode::BAD_REQUEST, &e),
+                Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e),
             };
-            let tunnels = state.tunnels.clone();
+            let state = state.clone();
             tokio::spawn(async move {
                 if let Ok(upgraded) = hyper::upgrade::on(req).await {
                     let conn = ws::accept_upgraded(
                         TokioIo::new(upgraded),
                         SessionConfig::new(Role::Server),
                     );
-                    let _ = tunnels.send(conn);
+                    tokio::spawn(serve_control(conn.clone(), state.clone()));
+                    let _ = state.tunnels.send(conn);
                 }
             });
             let (parts, ()) = response.into_parts();
             Response::from_parts(parts, Full::new(Bytes::new()))
         }
-        _ => status(StatusCode::NOT_FOUND, "not found"),
+        _ => status(StatusCode::NOT_FOUND, "NotFound", "not found"),
+    }
+}
+
+/// Accepts the agent's control streams on `conn`: answers `hello` with `welcome`, `renew` per the renew
+/// mode, and forwards every message to the test.
+async fn serve_control(conn: Connection, state: Arc<RelayState>) {
+    while let Some(incoming) = conn.accept().await {
+        if incoming.kind != kind::CONTROL {
+            incoming.refuse(
+                code::UNSUPPORTED_KIND,
+                "the relay serves only control streams",
+            );
+            continue;
+        }
+        let Ok(stream) = incoming.accept(Bytes::new()) else {
+            continue;
+        };
+        if let Ok(mut streams) = state.control_streams.lock() {
+            streams.push(stream.control());
+        }
+        let state = state.clone();
+        tokio::spawn(async move {
+            let (read, mut write) = tokio::io::split(stream);
+            let mut reader = control::Reader::new(read);
+            while let Ok(Some(message)) = reader.recv().await {
+                let _ = state.messages.send(message.clone());
+                let reply = match message {
+                    Message::Hello(_) => Some(Message::Welcome(Welcome {
+                        heartbeat_interval_seconds: state.heartbeat_seconds.load(Ordering::SeqCst),
+                        latest_agent_version: Some("9.9.9".to_owned()),
+                    })),
+                    Message::Renew(renew) => {
+                        state.renew_requests.fetch_add(1, Ordering::SeqCst);
+                        let mode = state
+                            .renew_mode
+                            .lock()
+                            .map(|m| m.clone())
+                            .unwrap_or(RenewMode::Issue);
+                        match mode {
+                            RenewMode::Issue => match state.issue(&renew.csr) {
+                                Ok((certificate, not_after)) => {
+                                    Some(Message::Certificate(control::Certificate {
+                                        certificate,
+                                        not_after,
+                                    }))
+                                }
+                                Err(message) => {
+                                    Some(Message::Error(control::ErrorMessage { message }))
+                                }
+                            },
+                            RenewMode::Refuse(message) => {
+                                Some(Message::Error(control::ErrorMessage { message }))
+                            }
+                            RenewMode::Ignore => None,
+                        }
+                    }
+                    _ => None,
+                };
+                if let Some(reply) = reply
+                    && control::send(&mut write, &reply).await.is_err()
+                {
+                    return;
+                }
+            }
+        });
     }
 }
