@@ -74,6 +74,8 @@ impl Proc {
             .spawn()
             .with_context(|| format!("cannot start {name}"))?;
         let pid = child.id().context("child has no pid")?;
+        // For profilers and humans: the pid next to the log (e.g. relay.log → relay.pid).
+        let _ = std::fs::write(log.with_extension("pid"), format!("{pid}\n"));
         Ok(Self {
             name: name.to_owned(),
             child,

@@ -1,0 +1,258 @@
+//! Smoke tests: each scenario runs for about a second with tiny sizes against the real relay and agent
+//! binaries, and must produce a report. Nothing here asserts a timing: the figures are whatever this machine
+//! gives; the tests check that each scenario measures what it says (runs, counts, files).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use anyhow::{Context as _, bail};
+use serde_json::Value;
+
+/// Builds tether-relay and tether-agent (same profile as this test) once, and returns their directory.
+fn binaries() -> anyhow::Result<PathBuf> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = PathBuf::from(env!("CARGO_BIN_EXE_tether-loadtest"));
+            let dir = exe.parent().map(Path::to_path_buf).ok_or("no bin dir")?;
+            let mut build = Command::new(env!("CARGO"));
+            build.args([
+                "build",
+                "-p",
+                "tether-relay",
+                "-p",
+                "tether-agent",
+                "--bins",
+            ]);
+            if dir.ends_with("release") {
+                build.arg("--release");
+            }
+            let status = build
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .status()
+                .map_err(|e| format!("cannot run cargo: {e}"))?;
+            if !status.success() {
+                return Err(format!(
+                    "building tether-relay and tether-agent failed: {status}"
+                ));
+            }
+            Ok(dir)
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+/// Runs `tether-loadtest ARGS…` with its output in a fresh directory and returns the scenario's JSON report.
+fn run(scenario: &str, args: &[&str]) -> anyhow::Result<(Value, tempfile::TempDir)> {
+    let bin_dir = binaries()?;
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("out");
+    let output = Command::new(env!("CARGO_BIN_EXE_tether-loadtest"))
+        .arg("--out")
+        .arg(&out)
+        .arg("--work-dir")
+        .arg(dir.path().join("work"))
+        .arg("--bin-dir")
+        .arg(&bin_dir)
+        .arg("--no-progress")
+        .arg(scenario)
+        .args(args)
+        .output()?;
+    if !output.status.success() {
+        bail!(
+            "tether-loadtest {scenario} failed ({}):\n{}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let json = std::fs::read(out.join(format!("{scenario}.json")))
+        .with_context(|| format!("no {scenario}.json"))?;
+    let table = std::fs::read_to_string(out.join(format!("{scenario}.txt")))?;
+    assert!(table.contains(&format!("== {scenario}")), "{table}");
+    // The readable table is also printed.
+    assert!(String::from_utf8_lossy(&output.stdout).contains(&format!("== {scenario}")));
+    Ok((serde_json::from_slice(&json)?, dir))
+}
+
+fn run_labelled<'a>(report: &'a Value, label: &str) -> Option<&'a Value> {
+    report["runs"]
+        .as_array()?
+        .iter()
+        .find(|r| r["label"] == label)
+}
+
+fn figure(report: &Value, name: &str) -> Option<f64> {
+    report["figures"]
+        .as_array()?
+        .iter()
+        .find(|f| f["name"] == name)
+        .and_then(|f| f["value"].as_f64())
+}
+
+#[test]
+fn requests_measures_each_path() -> anyhow::Result<()> {
+    let (report, dir) = run(
+        "requests",
+        &[
+            "--duration",
+            "1s",
+            "--warmup",
+            "300ms",
+            "--concurrency",
+            "2",
+            "--paths",
+            "direct,tether,rathole",
+        ],
+    )?;
+    for label in ["direct", "tether"] {
+        let r =
+            run_labelled(&report, label).with_context(|| format!("no {label} run: {report}"))?;
+        assert!(r["requests"].as_u64().is_some_and(|n| n > 0), "{r}");
+        assert!(
+            r["latency"]["p99_ms"].as_f64().is_some_and(|p| p > 0.0),
+            "{r}"
+        );
+        // get, list and watch were all made.
+        assert_eq!(r["by_kind"].as_object().map(|k| k.len()), Some(3), "{r}");
+    }
+    // rathole is measured when installed, else the report says why not.
+    let has_rathole = run_labelled(&report, "rathole").is_some();
+    let noted = report["notes"].to_string().contains("rathole");
+    assert!(has_rathole || noted, "{report}");
+    assert!(
+        report["ratios"].to_string().contains("req/s tether/direct"),
+        "{report}"
+    );
+    assert_eq!(report["targets"].as_array().map(Vec::len), Some(2));
+    assert!(dir.path().join("out/requests-latency.svg").is_file());
+    assert!(dir.path().join("out/requests-throughput.svg").is_file());
+    Ok(())
+}
+
+#[test]
+fn bulk_counts_bytes_per_stream_count() -> anyhow::Result<()> {
+    let (report, _dir) = run(
+        "bulk",
+        &[
+            "--size",
+            "2MiB",
+            "--streams",
+            "1,2",
+            "--duration",
+            "1s",
+            "--warmup",
+            "200ms",
+            "--paths",
+            "direct,tether",
+            "--iperf-seconds",
+            "1",
+        ],
+    )?;
+    for label in ["direct ×1", "tether ×1", "direct ×2", "tether ×2"] {
+        let r =
+            run_labelled(&report, label).with_context(|| format!("no {label} run: {report}"))?;
+        assert!(r["bytes"].as_u64().is_some_and(|b| b > 0), "{r}");
+        assert!(r["mb_per_sec"].as_f64().is_some_and(|m| m > 0.0), "{r}");
+    }
+    assert!(
+        report["ratios"]
+            .to_string()
+            .contains("MB/s ×2 tether/direct"),
+        "{report}"
+    );
+    Ok(())
+}
+
+#[test]
+fn hol_runs_three_phases() -> anyhow::Result<()> {
+    let (report, _dir) = run(
+        "hol",
+        &[
+            "--duration",
+            "1s",
+            "--warmup",
+            "200ms",
+            "--concurrency",
+            "2",
+            "--stall-size",
+            "64MiB",
+        ],
+    )?;
+    for label in [
+        "tether baseline",
+        "tether + stalled reader",
+        "tether baseline again",
+    ] {
+        let r =
+            run_labelled(&report, label).with_context(|| format!("no {label} run: {report}"))?;
+        assert!(r["requests"].as_u64().is_some_and(|n| n > 0), "{r}");
+    }
+    assert!(
+        figure(&report, "bytes the stalled reader read before stopping").is_some_and(|b| b > 0.0)
+    );
+    assert_eq!(report["targets"].as_array().map(Vec::len), Some(1));
+    Ok(())
+}
+
+#[test]
+fn tunnels_holds_simulated_agents() -> anyhow::Result<()> {
+    let (report, _dir) = run(
+        "tunnels",
+        &[
+            "--count",
+            "6",
+            "--idle",
+            "1s",
+            "--heartbeat-interval",
+            "1s",
+            "--onboard-concurrency",
+            "2",
+        ],
+    )?;
+    let connects = run_labelled(&report, "tunnel connects").context("no connect run")?;
+    // One of the six tunnels is the real agent's.
+    assert_eq!(connects["requests"].as_u64(), Some(5), "{connects}");
+    assert_eq!(
+        figure(&report, "tunnels still up after the idle period"),
+        Some(5.0)
+    );
+    assert!(
+        figure(&report, "relay RSS per tunnel").is_some(),
+        "{report}"
+    );
+    assert!(
+        figure(&report, "idle tether-agent RSS").is_some_and(|m| m > 0.0),
+        "{report}"
+    );
+    Ok(())
+}
+
+#[test]
+fn reconnect_brings_every_agent_back() -> anyhow::Result<()> {
+    let (report, _dir) = run(
+        "reconnect",
+        &[
+            "--count",
+            "4",
+            "--deadline",
+            "60s",
+            "--onboard-concurrency",
+            "2",
+        ],
+    )?;
+    let r = run_labelled(&report, "reconnects").context("no reconnect run")?;
+    assert!(r["requests"].as_u64().is_some_and(|n| n >= 4), "{r}");
+    assert!(
+        figure(&report, "all agents back, after the relay was ready").is_some(),
+        "{report}"
+    );
+    assert!(
+        report["ratios"]
+            .to_string()
+            .contains("accept rate peak/mean"),
+        "{report}"
+    );
+    Ok(())
+}
