@@ -90,6 +90,13 @@ pub async fn run(
     let onboard_url = config.onboard_url()?;
 
     let mut kube_config = load_kube_config(config.kubeconfig.as_deref()).await?;
+    // The apiserver is reached directly, like the forwarded requests (the proxy settings are for the
+    // relay): kube-rs would otherwise take HTTPS_PROXY for its own connections too.
+    if kube_config.proxy_url.take().is_some() {
+        tracing::info!(
+            "ignoring the proxy for the apiserver (from the kubeconfig or HTTPS_PROXY): only the relay is reached through the proxy"
+        );
+    }
     let upstream = Upstream::from_kube_config(&kube_config)?;
     // Names the agent's own requests in the apiserver's audit log (forwarded requests keep the user's).
     kube_config.headers.push((

@@ -152,3 +152,83 @@ fn bad_proxy_settings_exit_64_without_the_password() -> Result<()> {
     assert!(stderr.contains("proxy CA file"), "{stderr}");
     Ok(())
 }
+
+/// HTTPS_PROXY is for the relay: it must not break (or reach) the agent's own apiserver client, and its
+/// password never shows in the logs.
+#[test]
+fn https_proxy_in_the_environment_is_used_for_the_relay_only() -> Result<()> {
+    use std::io::BufRead as _;
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:1\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: u\nusers:\n- name: u\n  user: {}\ncurrent-context: c\n",
+    )?;
+    // Nothing listens on these ports: onboarding fails at the proxy and is retried.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let mut child = agent()
+        .args(["--cluster", "prod", "--log-format", "json"])
+        .arg("--relay")
+        .arg(format!("https://relay.example:{closed}"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .env("TETHER_ONBOARDING_TOKEN", "t")
+        .env(
+            "HTTPS_PROXY",
+            format!("http://u:hunter2@127.0.0.1:{closed}"),
+        )
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let stderr = child
+        .stderr
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    let found = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                let done = line.contains("onboarding failed");
+                seen.push(line);
+                if done {
+                    break true;
+                }
+            }
+            Err(_) => break false,
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let all = seen.join("\n");
+    assert!(found, "{all}");
+    assert!(
+        all.contains("cannot reach the proxy http://u:***@127.0.0.1"),
+        "{all}"
+    );
+    assert!(
+        all.contains("ignoring the proxy for the apiserver"),
+        "{all}"
+    );
+    assert!(!all.contains("hunter2"), "{all}");
+    assert!(!all.contains("http-proxy"), "{all}");
+    Ok(())
+}

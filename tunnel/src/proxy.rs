@@ -443,11 +443,12 @@ where
     if (200..300).contains(&status) {
         return Ok(());
     }
+    // 407 is the proxy's way to ask for credentials; some proxies (tinyproxy) answer 401 instead.
     let hint = match (status, proxy.credentials.is_some()) {
-        (407, false) => {
+        (401 | 407, false) => {
             "; the proxy wants credentials: give them in the proxy URL, http://user:password@host:port"
         }
-        (407, true) => "; check the proxy user name and password",
+        (401 | 407, true) => "; check the proxy user name and password",
         _ => "",
     };
     Err(ProxyError::Refused {

@@ -239,6 +239,11 @@ async fn other_refusals_and_bad_answers() -> anyhow::Result<()> {
             b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n".to_vec(),
             "proxy refused CONNECT: 403 Forbidden",
         ),
+        // tinyproxy answers a CONNECT with bad or missing credentials with 401, not 407.
+        (
+            b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n".to_vec(),
+            "proxy refused CONNECT: 401 Unauthorized (proxy http://127.0.0.1:",
+        ),
         (
             b"SSH-2.0-OpenSSH_9.6\r\n\r\n".to_vec(),
             "not an HTTP response",
@@ -273,6 +278,12 @@ async fn other_refusals_and_bad_answers() -> anyhow::Result<()> {
         .err()
         .context("dial must fail")?;
         assert!(err.to_string().contains(expected), "{expected}: {err}");
+        if expected.contains("401") {
+            assert!(
+                err.to_string().contains("the proxy wants credentials"),
+                "{err}"
+            );
+        }
         assert_eq!(fake.requests().len(), 1);
     }
     Ok(())
