@@ -465,6 +465,24 @@ async fn access_reviews_snapshot_pushes_and_the_cache() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
+async fn a_certificate_from_another_ca_is_refused_at_the_handshake() -> anyhow::Result<()> {
+    let h = Harness::start(None).await?;
+    let stranger = Ca::new("someone else's ca")?.issue_client("kube-apiserver", &[])?;
+    let client = support::https_client(h.ca.cert_pem(), Some(&stranger))?;
+    let review = sar("v1", Some(ALICE_OID), &[], "get", "pods", "dev");
+    let result = support::send(
+        &client,
+        "POST",
+        &format!("{}/authorize", h.url),
+        &[],
+        serde_json::to_vec(&review)?,
+    )
+    .await;
+    assert!(result.is_err(), "{result:?}");
+    h.stop().await
+}
+
+#[tokio::test]
 async fn limits_and_unknown_routes() -> anyhow::Result<()> {
     let h = Harness::start(None).await?;
     let big = json!({"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
