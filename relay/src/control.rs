@@ -177,12 +177,20 @@ where
                     }
                 }
             }
+            Message::ResolveGroups(_) => {
+                // Answered once the relay has a directory (issue 4); ignored like an unknown type until then.
+                tracing::debug!(cluster, "ignoring resolveGroups");
+            }
             Message::Renew(renew) => {
                 shared.activity.touch(&cluster, now);
                 let reply = renew_identity(channel, &renew.csr, now).await;
                 wire::send(wr, &reply).await?;
             }
-            Message::Welcome(_) | Message::Certificate(_) | Message::Error(_) => {
+            Message::Welcome(_)
+            | Message::Certificate(_)
+            | Message::Error(_)
+            | Message::GuardSnapshot(_)
+            | Message::Groups(_) => {
                 tracing::debug!(
                     cluster,
                     "ignoring a relay-to-agent message sent by the agent"

@@ -41,6 +41,13 @@ pub enum Message {
     Certificate(Certificate),
     /// relay → agent, why a request (today: `renew`) failed.
     Error(ErrorMessage),
+    /// relay → agent, the cluster's guard RBAC snapshot: at each `hello` and after every change to the cluster's
+    /// role assignments, deny assignments or the custom roles they use.
+    GuardSnapshot(GuardSnapshot),
+    /// agent → relay, a request for a user's groups from the relay's directory (group overage).
+    ResolveGroups(ResolveGroups),
+    /// relay → agent, the answer to a `resolveGroups` with the same `requestId`.
+    Groups(Groups),
     /// A message whose type this version does not know. Receivers ignore it; it is never sent (sending it
     /// writes `{"type":"unknown"}`).
     #[serde(other)]
@@ -137,6 +144,42 @@ pub struct Certificate {
 pub struct ErrorMessage {
     /// What went wrong, for people.
     pub message: String,
+}
+
+/// Payload of [`Message::GuardSnapshot`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct GuardSnapshot {
+    /// The snapshot in `tether_guard::rbac::Snapshot`'s JSON form (`version`, `roles`, `assignments`,
+    /// `denyAssignments`), for this cluster only. Kept as JSON here so this crate does not depend on guard; the
+    /// agent passes it on to guard as it is (`PUT /snapshot`), which validates it.
+    pub snapshot: serde_json::Value,
+}
+
+/// Payload of [`Message::ResolveGroups`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct ResolveGroups {
+    /// Chosen by the agent, unique among its outstanding requests on this channel; echoed in the answer.
+    pub request_id: u64,
+    /// The user's tenant id (`tid`).
+    pub tid: String,
+    /// The user's object id (`oid`).
+    pub oid: String,
+}
+
+/// Payload of [`Message::Groups`]: exactly one of `groups` and `error` is set.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Groups {
+    /// The `requestId` of the `resolveGroups` this answers.
+    pub request_id: u64,
+    /// The user's group ids, when the directory knows the user.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub groups: Option<Vec<String>>,
+    /// Why there are no groups (unknown user, directory unavailable), for people.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// Why a control message could not be sent or received.
@@ -328,6 +371,24 @@ mod tests {
             Message::Error(ErrorMessage {
                 message: "nope".into(),
             }),
+            Message::GuardSnapshot(GuardSnapshot {
+                snapshot: serde_json::json!({"version": 3, "assignments": []}),
+            }),
+            Message::ResolveGroups(ResolveGroups {
+                request_id: 1,
+                tid: "t".into(),
+                oid: "o".into(),
+            }),
+            Message::Groups(Groups {
+                request_id: 1,
+                groups: Some(vec!["g1".into()]),
+                error: None,
+            }),
+            Message::Groups(Groups {
+                request_id: 2,
+                groups: None,
+                error: Some("unknown user".into()),
+            }),
         ]
     }
 
@@ -387,6 +448,36 @@ mod tests {
         assert_eq!(health["type"], "health");
         assert_eq!(health["tunnelRttMillis"], 2.0);
         assert!(health.get("uptimeSeconds").is_some());
+        Ok(())
+    }
+
+    #[test]
+    fn guard_messages_wire_format() -> anyhow::Result<()> {
+        let frame = encode(&Message::ResolveGroups(ResolveGroups {
+            request_id: 5,
+            tid: "t".into(),
+            oid: "o".into(),
+        }))?;
+        assert_eq!(
+            std::str::from_utf8(&frame[4..])?,
+            r#"{"type":"resolveGroups","requestId":5,"tid":"t","oid":"o"}"#
+        );
+        let frame = encode(&Message::Groups(Groups {
+            request_id: 5,
+            groups: None,
+            error: Some("no".into()),
+        }))?;
+        assert_eq!(
+            std::str::from_utf8(&frame[4..])?,
+            r#"{"type":"groups","requestId":5,"error":"no"}"#
+        );
+        let m = decode(br#"{"type":"guardSnapshot","snapshot":{"version":2}}"#)?;
+        assert_eq!(
+            m,
+            Message::GuardSnapshot(GuardSnapshot {
+                snapshot: serde_json::json!({"version": 2})
+            })
+        );
         Ok(())
     }
 
