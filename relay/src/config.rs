@@ -36,6 +36,39 @@ pub struct Config {
     pub identity_validity: Duration,
     /// The newest agent version this relay offers (semver); older agents show `upgradeAvailable`.
     pub latest_agent_version: String,
+    /// Relay-side validation of Entra-style tokens; `None`: every token passes through to the cluster.
+    pub entra: Option<EntraConfig>,
+}
+
+/// Which Entra-style tokens the relay validates before anything enters a tunnel.
+///
+/// A bearer token that is a JWT whose `iss` lies under one of the configured authorities
+/// (`{authority}/…/v2.0` or `https://sts.windows.net/…/`) must validate (signature, tenant, audience,
+/// lifetime: `tether_guard::token::Authenticator`), else the request is refused with 401. Other tokens
+/// (Kubernetes service-account tokens, opaque tokens) pass through to the cluster unchanged.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EntraConfig {
+    /// Accepted tenant ids (`tid`); at least one.
+    pub tenants: Vec<String>,
+    /// Accepted audiences (`aud`); at least one.
+    pub audiences: Vec<String>,
+    /// Base URL of v2 issuers and of discovery (default `https://login.microsoftonline.com`); https only.
+    pub authority: Option<String>,
+    /// PEM CA bundle trusted for discovery and JWKS fetches in addition to the public roots (development
+    /// and tests, where the authority is a local issuer).
+    pub authority_ca: Option<PathBuf>,
+}
+
+impl EntraConfig {
+    /// The guard crate's token settings for this configuration.
+    pub fn token_config(&self) -> tether_guard::TokenConfig {
+        let mut config =
+            tether_guard::TokenConfig::new(self.tenants.clone(), self.audiences.clone());
+        if let Some(authority) = &self.authority {
+            config.v2_authority = authority.trim_end_matches('/').to_owned();
+        }
+        config
+    }
 }
 
 /// Bounds on what one client can make the relay hold.
@@ -105,6 +138,9 @@ pub enum ConfigError {
     /// The latest agent version is not a semantic version.
     #[error("invalid latest agent version {0:?}: expected a semantic version such as 1.4.0")]
     InvalidAgentVersion(String),
+    /// The Entra token settings are unusable.
+    #[error("invalid Entra settings: {0}")]
+    InvalidEntra(String),
     /// A limit is zero or out of range.
     #[error("invalid limit {name}: {why}")]
     InvalidLimit {
@@ -132,6 +168,7 @@ impl Config {
             offline_threshold: Duration::from_secs(15 * 60),
             identity_validity: Duration::from_secs(90 * 24 * 3600),
             latest_agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+            entra: None,
         }
     }
 
@@ -230,6 +267,12 @@ impl Config {
             return Err(ConfigError::InvalidAgentVersion(
                 self.latest_agent_version.clone(),
             ));
+        }
+        if let Some(entra) = &self.entra {
+            entra
+                .token_config()
+                .validate()
+                .map_err(|e| ConfigError::InvalidEntra(e.to_string()))?;
         }
         Ok(())
     }
@@ -363,5 +406,47 @@ mod tests {
         ));
         c.latest_agent_version = "v1.2.3-rc.1".into();
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn entra_settings_are_checked() {
+        let mut c = Config::new("/tmp/x".into());
+        let good = EntraConfig {
+            tenants: vec!["72f988bf-86f1-41af-91ab-2d7cd011db47".into()],
+            audiences: vec!["api://tether".into()],
+            authority: Some("https://127.0.0.1:8443/".into()),
+            authority_ca: None,
+        };
+        c.entra = Some(good.clone());
+        assert!(c.validate().is_ok());
+        assert_eq!(
+            good.token_config().v2_authority,
+            "https://127.0.0.1:8443",
+            "a trailing slash would make the issuer URL wrong"
+        );
+        for bad in [
+            EntraConfig {
+                tenants: vec![],
+                ..good.clone()
+            },
+            EntraConfig {
+                audiences: vec![],
+                ..good.clone()
+            },
+            EntraConfig {
+                authority: Some("http://idp.example".into()),
+                ..good.clone()
+            },
+            EntraConfig {
+                tenants: vec!["has space".into()],
+                ..good.clone()
+            },
+        ] {
+            c.entra = Some(bad.clone());
+            assert!(
+                matches!(c.validate(), Err(ConfigError::InvalidEntra(_))),
+                "{bad:?}"
+            );
+        }
     }
 }

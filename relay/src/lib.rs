@@ -42,7 +42,7 @@ use std::sync::Arc;
 use tether_tunnel::Secret;
 use tokio::net::TcpListener;
 
-pub use config::{Config, ConfigError, Limits};
+pub use config::{Config, ConfigError, EntraConfig, Limits};
 pub use error::RelayError;
 
 use crate::store::{SqliteStore, Store, TokenHash};

@@ -62,6 +62,26 @@ struct Args {
     /// The newest agent version this relay offers; clusters running an older one show "upgrade available".
     #[arg(long, env = "TETHER_RELAY_LATEST_AGENT_VERSION", default_value = env!("CARGO_PKG_VERSION"))]
     latest_agent_version: String,
+    /// Entra tenant id whose tokens the relay validates before forwarding (repeatable; with --entra-audience).
+    #[arg(
+        long = "entra-tenant",
+        env = "TETHER_RELAY_ENTRA_TENANTS",
+        value_delimiter = ','
+    )]
+    entra_tenants: Vec<String>,
+    /// Accepted audience of Entra tokens (repeatable; with --entra-tenant).
+    #[arg(
+        long = "entra-audience",
+        env = "TETHER_RELAY_ENTRA_AUDIENCES",
+        value_delimiter = ','
+    )]
+    entra_audiences: Vec<String>,
+    /// Base URL of the Entra issuer and its discovery documents (default https://login.microsoftonline.com).
+    #[arg(long, env = "TETHER_RELAY_ENTRA_AUTHORITY")]
+    entra_authority: Option<String>,
+    /// PEM CA trusted for the authority's discovery and keys (development issuers and tests).
+    #[arg(long, env = "TETHER_RELAY_ENTRA_AUTHORITY_CA")]
+    entra_authority_ca: Option<PathBuf>,
     /// Log format.
     #[arg(
         long,
@@ -112,6 +132,19 @@ impl Args {
         config.offline_threshold = self.offline_threshold;
         config.identity_validity = self.identity_validity;
         config.latest_agent_version = self.latest_agent_version.clone();
+        let entra_given = !self.entra_tenants.is_empty()
+            || !self.entra_audiences.is_empty()
+            || self.entra_authority.is_some()
+            || self.entra_authority_ca.is_some();
+        if entra_given {
+            // Incomplete settings (say, a tenant without an audience) fail validation with exit 64.
+            config.entra = Some(tether_relay::EntraConfig {
+                tenants: self.entra_tenants.clone(),
+                audiences: self.entra_audiences.clone(),
+                authority: self.entra_authority.clone(),
+                authority_ca: self.entra_authority_ca.clone(),
+            });
+        }
         config
     }
 }
