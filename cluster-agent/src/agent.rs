@@ -406,7 +406,7 @@ async fn serve(
     let shutting_down = loop {
         tokio::select! {
             incoming = conn.accept() => match incoming {
-                Some(incoming) => handle_incoming(incoming, upstream, streams),
+                Some(incoming) => handle_incoming(incoming, &conn, upstream, streams),
                 None => break false,
             },
             // Reap finished streams so the set does not grow.
@@ -460,7 +460,12 @@ async fn drain(streams: &mut JoinSet<()>, drain_timeout: Duration) {
     }
 }
 
-fn handle_incoming(incoming: Incoming, upstream: &Upstream, streams: &mut JoinSet<()>) {
+fn handle_incoming(
+    incoming: Incoming,
+    conn: &Connection,
+    upstream: &Upstream,
+    streams: &mut JoinSet<()>,
+) {
     if incoming.kind != kind::HTTP {
         tracing::debug!(
             kind = incoming.kind,
@@ -480,10 +485,20 @@ fn handle_incoming(incoming: Incoming, upstream: &Upstream, streams: &mut JoinSe
         }
     };
     let upstream = upstream.clone();
+    let conn = conn.clone();
     streams.spawn(async move {
         let id = stream.id();
-        if let Err(e) = serve_stream(stream, upstream).await {
-            tracing::debug!(stream = ?id, error = %e, "stream ended with an error");
+        // A stream whose tunnel is gone ends with it: otherwise a response waiting on the apiserver (a quiet
+        // watch, `logs -f`) would hold its upstream connection until the apiserver next sends something.
+        tokio::select! {
+            result = serve_stream(stream, upstream) => {
+                if let Err(e) = result {
+                    tracing::debug!(stream = ?id, error = %e, "stream ended with an error");
+                }
+            }
+            _ = conn.closed() => {
+                tracing::debug!(stream = ?id, "tunnel closed; stream cut");
+            }
         }
     });
 }

@@ -404,3 +404,28 @@ async fn onboarding_waits_for_a_relay_that_is_not_up_yet() -> Result<()> {
     agent.finished().await??;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_stream_ends_with_its_tunnel() -> Result<()> {
+    let mut env = env(Some("onb-1")).await?;
+    let mut config = env.config(Some("onb-1"));
+    // Far beyond the test's deadline: a stream left behind would hold shutdown up.
+    config.drain_timeout = Duration::from_secs(600);
+    let mut agent = Running::start(config);
+    let conn = env.next_tunnel().await?;
+    let feed = env.api.stream_sender();
+    let resp = request(&conn, user_get("/stream")?).await?;
+    assert_eq!(resp.status(), StatusCode::OK);
+
+    // The tunnel goes while the apiserver has nothing to send (a quiet watch).
+    conn.close(code::NO_ERROR, "relay closing this tunnel");
+    let _conn = env.next_tunnel().await?;
+
+    // The upstream response is dropped: the apiserver's side sees its body consumer go away.
+    common::eventually(DEADLINE, || feed.is_closed().then_some(())).await?;
+    // And nothing is left to drain.
+    agent.shutdown();
+    agent.finished().await??;
+    drop(resp);
+    Ok(())
+}
