@@ -6,6 +6,8 @@ missing=()
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v iptables >/dev/null 2>&1 || missing+=(iptables)
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
+# The outbound-proxy tests run a real HTTP CONNECT proxy.
+command -v tinyproxy >/dev/null 2>&1 || [ -x /usr/bin/tinyproxy ] || [ -x /usr/sbin/tinyproxy ] || missing+=(tinyproxy)
 have_kubectl=1
 command -v kubectl >/dev/null 2>&1 || ls /usr/lib/google-cloud-sdk/bin/kubectl.1.* >/dev/null 2>&1 || have_kubectl=0
 
@@ -17,7 +19,11 @@ if [ ${#missing[@]} -gt 0 ] || [ $have_kubectl -eq 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   if [ ${#missing[@]} -gt 0 ]; then
-    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  # The tests start their own tinyproxy; the package's system service is not wanted.
+  if [[ " ${missing[*]:-} " == *" tinyproxy "* ]] && command -v systemctl >/dev/null 2>&1; then
+    systemctl disable --now tinyproxy >/dev/null 2>&1 || true
   fi
   if [ $have_kubectl -eq 0 ]; then
     apt-get install -y -qq --no-install-recommends kubectl || apt-get install -y -qq --no-install-recommends kubernetes-client

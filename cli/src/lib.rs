@@ -163,7 +163,10 @@ async fn cluster_command(
             client.delete_cluster(&args.name).await?;
             output::line(
                 &mut out,
-                &format!("cluster \"{}\" deleted; its tunnel is closed", args.name),
+                &format!(
+                    "cluster \"{}\" deleted: its identity is revoked and its tunnel closed",
+                    args.name
+                ),
             )
         }
     }
@@ -178,7 +181,13 @@ fn read_export(path: &std::path::Path) -> Result<serde_json::Value, ConfigError>
         source,
     };
     let mut text = Vec::new();
-    if path.as_os_str() == "-" {
+    let stdin = path.as_os_str() == "-";
+    let name = if stdin {
+        "stdin".to_string()
+    } else {
+        path.display().to_string()
+    };
+    if stdin {
         std::io::stdin()
             .read_to_end(&mut text)
             .map_err(read_error)?;
@@ -188,12 +197,10 @@ fn read_export(path: &std::path::Path) -> Result<serde_json::Value, ConfigError>
     match serde_json::from_slice::<serde_json::Value>(&text) {
         Ok(value @ serde_json::Value::Object(_)) => Ok(value),
         Ok(_) => Err(ConfigError::Invalid(format!(
-            "{} is not a cluster export: expected a JSON object from `tether cluster export`",
-            path.display()
+            "{name} is not a cluster export: expected a JSON object from `tether cluster export`"
         ))),
         Err(e) => Err(ConfigError::Invalid(format!(
-            "{} is not a cluster export (JSON from `tether cluster export`): {e}",
-            path.display()
+            "{name} is not a cluster export (JSON from `tether cluster export`): {e}"
         ))),
     }
 }

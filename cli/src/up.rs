@@ -625,6 +625,11 @@ pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
         "  tether --config {} cluster list",
         up.config_path.display()
     );
+    println!(
+        "  tether --config {} cluster show {}",
+        up.config_path.display(),
+        up.cluster()
+    );
     println!();
     println!("Press Ctrl-C to stop.");
     wait_for_signal().await;

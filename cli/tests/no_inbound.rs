@@ -13,138 +13,15 @@ mod common;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
+use common::netns::{Netns, can_make_namespaces};
 use tether_cli::client::RelayClient;
 use tether_cli::kubeconfig::{self, KubeconfigSpec};
 
 const HOST_IP: Ipv4Addr = Ipv4Addr::new(10, 231, 0, 1);
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 231, 0, 2);
-
-fn sh(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .stdin(Stdio::null())
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "`{}` failed: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-    Ok(())
-}
-
-/// The namespace and veth pair; removed on drop.
-struct Netns {
-    name: String,
-    host_if: String,
-}
-
-impl Netns {
-    fn create() -> anyhow::Result<Netns> {
-        let id = std::process::id() % 100_000;
-        let netns = Netns {
-            name: format!("tether-e2e-{id}"),
-            host_if: format!("tth{id}h"),
-        };
-        let cluster_if = format!("tth{id}c");
-        sh(&["ip", "netns", "add", &netns.name])?;
-        sh(&[
-            "ip",
-            "link",
-            "add",
-            &netns.host_if,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &cluster_if,
-        ])?;
-        sh(&["ip", "link", "set", &cluster_if, "netns", &netns.name])?;
-        sh(&[
-            "ip",
-            "addr",
-            "add",
-            &format!("{HOST_IP}/30"),
-            "dev",
-            &netns.host_if,
-        ])?;
-        sh(&["ip", "link", "set", &netns.host_if, "up"])?;
-        let ns = |rest: &[&str]| {
-            let mut args = vec!["ip", "netns", "exec", netns.name.as_str()];
-            args.extend_from_slice(rest);
-            sh(&args)
-        };
-        ns(&[
-            "ip",
-            "addr",
-            "add",
-            &format!("{CLUSTER_IP}/30"),
-            "dev",
-            &cluster_if,
-        ])?;
-        ns(&["ip", "link", "set", &cluster_if, "up"])?;
-        ns(&["ip", "link", "set", "lo", "up"])?;
-        // The firewall of a cluster that accepts no inbound connection.
-        ns(&["iptables", "-A", "INPUT", "-i", "lo", "-j", "ACCEPT"])?;
-        ns(&[
-            "iptables",
-            "-A",
-            "INPUT",
-            "-m",
-            "conntrack",
-            "--ctstate",
-            "ESTABLISHED,RELATED",
-            "-j",
-            "ACCEPT",
-        ])?;
-        ns(&["iptables", "-P", "INPUT", "DROP"])?;
-        Ok(netns)
-    }
-
-    fn command(&self, program: &Path) -> tokio::process::Command {
-        let mut command = tokio::process::Command::new("ip");
-        command
-            .args(["netns", "exec", &self.name])
-            .arg(program)
-            .kill_on_drop(true);
-        command
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.host_if])
-            .status();
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
-    }
-}
-
-fn can_make_namespaces() -> Result<(), String> {
-    if Command::new("ip").arg("-V").output().is_err() {
-        return Err("`ip` (iproute2) is not installed".into());
-    }
-    if Command::new("iptables").arg("-V").output().is_err() {
-        return Err("`iptables` is not installed".into());
-    }
-    let probe = format!("tether-probe-{}", std::process::id());
-    match Command::new("ip").args(["netns", "add", &probe]).output() {
-        Ok(out) if out.status.success() => {
-            let _ = Command::new("ip").args(["netns", "del", &probe]).status();
-            Ok(())
-        }
-        Ok(out) => Err(format!(
-            "`ip netns add` failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )),
-        Err(e) => Err(format!("`ip netns add` could not run: {e}")),
-    }
-}
 
 async fn wait_for_file(path: &Path, limit: Duration) -> bool {
     common::eventually(limit, || async { path.is_file() }).await
@@ -164,7 +41,7 @@ async fn kubectl_reaches_a_cluster_that_accepts_no_inbound_connection() -> anyho
     tether_tunnel::tls::install_crypto_provider();
     let agent_bin = common::sibling_binary("tether-agent")?;
     let sample_bin = common::sibling_binary("tether-sample-apiserver")?;
-    let netns = Netns::create()?;
+    let netns = Netns::create("tth", HOST_IP, CLUSTER_IP)?;
     let dir = tempfile::tempdir()?;
 
     // The relay, reachable from the namespace at HOST_IP.
