@@ -395,6 +395,33 @@ fn truncate(s: &str, max: usize) -> String {
     out
 }
 
+/// Whether `token` claims to come from one of the configured authorities: it is shaped like a JWT (dot-separated
+/// parts) and its payload's `iss` lies under the v2 or the v1 authority (`{authority}/…`, any tenant; compared
+/// ASCII case-insensitively). Nothing is verified (pure).
+///
+/// This is how the relay and the agent's authentication proxy tell an Entra-style token, which must then pass
+/// [`Authenticator::authenticate`] (a token from an untrusted tenant under the same authority included), from
+/// a token that is not theirs to judge (a Kubernetes service-account token, an opaque token), which passes
+/// through unchanged.
+pub fn is_entra_style(config: &TokenConfig, token: &str) -> bool {
+    let mut parts = token.split('.');
+    let (Some(_header), Some(payload)) = (parts.next(), parts.next()) else {
+        return false;
+    };
+    let Some(claims) = decode_json::<Value>(payload) else {
+        return false;
+    };
+    let Some(iss) = claims.get("iss").and_then(Value::as_str) else {
+        return false;
+    };
+    let under = |authority: &str| {
+        let prefix = format!("{}/", authority.trim_end_matches('/'));
+        iss.len() >= prefix.len()
+            && iss.as_bytes()[..prefix.len()].eq_ignore_ascii_case(prefix.as_bytes())
+    };
+    under(&config.v2_authority) || under(&config.v1_authority)
+}
+
 /// Checks the signature of `token` (the same string given to [`inspect`]) with `key`, then its lifetime at `now`
 /// and its audience (pure). Returns the verified claims.
 pub fn verify(
@@ -792,6 +819,61 @@ mod tests {
 
     fn token(header: Value, claims: Value) -> String {
         format!("{}.{}.c2ln", b64(&header), b64(&claims))
+    }
+
+    #[test]
+    fn entra_style_tokens_are_recognised_by_issuer_authority() {
+        let c = config();
+        let with_iss = |iss: &str| token(json!({"alg": "none"}), json!({"iss": iss}));
+        assert!(is_entra_style(
+            &c,
+            &with_iss(&format!("https://login.microsoftonline.com/{TID}/v2.0"))
+        ));
+        // Any tenant under the authority: an untrusted tenant must be refused, not passed through.
+        assert!(is_entra_style(
+            &c,
+            &with_iss("https://login.microsoftonline.com/other/v2.0")
+        ));
+        assert!(is_entra_style(
+            &c,
+            &with_iss("https://sts.windows.net/other/")
+        ));
+        assert!(is_entra_style(
+            &c,
+            &with_iss("HTTPS://LOGIN.MICROSOFTONLINE.COM/x/v2.0")
+        ));
+        // No signature part (alg none) still counts.
+        let header = b64(&json!({"alg": "none"}));
+        let payload = b64(&json!({"iss": "https://sts.windows.net/x/"}));
+        assert!(is_entra_style(&c, &format!("{header}.{payload}.")));
+
+        assert!(!is_entra_style(
+            &c,
+            &with_iss("https://kubernetes.default.svc.cluster.local")
+        ));
+        assert!(!is_entra_style(&c, &with_iss("kubernetes/serviceaccount")));
+        assert!(!is_entra_style(
+            &c,
+            &with_iss("https://login.microsoftonline.com.evil.example/x/v2.0")
+        ));
+        assert!(!is_entra_style(
+            &c,
+            &with_iss("https://login.microsoftonline.com")
+        ));
+        assert!(!is_entra_style(&c, "opaque-token"));
+        assert!(!is_entra_style(&c, "a.b.c"));
+        assert!(!is_entra_style(&c, &token(json!({}), json!({"sub": "x"}))));
+
+        let mut dev = config();
+        dev.v2_authority = "https://127.0.0.1:8443/login/".to_owned();
+        assert!(is_entra_style(
+            &dev,
+            &with_iss("https://127.0.0.1:8443/login/t/v2.0")
+        ));
+        assert!(!is_entra_style(
+            &dev,
+            &with_iss("https://login.microsoftonline.com/t/v2.0")
+        ));
     }
 
     fn v2_claims() -> Value {
