@@ -1,8 +1,9 @@
-//! The admin REST API: `/api/v1/clusters[/NAME[/export]]`, `/api/v1/clusters/import`, bearer admin token.
+//! The admin REST API for clusters: `/api/v1/clusters[/NAME[/export]]`, `/api/v1/clusters/import`, bearer
+//! admin token. Role definitions, assignments and the directory are in [`crate::rbac`].
 
 use std::collections::BTreeMap;
 
-use http::{Method, Request, Response, StatusCode};
+use http::{HeaderMap, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -13,6 +14,7 @@ use time::format_description::well_known::Rfc3339;
 use crate::auth;
 use crate::body::Body;
 use crate::error::ApiError;
+use crate::rbac;
 use crate::server::{self, Shared};
 use crate::status::{self, ConnectivityStatus};
 use crate::store::{ClusterRecord, NewCluster, TokenHash};
@@ -40,6 +42,23 @@ struct ClusterExport {
     tags: BTreeMap<String, String>,
     #[serde(default)]
     role_assignments: Vec<Value>,
+    #[serde(default)]
+    deny_assignments: Vec<Value>,
+    #[serde(default)]
+    role_definitions: Vec<Value>,
+}
+
+/// Refuses a request without the admin token.
+pub(crate) fn require_admin(shared: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+    let authorized = auth::bearer(headers)
+        .is_some_and(|t| TokenHash::of(t.expose()).ct_eq(&shared.admin_token_hash));
+    if authorized {
+        Ok(())
+    } else {
+        Err(ApiError::unauthorized(
+            "a valid admin token is required (Authorization: Bearer ADMIN_TOKEN)",
+        ))
+    }
 }
 
 /// Handles `/api/v1/clusters` (`name` = `None`) and `/api/v1/clusters/{name}` (`NAME`, `NAME/export`, `import`).
@@ -48,13 +67,7 @@ pub(crate) async fn handle(
     req: Request<Incoming>,
     name: Option<&str>,
 ) -> Result<Response<Body>, ApiError> {
-    let authorized = auth::bearer(req.headers())
-        .is_some_and(|t| TokenHash::of(t.expose()).ct_eq(&shared.admin_token_hash));
-    if !authorized {
-        return Err(ApiError::unauthorized(
-            "a valid admin token is required (Authorization: Bearer ADMIN_TOKEN)",
-        ));
-    }
+    require_admin(shared, req.headers())?;
     let (name, sub) = match name.map(|n| n.split_once('/').unwrap_or((n, ""))) {
         Some((n, sub)) => (Some(n), sub),
         None => (None, ""),
@@ -94,12 +107,12 @@ fn check_registration(name: &str, tags: &BTreeMap<String, String>) -> Result<(),
     Ok(())
 }
 
-/// Registers a cluster and answers 201 with it and its onboarding token.
+/// Registers a cluster (with the assignments of an import) and answers 201 with it and its onboarding token.
 async fn register(
     shared: &Shared,
     name: String,
     tags: BTreeMap<String, String>,
-    how: &'static str,
+    imported: Option<rbac::Imported>,
 ) -> Result<Response<Body>, ApiError> {
     check_registration(&name, &tags)?;
     let token = auth::generate_token();
@@ -109,7 +122,16 @@ async fn register(
         onboarding_token_hash: TokenHash::of(token.expose()),
         created_at: OffsetDateTime::now_utc(),
     };
-    let record = shared.store.create_cluster(&new).await?;
+    let (record, how) = match &imported {
+        None => (shared.store.create_cluster(&new).await?, "created"),
+        Some(i) => (
+            shared
+                .store
+                .import_cluster(&new, &i.roles, &i.assignments, &i.denies)
+                .await?,
+            "imported",
+        ),
+    };
     shared.activity.forget(&record.name);
     tracing::info!(cluster = %record.name, how, "cluster registered");
     let mut value = cluster_json(shared, record, OffsetDateTime::now_utc());
@@ -125,7 +147,7 @@ async fn register(
 
 async fn create(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
     let body: CreateCluster = server::read_json(shared, req.into_body()).await?;
-    register(shared, body.name, body.tags, "created").await
+    register(shared, body.name, body.tags, None).await
 }
 
 async fn import(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
@@ -136,12 +158,16 @@ async fn import(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body
             doc.api_version, doc.kind
         )));
     }
-    if !doc.role_assignments.is_empty() {
-        return Err(ApiError::invalid(
-            "this relay cannot import role assignments yet; remove them from the document or upgrade the relay",
-        ));
-    }
-    register(shared, doc.name, doc.tags, "imported").await
+    check_registration(&doc.name, &doc.tags)?;
+    let imported = rbac::prepare_import(
+        shared.store.as_ref(),
+        &doc.name,
+        &doc.role_definitions,
+        &doc.role_assignments,
+        &doc.deny_assignments,
+    )
+    .await?;
+    register(shared, doc.name, doc.tags, Some(imported)).await
 }
 
 async fn export(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError> {
@@ -150,6 +176,7 @@ async fn export(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
         .cluster(name)
         .await?
         .ok_or_else(|| ApiError::cluster_not_found(name))?;
+    let (assignments, denies, roles) = rbac::export(shared, name).await?;
     Ok(server::json(
         StatusCode::OK,
         &json!({
@@ -157,7 +184,9 @@ async fn export(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
             "kind": EXPORT_KIND,
             "name": record.name,
             "tags": record.tags,
-            "roleAssignments": [],
+            "roleAssignments": assignments,
+            "denyAssignments": denies,
+            "roleDefinitions": roles,
         }),
     ))
 }
@@ -249,6 +278,7 @@ async fn delete(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
         return Err(ApiError::cluster_not_found(name));
     }
     shared.activity.forget(name);
+    shared.guard.forget(name);
     if let Some(tunnel) = shared.registry.remove(name) {
         // Not SHUTDOWN: the agent would take that as a graceful GOAWAY and keep its streams open.
         tunnel

@@ -1,23 +1,30 @@
 //! The relay's side of the control channel: one stream of kind CONTROL per tunnel, opened by the agent.
 //!
-//! `hello` is answered with `welcome`; heartbeats and health go to the [`crate::activity::ActivityLog`]
-//! (batched writes); metadata is written at once (it changes rarely); `renew` is answered with a new
-//! certificate or an `error`. Unknown message types are ignored. A message over the size cap or one that
+//! `hello` is answered with `welcome` and the cluster's guard snapshot (`guardSnapshot`), which is sent again
+//! whenever the admin API changes the cluster's assignments (the [`crate::rbac::GuardHub`] wakes the channel;
+//! the snapshot is read back from the store, so only the newest of several quick changes is sent). Heartbeats
+//! and health go to the [`crate::activity::ActivityLog`] (batched writes); metadata is written at once (it
+//! changes rarely); `renew` is answered with a new certificate or an `error`; `resolveGroups` with `groups`
+//! from the directory. Unknown message types are ignored. A message over the size cap or one that
 //! does not decode resets the stream (the agent then reconnects).
 
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use tether_tunnel::control::{
-    self as wire, Certificate, ControlError, ErrorMessage, Message, Reader, Welcome,
+    self as wire, Certificate, ControlError, ErrorMessage, Groups, Message, Reader, Welcome,
 };
 use tether_tunnel::{Stream, code};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::identity::IssueError;
+use crate::rbac;
 use crate::server::Shared;
 use crate::store::{AgentHealth, ClusterMetadata, NewIdentity};
 
@@ -93,6 +100,9 @@ pub(crate) async fn serve(mut channel: Channel, stream: Stream) {
     }
 }
 
+/// How long to wait before trying again to read a snapshot the store could not give.
+const SNAPSHOT_RETRY: Duration = Duration::from_secs(1);
+
 async fn run<R, W>(
     channel: &mut Channel,
     reader: &mut Reader<R>,
@@ -104,98 +114,241 @@ where
 {
     let shared = channel.shared.clone();
     let cluster = channel.cluster.clone();
-    let mut welcomed = false;
-    let mut last_metadata = None;
-    while let Some(message) = reader.recv().await? {
-        let now = OffsetDateTime::now_utc();
-        match message {
-            Message::Hello(hello) => {
-                let version = clean(&hello.agent_version);
-                tracing::info!(cluster, agent_version = %version, "control channel open");
-                shared.activity.agent_version(&cluster, version, now);
-                let welcome = Message::Welcome(Welcome {
-                    heartbeat_interval_seconds: shared.config.heartbeat_interval.as_secs(),
-                    latest_agent_version: Some(shared.config.latest_agent_version.clone()),
-                });
-                wire::send(wr, &welcome).await?;
-                welcomed = true;
+    // Subscribed before hello, so no change between the first snapshot and the loop is missed.
+    let mut changes = shared.guard.subscribe(&cluster);
+    let mut hub_open = true;
+    let mut state = State::default();
+    loop {
+        if state.snapshot_due && state.retry_at.is_none() {
+            match push_snapshot(&shared, &cluster, wr, &mut state.last_sent).await? {
+                true => state.snapshot_due = false,
+                false => state.retry_at = Some(Instant::now() + SNAPSHOT_RETRY),
             }
-            Message::Unknown => {
-                tracing::debug!(cluster, "ignoring a control message of an unknown type");
+        }
+        let retry_at = state.retry_at;
+        tokio::select! {
+            message = reader.recv() => match message? {
+                Some(message) => handle(channel, &mut state, message, wr).await?,
+                None => return Ok(()),
+            },
+            changed = changes.changed(), if hub_open && state.welcomed => match changed {
+                Ok(()) => state.snapshot_due = true,
+                // The cluster was deleted; its tunnel is being closed.
+                Err(_) => hub_open = false,
+            },
+            () = sleep_until_some(retry_at), if retry_at.is_some() => state.retry_at = None,
+        }
+    }
+}
+
+async fn sleep_until_some(at: Option<Instant>) {
+    if let Some(at) = at {
+        tokio::time::sleep_until(at).await;
+    }
+}
+
+/// What one control channel remembers between messages.
+#[derive(Default)]
+struct State {
+    welcomed: bool,
+    last_metadata: Option<wire::Metadata>,
+    /// A guard snapshot should be (re)sent.
+    snapshot_due: bool,
+    /// The version of the last snapshot sent on this channel.
+    last_sent: Option<u64>,
+    /// When to try again after the store failed.
+    retry_at: Option<Instant>,
+}
+
+/// Sends the cluster's current guard snapshot unless this channel already sent that version. `Ok(false)` when
+/// the store failed (try again later); a snapshot too large for one message is logged and skipped.
+async fn push_snapshot<W>(
+    shared: &Shared,
+    cluster: &str,
+    wr: &mut W,
+    last_sent: &mut Option<u64>,
+) -> Result<bool, ChannelError>
+where
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let state = match shared.store.guard_state(cluster).await {
+        Ok(Some(state)) => state,
+        // Deleted: the tunnel is going away.
+        Ok(None) => return Ok(true),
+        Err(e) => {
+            tracing::warn!(cluster, error = %e, "cannot read the guard snapshot; will retry");
+            return Ok(false);
+        }
+    };
+    if last_sent.is_some_and(|sent| state.version <= sent) {
+        return Ok(true);
+    }
+    let version = state.version;
+    let (assignments, denies) = (state.assignments.len(), state.deny_assignments.len());
+    let message = match rbac::snapshot_message(&rbac::snapshot(state)) {
+        Ok(message) => message,
+        Err(e) => {
+            tracing::warn!(cluster, error = %e.message, "cannot build the guard snapshot");
+            return Ok(true);
+        }
+    };
+    match wire::send(wr, &message).await {
+        Ok(()) => {
+            *last_sent = Some(version);
+            tracing::info!(
+                cluster,
+                version,
+                assignments,
+                denies,
+                "guard snapshot pushed"
+            );
+            Ok(true)
+        }
+        // Refused before anything was written: the channel is intact. The admin API keeps snapshots under the
+        // limit, so this takes a change made around it.
+        Err(ControlError::TooLarge(len)) => {
+            tracing::error!(
+                cluster,
+                version,
+                len,
+                "the guard snapshot is too large for the control channel"
+            );
+            Ok(true)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn handle<W>(
+    channel: &mut Channel,
+    state: &mut State,
+    message: Message,
+    wr: &mut W,
+) -> Result<(), ChannelError>
+where
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let shared = channel.shared.clone();
+    let cluster = channel.cluster.clone();
+    let now = OffsetDateTime::now_utc();
+    match message {
+        Message::Hello(hello) => {
+            let version = clean(&hello.agent_version);
+            tracing::info!(cluster, agent_version = %version, "control channel open");
+            shared.activity.agent_version(&cluster, version, now);
+            let welcome = Message::Welcome(Welcome {
+                heartbeat_interval_seconds: shared.config.heartbeat_interval.as_secs(),
+                latest_agent_version: Some(shared.config.latest_agent_version.clone()),
+            });
+            wire::send(wr, &welcome).await?;
+            state.welcomed = true;
+            // Every hello gets the current snapshot, even one this channel sent before.
+            state.last_sent = None;
+            state.snapshot_due = true;
+        }
+        Message::Unknown => {
+            tracing::debug!(cluster, "ignoring a control message of an unknown type");
+        }
+        _ if !state.welcomed => {
+            let error = Message::Error(ErrorMessage {
+                message: "the first control message must be hello".to_owned(),
+            });
+            wire::send(wr, &error).await?;
+            return Err(ChannelError::Protocol("control message before hello"));
+        }
+        Message::Heartbeat(beat) => {
+            tracing::trace!(cluster, seq = beat.seq, "heartbeat");
+            shared.activity.touch(&cluster, now);
+        }
+        Message::Health(h) => {
+            let health = AgentHealth {
+                uptime_seconds: h.uptime_seconds,
+                memory_bytes: h.memory_bytes,
+                cpu_seconds: if h.cpu_seconds.is_finite() {
+                    h.cpu_seconds.max(0.0)
+                } else {
+                    0.0
+                },
+                reconnects: h.reconnects,
+                tunnel_rtt_millis: h.tunnel_rtt_millis.filter(|r| r.is_finite() && *r >= 0.0),
+                reported_at: now,
+            };
+            shared
+                .activity
+                .health(&cluster, health, clean(&h.agent_version));
+        }
+        Message::Metadata(m) => {
+            shared.activity.touch(&cluster, now);
+            // Agents report on change, but a repeat costs no write.
+            if state.last_metadata.as_ref() == Some(&m) {
+                return Ok(());
             }
-            _ if !welcomed => {
-                let error = Message::Error(ErrorMessage {
-                    message: "the first control message must be hello".to_owned(),
-                });
-                wire::send(wr, &error).await?;
-                return Err(ChannelError::Protocol("control message before hello"));
-            }
-            Message::Heartbeat(beat) => {
-                tracing::trace!(cluster, seq = beat.seq, "heartbeat");
-                shared.activity.touch(&cluster, now);
-            }
-            Message::Health(h) => {
-                let health = AgentHealth {
-                    uptime_seconds: h.uptime_seconds,
-                    memory_bytes: h.memory_bytes,
-                    cpu_seconds: if h.cpu_seconds.is_finite() {
-                        h.cpu_seconds.max(0.0)
-                    } else {
-                        0.0
-                    },
-                    reconnects: h.reconnects,
-                    tunnel_rtt_millis: h.tunnel_rtt_millis.filter(|r| r.is_finite() && *r >= 0.0),
-                    reported_at: now,
-                };
-                shared
-                    .activity
-                    .health(&cluster, health, clean(&h.agent_version));
-            }
-            Message::Metadata(m) => {
-                shared.activity.touch(&cluster, now);
-                // Agents report on change, but a repeat costs no write.
-                if last_metadata.as_ref() == Some(&m) {
-                    continue;
+            let metadata = ClusterMetadata {
+                kubernetes_version: clean(&m.kubernetes_version),
+                node_count: m.node_count,
+                total_cpu_millis: m.total_cpu_millis,
+                total_memory_bytes: m.total_memory_bytes,
+                distribution: clean(&m.distribution),
+                infrastructure: clean(&m.infrastructure),
+                reported_at: now,
+            };
+            match shared
+                .store
+                .record_metadata(&cluster, &metadata, &clean(&m.agent_version))
+                .await
+            {
+                Ok(()) => state.last_metadata = Some(m),
+                Err(e) => {
+                    tracing::warn!(cluster, error = %e, "cannot store the cluster's metadata")
                 }
-                let metadata = ClusterMetadata {
-                    kubernetes_version: clean(&m.kubernetes_version),
-                    node_count: m.node_count,
-                    total_cpu_millis: m.total_cpu_millis,
-                    total_memory_bytes: m.total_memory_bytes,
-                    distribution: clean(&m.distribution),
-                    infrastructure: clean(&m.infrastructure),
-                    reported_at: now,
-                };
-                match shared
-                    .store
-                    .record_metadata(&cluster, &metadata, &clean(&m.agent_version))
-                    .await
-                {
-                    Ok(()) => last_metadata = Some(m),
-                    Err(e) => {
-                        tracing::warn!(cluster, error = %e, "cannot store the cluster's metadata")
-                    }
+            }
+        }
+        Message::ResolveGroups(request) => {
+            let result =
+                rbac::resolve_groups(shared.store.as_ref(), &request.tid, &request.oid).await;
+            tracing::debug!(
+                cluster,
+                request_id = request.request_id,
+                found = result.is_ok(),
+                "resolveGroups"
+            );
+            let (groups, error) = match result {
+                Ok(groups) => (Some(groups), None),
+                Err(e) => (None, Some(e)),
+            };
+            let answer = Message::Groups(Groups {
+                request_id: request.request_id,
+                groups,
+                error,
+            });
+            match wire::send(wr, &answer).await {
+                Err(ControlError::TooLarge(_)) => {
+                    let error = Message::Groups(Groups {
+                        request_id: request.request_id,
+                        groups: None,
+                        error: Some(
+                            "the user's group list is too large for the control channel".into(),
+                        ),
+                    });
+                    wire::send(wr, &error).await?;
                 }
+                other => other?,
             }
-            Message::ResolveGroups(_) => {
-                // Answered once the relay has a directory (issue 4); ignored like an unknown type until then.
-                tracing::debug!(cluster, "ignoring resolveGroups");
-            }
-            Message::Renew(renew) => {
-                shared.activity.touch(&cluster, now);
-                let reply = renew_identity(channel, &renew.csr, now).await;
-                wire::send(wr, &reply).await?;
-            }
-            Message::Welcome(_)
-            | Message::Certificate(_)
-            | Message::Error(_)
-            | Message::GuardSnapshot(_)
-            | Message::Groups(_) => {
-                tracing::debug!(
-                    cluster,
-                    "ignoring a relay-to-agent message sent by the agent"
-                );
-            }
+        }
+        Message::Renew(renew) => {
+            shared.activity.touch(&cluster, now);
+            let reply = renew_identity(channel, &renew.csr, now).await;
+            wire::send(wr, &reply).await?;
+        }
+        Message::Welcome(_)
+        | Message::Certificate(_)
+        | Message::Error(_)
+        | Message::GuardSnapshot(_)
+        | Message::Groups(_) => {
+            tracing::debug!(
+                cluster,
+                "ignoring a relay-to-agent message sent by the agent"
+            );
         }
     }
     Ok(())

@@ -163,6 +163,10 @@ impl ApiError {
         )
     }
 
+    pub(crate) fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "Conflict", message, Origin::Client)
+    }
+
     pub(crate) fn method_not_allowed() -> Self {
         Self::new(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -311,6 +315,8 @@ impl From<StoreError> for ApiError {
             StoreError::AlreadyExists(name) => {
                 ApiError::already_exists(format!("clusters \"{name}\" already exists"))
             }
+            StoreError::Conflict(message) => ApiError::conflict(message),
+            StoreError::NotFound(message) => ApiError::not_found(message),
             other => ApiError::internal(format!("store error: {other}")).mark_retryable(),
         }
     }

@@ -7,16 +7,23 @@
 //!   heartbeats, metadata, health, identity renewal);
 //! - users: `/clusters/NAME/…`, each request forwarded as HTTP/1.1 over a new stream of NAME's tunnel, bodies
 //!   streamed, `101` upgrades (exec, attach, port-forward) turned into raw byte pipes;
-//! - operators: the admin REST API under `/api/v1/clusters` (bearer admin token: inventory with connectivity
-//!   status, filters, export/import), and `GET /healthz`.
+//! - operators: the admin REST API under `/api/v1/` (bearer admin token): clusters (inventory with
+//!   connectivity status, filters, export/import), guard's role definitions, role assignments and deny
+//!   assignments per cluster, and the group directory; and `GET /healthz`.
+//!
+//! Each cluster's role and deny assignments form a guard snapshot (`tether_guard::Snapshot`) with a version
+//! raised on every change; the relay pushes it over the cluster's control channel at `hello` and whenever it
+//! changes, and answers the agent's `resolveGroups` from the directory.
 //!
 //! State lives in a [`store::Store`] (SQLite under the data dir by default); heartbeats are batched in memory
 //! and written every few seconds. Without a configured certificate, the relay generates its own CA and server
 //! certificate once and reuses them; the agent CA is always its own (`DATA_DIR/agent-ca.pem`).
 //!
-//! The relay does not authenticate users: the user's `Authorization` header goes through to the cluster's
-//! apiserver, which decides. It does not talk to any apiserver itself, and it does not dial agents: agents
-//! dial it.
+//! The relay does not authorize users and does not authenticate most of them: the user's `Authorization`
+//! header goes through to the cluster's apiserver, which decides. The one exception, when configured
+//! ([`EntraConfig`]): a bearer token that claims an Entra issuer must validate at the relay, or the request is
+//! refused before it enters a tunnel (the cluster validates it again). The relay does not talk to any
+//! apiserver itself, and it does not dial agents: agents dial it.
 
 mod activity;
 mod agent;
@@ -26,9 +33,11 @@ mod body;
 mod certs;
 mod config;
 mod control;
+mod entra;
 mod error;
 mod forward;
 mod identity;
+mod rbac;
 mod registry;
 mod server;
 mod status;
@@ -54,6 +63,7 @@ pub struct Relay {
     admin_token: Secret,
     tls: certs::TlsIdentity,
     agent_ca: identity::AgentCa,
+    entra: Option<Arc<tether_guard::Authenticator>>,
 }
 
 impl std::fmt::Debug for Relay {
@@ -84,12 +94,17 @@ impl Relay {
         let agent_ca = identity::AgentCa::load_or_generate(&config.data_dir)?;
         let tls = certs::load(&config, agent_ca.verifier()?)?;
         let admin_token = load_admin_token(&config)?;
+        let entra = match &config.entra {
+            Some(entra) => Some(entra::authenticator(entra, store.clone())?),
+            None => None,
+        };
         Ok(Relay {
             config,
             store,
             admin_token,
             tls,
             agent_ca,
+            entra,
         })
     }
 
@@ -120,6 +135,7 @@ impl Relay {
             self.store,
             TokenHash::of(self.admin_token.expose()),
             self.agent_ca,
+            self.entra,
         ));
         server::serve(shared, self.tls.server_config, listener, shutdown).await
     }

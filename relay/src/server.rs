@@ -27,9 +27,10 @@ use crate::body::{self, Body};
 use crate::config::Config;
 use crate::error::{ApiError, RelayError};
 use crate::identity::AgentCa;
+use crate::rbac::GuardHub;
 use crate::registry::Registry;
 use crate::store::{Store, TokenHash};
-use crate::{agent, api, user};
+use crate::{agent, api, rbac, user};
 
 /// State shared by every connection and tunnel task.
 pub(crate) struct Shared {
@@ -42,6 +43,10 @@ pub(crate) struct Shared {
     pub(crate) activity: ActivityLog,
     /// Tunnel tasks, awaited on shutdown.
     pub(crate) tasks: TaskTracker,
+    /// Wakes control channels when their cluster's guard snapshot changed.
+    pub(crate) guard: GuardHub,
+    /// Validates Entra-style tokens before they enter a tunnel, when configured.
+    pub(crate) entra: Option<Arc<tether_guard::Authenticator>>,
     shutting_down: AtomicBool,
 }
 
@@ -51,6 +56,7 @@ impl Shared {
         store: Arc<dyn Store>,
         admin_token_hash: TokenHash,
         agent_ca: AgentCa,
+        entra: Option<Arc<tether_guard::Authenticator>>,
     ) -> Self {
         Self {
             config,
@@ -60,6 +66,8 @@ impl Shared {
             agent_ca,
             activity: ActivityLog::default(),
             tasks: TaskTracker::new(),
+            guard: GuardHub::default(),
+            entra,
             shutting_down: AtomicBool::new(false),
         }
     }
@@ -301,10 +309,29 @@ async fn route(shared: Arc<Shared>, ctx: ConnCtx, req: Request<Incoming>) -> Res
     } else if let Some(name) = path.strip_prefix("/api/v1/clusters/") {
         let name = name.to_owned();
         api::handle(&shared, req, Some(&name)).await
+    } else if let Some(rest) = collection(&path, "/api/v1/roledefinitions") {
+        rbac::role_definitions(&shared, req, rest.as_deref()).await
+    } else if let Some(rest) = collection(&path, "/api/v1/roleassignments") {
+        rbac::role_assignments(&shared, req, rest.as_deref()).await
+    } else if let Some(rest) = collection(&path, "/api/v1/denyassignments") {
+        rbac::deny_assignments(&shared, req, rest.as_deref()).await
+    } else if let Some(oid) = path.strip_prefix("/api/v1/directory/users/") {
+        let oid = oid.to_owned();
+        rbac::directory(&shared, req, &oid).await
     } else {
         Err(ApiError::not_found(format!("the relay serves no {path}")))
     };
     result.unwrap_or_else(ApiError::into_response)
+}
+
+/// `Some(None)` for `path == base`, `Some(Some(rest))` for `base/rest`, `None` otherwise.
+fn collection(path: &str, base: &str) -> Option<Option<String>> {
+    let rest = path.strip_prefix(base)?;
+    if rest.is_empty() {
+        Some(None)
+    } else {
+        rest.strip_prefix('/').map(|r| Some(r.to_owned()))
+    }
 }
 
 pub(crate) fn text(status: StatusCode, s: &'static str) -> Response<Body> {
@@ -327,11 +354,8 @@ pub(crate) fn json(status: StatusCode, value: &serde_json::Value) -> Response<Bo
     resp
 }
 
-/// Reads a JSON body of at most `max_control_body_bytes`.
-pub(crate) async fn read_json<T: DeserializeOwned>(
-    shared: &Shared,
-    body: Incoming,
-) -> Result<T, ApiError> {
+/// Reads a body of at most `max_control_body_bytes`.
+pub(crate) async fn read_body(shared: &Shared, body: Incoming) -> Result<bytes::Bytes, ApiError> {
     let limit = shared.config.limits.max_control_body_bytes;
     let bytes = Limited::new(body, limit).collect().await.map_err(|e| {
         if e.is::<http_body_util::LengthLimitError>() {
@@ -340,6 +364,15 @@ pub(crate) async fn read_json<T: DeserializeOwned>(
             ApiError::bad_request(format!("cannot read the request body: {e}"))
         }
     })?;
-    serde_json::from_slice(&bytes.to_bytes())
+    Ok(bytes.to_bytes())
+}
+
+/// Reads a JSON body of at most `max_control_body_bytes`.
+pub(crate) async fn read_json<T: DeserializeOwned>(
+    shared: &Shared,
+    body: Incoming,
+) -> Result<T, ApiError> {
+    let bytes = read_body(shared, body).await?;
+    serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }

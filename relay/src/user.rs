@@ -5,14 +5,15 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use tether_tunnel::{OpenOptions, Priority, kind};
 
-use crate::auth;
 use crate::body::Body;
 use crate::error::ApiError;
 use crate::forward::{self, Target};
 use crate::server::{ConnCtx, Shared};
+use crate::{auth, entra};
 
 /// Handles `/clusters/{rest}` where `rest` is `NAME` or `NAME/…`. Refuses at once — before anything enters a
-/// tunnel — without credentials (401), for an unknown cluster (404) or one without a tunnel (503).
+/// tunnel — without credentials or with an Entra-style token that does not validate (401), for an unknown
+/// cluster (404) or one without a tunnel (503).
 pub(crate) async fn handle(
     shared: &Shared,
     ctx: ConnCtx,
@@ -27,6 +28,9 @@ pub(crate) async fn handle(
         return Err(ApiError::unauthorized(
             "no credentials: requests through the relay must carry the cluster's own Authorization header",
         ));
+    }
+    if let Some(authenticator) = &shared.entra {
+        entra::check(authenticator, req.headers()).await?;
     }
     if !auth::valid_cluster_name(name) {
         return Err(ApiError::cluster_not_found(name));

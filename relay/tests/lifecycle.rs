@@ -61,6 +61,11 @@ impl Agent {
             Message::Welcome(w) => agent.welcome = w,
             other => anyhow::bail!("expected welcome, got {other:?}"),
         }
+        // Every hello is followed by the cluster's guard snapshot (tests/guard.rs looks at its contents).
+        match agent.recv().await? {
+            Message::GuardSnapshot(_) => {}
+            other => anyhow::bail!("expected guardSnapshot, got {other:?}"),
+        }
         Ok(agent)
     }
 
@@ -742,7 +747,8 @@ async fn export_and_import_move_a_cluster_to_another_relay() -> anyhow::Result<(
     assert_eq!(
         doc,
         json!({"apiVersion": "tether.dev/v1", "kind": "ClusterExport", "name": "edge",
-               "tags": {"env": "prod", "region": "eu"}, "roleAssignments": []})
+               "tags": {"env": "prod", "region": "eu"}, "roleAssignments": [],
+               "denyAssignments": [], "roleDefinitions": []})
     );
     old.client
         .get("/api/v1/clusters/ghost/export", Some(&old.token))

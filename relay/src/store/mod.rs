@@ -1,5 +1,7 @@
 //! Persistent state: clusters, the hashes of their onboarding tokens, their identities (certificate
-//! fingerprints and expiry), and what their agents report (connectivity, metadata, health).
+//! fingerprints and expiry), what their agents report (connectivity, metadata, health), guard's RBAC (custom
+//! role definitions, role and deny assignments per cluster, a per-cluster snapshot version) and the group
+//! directory used for group overage.
 //!
 //! [`Store`] is deliberately narrow and backend-neutral (no SQL in its signatures, timestamps as
 //! [`OffsetDateTime`], hashes as [`TokenHash`]) so that a PostgreSQL implementation can sit beside
@@ -14,6 +16,7 @@ use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
+use tether_guard::rbac::RoleDefinition;
 use time::OffsetDateTime;
 
 pub use sqlite::SqliteStore;
@@ -33,6 +36,13 @@ pub enum StoreError {
     /// A stored value could not be decoded.
     #[error("corrupt stored value: {0}")]
     Corrupt(String),
+    /// The operation conflicts with what is stored (a duplicate, or a role that is still assigned); the text
+    /// says what, for people.
+    #[error("{0}")]
+    Conflict(String),
+    /// Something the operation refers to does not exist (a cluster, a role); the text says what.
+    #[error("{0}")]
+    NotFound(String),
 }
 
 impl From<sqlx::Error> for StoreError {
@@ -207,6 +217,72 @@ pub struct ClusterSecrets {
     pub onboarding_used: bool,
 }
 
+/// A role assignment: a role given to a principal on one cluster, or one namespace of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoleAssignmentRecord {
+    /// Unique id.
+    pub id: String,
+    /// The role's id exactly as stored (a built-in GUID or a custom role's id).
+    pub role_id: String,
+    /// The object id of a user, service principal or group.
+    pub principal_id: String,
+    /// The cluster it applies to.
+    pub cluster: String,
+    /// The namespace it is limited to; `None`: the whole cluster.
+    pub namespace: Option<String>,
+    /// When it was made.
+    pub created_at: OffsetDateTime,
+}
+
+/// A deny assignment: data actions refused to principals on one cluster, or one namespace of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DenyAssignmentRecord {
+    /// Unique id.
+    pub id: String,
+    /// Display name.
+    pub name: String,
+    /// Denied data action patterns.
+    pub data_actions: Vec<String>,
+    /// Patterns carved out of `data_actions`.
+    pub not_data_actions: Vec<String>,
+    /// Object ids it applies to (the Everyone id or `*` for all).
+    pub principals: Vec<String>,
+    /// Object ids it does not apply to.
+    pub exclude_principals: Vec<String>,
+    /// The cluster it applies to.
+    pub cluster: String,
+    /// The namespace it is limited to; `None`: the whole cluster.
+    pub namespace: Option<String>,
+    /// When it was made.
+    pub created_at: OffsetDateTime,
+}
+
+/// Everything a cluster's guard snapshot is made of, read at one instant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuardState {
+    /// The cluster's snapshot version.
+    pub version: u64,
+    /// The custom roles its assignments use.
+    pub roles: Vec<RoleDefinition>,
+    /// Its role assignments, by id.
+    pub assignments: Vec<RoleAssignmentRecord>,
+    /// Its deny assignments, by id.
+    pub deny_assignments: Vec<DenyAssignmentRecord>,
+}
+
+/// A user's groups in the relay's directory (for tokens with a group overage).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirectoryEntry {
+    /// The user's object id.
+    pub oid: String,
+    /// The user's tenant; `None` matches any tenant.
+    pub tid: Option<String>,
+    /// Group object ids.
+    pub groups: Vec<String>,
+    /// When it was last set.
+    pub updated_at: OffsetDateTime,
+}
+
 /// Persistent relay state. Implementations must be safe to share between tasks; every method is one atomic
 /// operation.
 pub trait Store: Send + Sync + 'static {
@@ -272,8 +348,87 @@ pub trait Store: Send + Sync + 'static {
     /// the agent was heard from).
     fn record_disconnected<'a>(&'a self, name: &'a str) -> StoreFuture<'a, ()>;
 
+    /// Stores a custom role definition. [`StoreError::Conflict`] when a role (custom or built-in) with the same
+    /// id or name, ignoring ASCII case, exists.
+    fn create_role_definition<'a>(
+        &'a self,
+        role: &'a RoleDefinition,
+        at: OffsetDateTime,
+    ) -> StoreFuture<'a, ()>;
+
+    /// The custom role definitions, by id.
+    fn role_definitions(&self) -> StoreFuture<'_, Vec<RoleDefinition>>;
+
+    /// Removes the custom role with this id (ignoring ASCII case); false if there is none (built-ins are never
+    /// removed). [`StoreError::Conflict`] while an assignment uses it.
+    fn delete_role_definition<'a>(&'a self, id: &'a str) -> StoreFuture<'a, bool>;
+
+    /// Stores a role assignment and raises its cluster's snapshot version, in one transaction; returns the new
+    /// version. [`StoreError::NotFound`] for an unknown cluster or role, [`StoreError::Conflict`] for a
+    /// duplicate (same role, principal, cluster and namespace).
+    fn create_role_assignment<'a>(
+        &'a self,
+        assignment: &'a RoleAssignmentRecord,
+    ) -> StoreFuture<'a, u64>;
+
+    /// Role assignments, of one cluster or all, ordered by cluster then id.
+    fn role_assignments<'a>(
+        &'a self,
+        cluster: Option<&'a str>,
+    ) -> StoreFuture<'a, Vec<RoleAssignmentRecord>>;
+
+    /// Removes a role assignment and raises its cluster's snapshot version; returns the cluster and the new
+    /// version, `None` if there was no such assignment.
+    fn delete_role_assignment<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<(String, u64)>>;
+
+    /// Stores a deny assignment and raises its cluster's snapshot version; returns the new version.
+    /// [`StoreError::NotFound`] for an unknown cluster.
+    fn create_deny_assignment<'a>(&'a self, deny: &'a DenyAssignmentRecord)
+    -> StoreFuture<'a, u64>;
+
+    /// Deny assignments, of one cluster or all, ordered by cluster then id.
+    fn deny_assignments<'a>(
+        &'a self,
+        cluster: Option<&'a str>,
+    ) -> StoreFuture<'a, Vec<DenyAssignmentRecord>>;
+
+    /// Removes a deny assignment and raises its cluster's snapshot version; returns the cluster and the new
+    /// version, `None` if there was no such deny assignment.
+    fn delete_deny_assignment<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<(String, u64)>>;
+
+    /// A consistent read of what the cluster's guard snapshot holds; `None` for an unknown cluster.
+    fn guard_state<'a>(&'a self, cluster: &'a str) -> StoreFuture<'a, Option<GuardState>>;
+
+    /// Registers a cluster together with its assignments, in one transaction (import). `roles` are custom
+    /// roles the assignments need: each is created unless a role with its id exists (the caller has checked
+    /// that an existing one is the same). [`StoreError::AlreadyExists`] if the name is taken.
+    fn import_cluster<'a>(
+        &'a self,
+        new: &'a NewCluster,
+        roles: &'a [RoleDefinition],
+        assignments: &'a [RoleAssignmentRecord],
+        denies: &'a [DenyAssignmentRecord],
+    ) -> StoreFuture<'a, ClusterRecord>;
+
+    /// Sets (replaces) a user's groups in the directory.
+    fn set_directory_entry<'a>(&'a self, entry: &'a DirectoryEntry) -> StoreFuture<'a, ()>;
+
+    /// A user's directory entry.
+    fn directory_entry<'a>(&'a self, oid: &'a str) -> StoreFuture<'a, Option<DirectoryEntry>>;
+
+    /// Removes a user from the directory; false if there was no entry.
+    fn delete_directory_entry<'a>(&'a self, oid: &'a str) -> StoreFuture<'a, bool>;
+
     /// Flushes and closes the backend.
     fn close(&self) -> StoreFuture<'_, ()>;
+}
+
+/// The snapshot version a change at `at` gives a cluster whose version was `previous`: strictly greater, and
+/// at least `at` in Unix milliseconds, so versions also grow across a delete and re-registration or an import
+/// elsewhere (guard keeps the last snapshot on disk and takes only newer ones).
+pub fn next_guard_version(previous: u64, at: OffsetDateTime) -> u64 {
+    let floor = u64::try_from(at.unix_timestamp_nanos() / 1_000_000).unwrap_or(0);
+    previous.saturating_add(1).max(floor)
 }
 
 #[cfg(test)]
@@ -295,5 +450,15 @@ mod tests {
             TokenHash::of("abc").to_hex(),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
+    }
+
+    #[test]
+    fn guard_versions_grow_and_follow_the_clock() {
+        let t = OffsetDateTime::from_unix_timestamp(1_700_000_000).expect("valid");
+        assert_eq!(next_guard_version(0, t), 1_700_000_000_000);
+        assert_eq!(next_guard_version(1_700_000_000_000, t), 1_700_000_000_001);
+        // A clock that went back does not make a version go back.
+        assert_eq!(next_guard_version(1_800_000_000_000, t), 1_800_000_000_001);
+        assert_eq!(next_guard_version(u64::MAX, t), u64::MAX);
     }
 }

@@ -8,15 +8,18 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use sqlx::Row;
+use sqlx::error::ErrorKind;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
-    SqliteSynchronous,
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteRow, SqliteSynchronous,
 };
+use tether_guard::rbac::{RoleDefinition, builtin_roles};
 use time::OffsetDateTime;
 
 use super::{
-    Activity, ClusterIdentity, ClusterMetadata, ClusterRecord, ClusterSecrets, NewCluster,
-    NewIdentity, Store, StoreError, StoreFuture, TokenHash,
+    Activity, ClusterIdentity, ClusterMetadata, ClusterRecord, ClusterSecrets,
+    DenyAssignmentRecord, DirectoryEntry, GuardState, NewCluster, NewIdentity,
+    RoleAssignmentRecord, Store, StoreError, StoreFuture, TokenHash, next_guard_version,
 };
 
 /// SQLite implementation of [`Store`].
@@ -51,7 +54,206 @@ impl SqliteStore {
             .run(&pool)
             .await
             .map_err(StoreError::Migrate)?;
+        // The built-in roles are rows too, so that every assignment references its role by foreign key.
+        for role in builtin_roles() {
+            sqlx::query(
+                "INSERT INTO role_definitions (id, id_key, name_key, builtin, definition, created_at) \
+                 VALUES ($1, $2, $3, $4, NULL, 0) ON CONFLICT DO NOTHING",
+            )
+            .bind(&role.id)
+            .bind(role.id.to_ascii_lowercase())
+            .bind(role.name.to_ascii_lowercase())
+            .bind(true)
+            .execute(&pool)
+            .await?;
+        }
         Ok(Self { pool })
+    }
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .is_some_and(|d| d.is_unique_violation())
+}
+
+fn is_foreign_key_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .is_some_and(|d| matches!(d.kind(), ErrorKind::ForeignKeyViolation))
+}
+
+fn version_from_db(v: i64) -> Result<u64, StoreError> {
+    u64::try_from(v).map_err(|_| StoreError::Corrupt(format!("guard version {v}")))
+}
+
+fn version_to_db(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// `''` stands for the whole cluster in the namespace columns.
+fn namespace_key(namespace: &Option<String>) -> &str {
+    namespace.as_deref().unwrap_or("")
+}
+
+fn namespace_from_key(key: String) -> Option<String> {
+    (!key.is_empty()).then_some(key)
+}
+
+/// Raises `cluster`'s snapshot version inside a write transaction; `None` for an unknown cluster. Being the
+/// first write of its transaction, it also takes the write lock before anything is read.
+async fn bump_guard_version(
+    conn: &mut SqliteConnection,
+    cluster: &str,
+) -> Result<Option<u64>, StoreError> {
+    let floor = version_to_db(next_guard_version(0, OffsetDateTime::now_utc()));
+    let version: Option<i64> = sqlx::query_scalar(
+        "UPDATE clusters SET guard_version = \
+         CASE WHEN guard_version + 1 > $1 THEN guard_version + 1 ELSE $2 END \
+         WHERE name = $3 RETURNING guard_version",
+    )
+    .bind(floor)
+    .bind(floor)
+    .bind(cluster)
+    .fetch_optional(&mut *conn)
+    .await?;
+    version.map(version_from_db).transpose()
+}
+
+fn role_from_json(text: &str) -> Result<RoleDefinition, StoreError> {
+    serde_json::from_str(text).map_err(|e| StoreError::Corrupt(format!("role definition: {e}")))
+}
+
+fn assignment_from_row(row: &SqliteRow) -> Result<RoleAssignmentRecord, StoreError> {
+    Ok(RoleAssignmentRecord {
+        id: row.try_get("id")?,
+        role_id: row.try_get("role_id")?,
+        principal_id: row.try_get("principal_id")?,
+        cluster: row.try_get("cluster")?,
+        namespace: namespace_from_key(row.try_get("namespace")?),
+        created_at: from_ts(row.try_get("created_at")?)?,
+    })
+}
+
+fn string_list(row: &SqliteRow, column: &str) -> Result<Vec<String>, StoreError> {
+    Ok(json_column(row, column)?.unwrap_or_default())
+}
+
+fn deny_from_row(row: &SqliteRow) -> Result<DenyAssignmentRecord, StoreError> {
+    Ok(DenyAssignmentRecord {
+        id: row.try_get("id")?,
+        name: row.try_get("name")?,
+        data_actions: string_list(row, "data_actions")?,
+        not_data_actions: string_list(row, "not_data_actions")?,
+        principals: string_list(row, "principals")?,
+        exclude_principals: string_list(row, "exclude_principals")?,
+        cluster: row.try_get("cluster")?,
+        namespace: namespace_from_key(row.try_get("namespace")?),
+        created_at: from_ts(row.try_get("created_at")?)?,
+    })
+}
+
+/// The columns [`assignment_from_row`] reads.
+macro_rules! assignment_columns {
+    () => {
+        "id, role_id, principal_id, cluster, namespace, created_at"
+    };
+}
+
+async fn insert_assignment(
+    conn: &mut SqliteConnection,
+    a: &RoleAssignmentRecord,
+) -> Result<(), StoreError> {
+    let result = sqlx::query(
+        "INSERT INTO role_assignments (id, role_id, principal_id, cluster, namespace, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(&a.id)
+    .bind(&a.role_id)
+    .bind(&a.principal_id)
+    .bind(&a.cluster)
+    .bind(namespace_key(&a.namespace))
+    .bind(ts(a.created_at))
+    .execute(&mut *conn)
+    .await;
+    match result {
+        Ok(_) => Ok(()),
+        // The cluster row is locked and known by now, so the failed reference is the role.
+        Err(e) if is_foreign_key_violation(&e) => Err(StoreError::NotFound(format!(
+            "role definition {:?} not found",
+            a.role_id
+        ))),
+        Err(e) if is_unique_violation(&e) => Err(StoreError::Conflict(format!(
+            "principal {} already has role {} on cluster {}{}, or the id {} is taken",
+            a.principal_id,
+            a.role_id,
+            a.cluster,
+            a.namespace
+                .as_deref()
+                .map(|ns| format!(" in namespace {ns}"))
+                .unwrap_or_default(),
+            a.id
+        ))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn insert_deny(
+    conn: &mut SqliteConnection,
+    d: &DenyAssignmentRecord,
+) -> Result<(), StoreError> {
+    let result = sqlx::query(
+        "INSERT INTO deny_assignments (id, name, data_actions, not_data_actions, principals, \
+         exclude_principals, cluster, namespace, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+    )
+    .bind(&d.id)
+    .bind(&d.name)
+    .bind(to_json(&d.data_actions, "dataActions")?)
+    .bind(to_json(&d.not_data_actions, "notDataActions")?)
+    .bind(to_json(&d.principals, "principals")?)
+    .bind(to_json(&d.exclude_principals, "excludePrincipals")?)
+    .bind(&d.cluster)
+    .bind(namespace_key(&d.namespace))
+    .bind(ts(d.created_at))
+    .execute(&mut *conn)
+    .await;
+    match result {
+        Ok(_) => Ok(()),
+        Err(e) if is_unique_violation(&e) => Err(StoreError::Conflict(format!(
+            "deny assignment id {} is taken",
+            d.id
+        ))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn insert_role(
+    conn: &mut SqliteConnection,
+    role: &RoleDefinition,
+    at: OffsetDateTime,
+    if_absent: bool,
+) -> Result<(), StoreError> {
+    let sql = if if_absent {
+        "INSERT INTO role_definitions (id, id_key, name_key, builtin, definition, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING"
+    } else {
+        "INSERT INTO role_definitions (id, id_key, name_key, builtin, definition, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6)"
+    };
+    let result = sqlx::query(sql)
+        .bind(&role.id)
+        .bind(role.id.to_ascii_lowercase())
+        .bind(role.name.to_ascii_lowercase())
+        .bind(false)
+        .bind(to_json(role, "role definition")?)
+        .bind(ts(at))
+        .execute(&mut *conn)
+        .await;
+    match result {
+        Ok(_) => Ok(()),
+        Err(e) if is_unique_violation(&e) => Err(StoreError::Conflict(format!(
+            "a role definition with id {:?} or name {:?} already exists",
+            role.id, role.name
+        ))),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -91,6 +293,22 @@ fn to_json<T: serde::Serialize>(value: &T, what: &str) -> Result<String, StoreEr
     serde_json::to_string(value).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
 }
 
+/// The record of a cluster just registered.
+fn new_record(new: &NewCluster) -> Result<ClusterRecord, StoreError> {
+    Ok(ClusterRecord {
+        name: new.name.clone(),
+        tags: new.tags.clone(),
+        created_at: from_ts(ts(new.created_at))?,
+        onboarded: false,
+        connected_since: None,
+        last_seen: None,
+        agent_version: None,
+        identity: None,
+        metadata: None,
+        health: None,
+    })
+}
+
 fn cluster_from_row(row: &SqliteRow) -> Result<ClusterRecord, StoreError> {
     let tags: String = row.try_get("tags")?;
     let tags: BTreeMap<String, String> =
@@ -124,35 +342,25 @@ impl Store for SqliteStore {
         async move {
             let tags = to_json(&new.tags, "tags")?;
             let result = sqlx::query(
-                "INSERT INTO clusters (name, tags, created_at, onboarding_token_hash, onboarding_used) \
-                 VALUES ($1, $2, $3, $4, $5)",
+                "INSERT INTO clusters (name, tags, created_at, onboarding_token_hash, onboarding_used, \
+                 guard_version) VALUES ($1, $2, $3, $4, $5, $6)",
             )
             .bind(&new.name)
             .bind(tags)
             .bind(ts(new.created_at))
             .bind(new.onboarding_token_hash.to_hex())
             .bind(false)
+            .bind(version_to_db(next_guard_version(0, new.created_at)))
             .execute(&self.pool)
             .await;
             match result {
                 Ok(_) => {}
-                Err(e) if e.as_database_error().is_some_and(|d| d.is_unique_violation()) => {
+                Err(e) if is_unique_violation(&e) => {
                     return Err(StoreError::AlreadyExists(new.name.clone()));
                 }
                 Err(e) => return Err(e.into()),
             }
-            Ok(ClusterRecord {
-                name: new.name.clone(),
-                tags: new.tags.clone(),
-                created_at: from_ts(ts(new.created_at))?,
-                onboarded: false,
-                connected_since: None,
-                last_seen: None,
-                agent_version: None,
-                identity: None,
-                metadata: None,
-                health: None,
-            })
+            new_record(new)
         }
         .boxed()
     }
@@ -357,6 +565,319 @@ impl Store for SqliteStore {
                 .execute(&self.pool)
                 .await?;
             Ok(())
+        }
+        .boxed()
+    }
+
+    fn create_role_definition<'a>(
+        &'a self,
+        role: &'a RoleDefinition,
+        at: OffsetDateTime,
+    ) -> StoreFuture<'a, ()> {
+        async move {
+            let mut conn = self.pool.acquire().await?;
+            insert_role(&mut conn, role, at, false).await
+        }
+        .boxed()
+    }
+
+    fn role_definitions(&self) -> StoreFuture<'_, Vec<RoleDefinition>> {
+        async move {
+            let rows: Vec<String> = sqlx::query_scalar(
+                "SELECT definition FROM role_definitions WHERE builtin = $1 ORDER BY id_key",
+            )
+            .bind(false)
+            .fetch_all(&self.pool)
+            .await?;
+            rows.iter().map(|t| role_from_json(t)).collect()
+        }
+        .boxed()
+    }
+
+    fn delete_role_definition<'a>(&'a self, id: &'a str) -> StoreFuture<'a, bool> {
+        async move {
+            let result =
+                sqlx::query("DELETE FROM role_definitions WHERE id_key = $1 AND builtin = $2")
+                    .bind(id.to_ascii_lowercase())
+                    .bind(false)
+                    .execute(&self.pool)
+                    .await;
+            match result {
+                Ok(done) => Ok(done.rows_affected() > 0),
+                Err(e) if is_foreign_key_violation(&e) => Err(StoreError::Conflict(format!(
+                    "role definition {id:?} is assigned: delete its role assignments first"
+                ))),
+                Err(e) => Err(e.into()),
+            }
+        }
+        .boxed()
+    }
+
+    fn create_role_assignment<'a>(
+        &'a self,
+        assignment: &'a RoleAssignmentRecord,
+    ) -> StoreFuture<'a, u64> {
+        async move {
+            let mut tx = self.pool.begin().await?;
+            let version = bump_guard_version(&mut tx, &assignment.cluster)
+                .await?
+                .ok_or_else(|| {
+                    StoreError::NotFound(format!("clusters \"{}\" not found", assignment.cluster))
+                })?;
+            insert_assignment(&mut tx, assignment).await?;
+            tx.commit().await?;
+            Ok(version)
+        }
+        .boxed()
+    }
+
+    fn role_assignments<'a>(
+        &'a self,
+        cluster: Option<&'a str>,
+    ) -> StoreFuture<'a, Vec<RoleAssignmentRecord>> {
+        async move {
+            let rows = match cluster {
+                Some(cluster) => {
+                    sqlx::query(concat!(
+                        "SELECT ",
+                        assignment_columns!(),
+                        " FROM role_assignments WHERE cluster = $1 ORDER BY id"
+                    ))
+                    .bind(cluster)
+                    .fetch_all(&self.pool)
+                    .await?
+                }
+                None => {
+                    sqlx::query(concat!(
+                        "SELECT ",
+                        assignment_columns!(),
+                        " FROM role_assignments ORDER BY cluster, id"
+                    ))
+                    .fetch_all(&self.pool)
+                    .await?
+                }
+            };
+            rows.iter().map(assignment_from_row).collect()
+        }
+        .boxed()
+    }
+
+    fn delete_role_assignment<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<(String, u64)>> {
+        async move {
+            let mut tx = self.pool.begin().await?;
+            let cluster: Option<String> =
+                sqlx::query_scalar("DELETE FROM role_assignments WHERE id = $1 RETURNING cluster")
+                    .bind(id)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            let Some(cluster) = cluster else {
+                return Ok(None);
+            };
+            let version = bump_guard_version(&mut tx, &cluster).await?;
+            tx.commit().await?;
+            Ok(version.map(|v| (cluster, v)))
+        }
+        .boxed()
+    }
+
+    fn create_deny_assignment<'a>(
+        &'a self,
+        deny: &'a DenyAssignmentRecord,
+    ) -> StoreFuture<'a, u64> {
+        async move {
+            let mut tx = self.pool.begin().await?;
+            let version = bump_guard_version(&mut tx, &deny.cluster)
+                .await?
+                .ok_or_else(|| {
+                    StoreError::NotFound(format!("clusters \"{}\" not found", deny.cluster))
+                })?;
+            insert_deny(&mut tx, deny).await?;
+            tx.commit().await?;
+            Ok(version)
+        }
+        .boxed()
+    }
+
+    fn deny_assignments<'a>(
+        &'a self,
+        cluster: Option<&'a str>,
+    ) -> StoreFuture<'a, Vec<DenyAssignmentRecord>> {
+        async move {
+            let rows = match cluster {
+                Some(cluster) => {
+                    sqlx::query("SELECT * FROM deny_assignments WHERE cluster = $1 ORDER BY id")
+                        .bind(cluster)
+                        .fetch_all(&self.pool)
+                        .await?
+                }
+                None => {
+                    sqlx::query("SELECT * FROM deny_assignments ORDER BY cluster, id")
+                        .fetch_all(&self.pool)
+                        .await?
+                }
+            };
+            rows.iter().map(deny_from_row).collect()
+        }
+        .boxed()
+    }
+
+    fn delete_deny_assignment<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<(String, u64)>> {
+        async move {
+            let mut tx = self.pool.begin().await?;
+            let cluster: Option<String> =
+                sqlx::query_scalar("DELETE FROM deny_assignments WHERE id = $1 RETURNING cluster")
+                    .bind(id)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            let Some(cluster) = cluster else {
+                return Ok(None);
+            };
+            let version = bump_guard_version(&mut tx, &cluster).await?;
+            tx.commit().await?;
+            Ok(version.map(|v| (cluster, v)))
+        }
+        .boxed()
+    }
+
+    fn guard_state<'a>(&'a self, cluster: &'a str) -> StoreFuture<'a, Option<GuardState>> {
+        async move {
+            // One read transaction: the version and the contents are from the same instant.
+            let mut tx = self.pool.begin().await?;
+            let version: Option<i64> =
+                sqlx::query_scalar("SELECT guard_version FROM clusters WHERE name = $1")
+                    .bind(cluster)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            let Some(version) = version else {
+                return Ok(None);
+            };
+            let assignments = sqlx::query(concat!(
+                "SELECT ",
+                assignment_columns!(),
+                " FROM role_assignments WHERE cluster = $1 ORDER BY id"
+            ))
+            .bind(cluster)
+            .fetch_all(&mut *tx)
+            .await?;
+            let denies =
+                sqlx::query("SELECT * FROM deny_assignments WHERE cluster = $1 ORDER BY id")
+                    .bind(cluster)
+                    .fetch_all(&mut *tx)
+                    .await?;
+            let roles: Vec<String> = sqlx::query_scalar(
+                "SELECT definition FROM role_definitions WHERE builtin = $1 AND id IN \
+                 (SELECT role_id FROM role_assignments WHERE cluster = $2) ORDER BY id_key",
+            )
+            .bind(false)
+            .bind(cluster)
+            .fetch_all(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok(Some(GuardState {
+                version: version_from_db(version)?,
+                roles: roles
+                    .iter()
+                    .map(|t| role_from_json(t))
+                    .collect::<Result<_, _>>()?,
+                assignments: assignments
+                    .iter()
+                    .map(assignment_from_row)
+                    .collect::<Result<_, _>>()?,
+                deny_assignments: denies.iter().map(deny_from_row).collect::<Result<_, _>>()?,
+            }))
+        }
+        .boxed()
+    }
+
+    fn import_cluster<'a>(
+        &'a self,
+        new: &'a NewCluster,
+        roles: &'a [RoleDefinition],
+        assignments: &'a [RoleAssignmentRecord],
+        denies: &'a [DenyAssignmentRecord],
+    ) -> StoreFuture<'a, ClusterRecord> {
+        async move {
+            let mut tx = self.pool.begin().await?;
+            let result = sqlx::query(
+                "INSERT INTO clusters (name, tags, created_at, onboarding_token_hash, onboarding_used, \
+                 guard_version) VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .bind(&new.name)
+            .bind(to_json(&new.tags, "tags")?)
+            .bind(ts(new.created_at))
+            .bind(new.onboarding_token_hash.to_hex())
+            .bind(false)
+            .bind(version_to_db(next_guard_version(0, new.created_at)))
+            .execute(&mut *tx)
+            .await;
+            match result {
+                Ok(_) => {}
+                Err(e) if is_unique_violation(&e) => {
+                    return Err(StoreError::AlreadyExists(new.name.clone()));
+                }
+                Err(e) => return Err(e.into()),
+            }
+            for role in roles {
+                insert_role(&mut tx, role, new.created_at, true).await?;
+            }
+            for a in assignments {
+                insert_assignment(&mut tx, a).await?;
+            }
+            for d in denies {
+                insert_deny(&mut tx, d).await?;
+            }
+            tx.commit().await?;
+            new_record(new)
+        }
+        .boxed()
+    }
+
+    fn set_directory_entry<'a>(&'a self, entry: &'a DirectoryEntry) -> StoreFuture<'a, ()> {
+        async move {
+            sqlx::query(
+                "INSERT INTO directory_users (oid, tid, groups, updated_at) VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT (oid) DO UPDATE SET tid = excluded.tid, groups = excluded.groups, \
+                 updated_at = excluded.updated_at",
+            )
+            .bind(&entry.oid)
+            .bind(entry.tid.as_deref())
+            .bind(to_json(&entry.groups, "groups")?)
+            .bind(ts(entry.updated_at))
+            .execute(&self.pool)
+            .await?;
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn directory_entry<'a>(&'a self, oid: &'a str) -> StoreFuture<'a, Option<DirectoryEntry>> {
+        async move {
+            let row = sqlx::query(
+                "SELECT oid, tid, groups, updated_at FROM directory_users WHERE oid = $1",
+            )
+            .bind(oid)
+            .fetch_optional(&self.pool)
+            .await?;
+            row.map(|row| {
+                Ok(DirectoryEntry {
+                    oid: row.try_get("oid")?,
+                    tid: row.try_get("tid")?,
+                    groups: string_list(&row, "groups")?,
+                    updated_at: from_ts(row.try_get("updated_at")?)?,
+                })
+            })
+            .transpose()
+        }
+        .boxed()
+    }
+
+    fn delete_directory_entry<'a>(&'a self, oid: &'a str) -> StoreFuture<'a, bool> {
+        async move {
+            let done = sqlx::query("DELETE FROM directory_users WHERE oid = $1")
+                .bind(oid)
+                .execute(&self.pool)
+                .await?;
+            Ok(done.rows_affected() > 0)
         }
         .boxed()
     }
@@ -630,6 +1151,289 @@ mod tests {
         assert_eq!((c.connected_since, c.last_seen), (None, Some(t2)));
         assert_eq!(c.metadata, Some(metadata));
         assert_eq!(c.agent_version.as_deref(), Some("v1.2.5"));
+    }
+
+    fn custom_role(id: &str, name: &str) -> RoleDefinition {
+        RoleDefinition {
+            id: id.into(),
+            name: name.into(),
+            description: String::new(),
+            data_actions: vec!["Microsoft.Kubernetes/connectedClusters/pods/read".into()],
+            not_data_actions: Vec::new(),
+        }
+    }
+
+    fn assignment(id: &str, role: &str, cluster: &str, ns: Option<&str>) -> RoleAssignmentRecord {
+        RoleAssignmentRecord {
+            id: id.into(),
+            role_id: role.into(),
+            principal_id: "0f1e2d3c-0000-4000-8000-000000000001".into(),
+            cluster: cluster.into(),
+            namespace: ns.map(str::to_owned),
+            created_at: OffsetDateTime::from_unix_timestamp(1_700_000_000).expect("valid"),
+        }
+    }
+
+    fn deny(id: &str, cluster: &str) -> DenyAssignmentRecord {
+        DenyAssignmentRecord {
+            id: id.into(),
+            name: "no secrets".into(),
+            data_actions: vec!["Microsoft.Kubernetes/connectedClusters/secrets/*".into()],
+            not_data_actions: Vec::new(),
+            principals: vec!["*".into()],
+            exclude_principals: vec!["x".into()],
+            cluster: cluster.into(),
+            namespace: Some("prod".into()),
+            created_at: OffsetDateTime::from_unix_timestamp(1_700_000_000).expect("valid"),
+        }
+    }
+
+    const VIEWER: &str = "63f0a09d-1495-4db4-a681-037d84835eb4";
+
+    #[tokio::test]
+    async fn role_definitions_are_unique_and_builtins_are_reserved() {
+        let store = memory().await;
+        let at = OffsetDateTime::now_utc();
+        assert!(store.role_definitions().await.expect("list").is_empty());
+        store
+            .create_role_definition(&custom_role("pod-reader", "Pod Reader"), at)
+            .await
+            .expect("create");
+        for dup in [
+            custom_role("POD-READER", "Other"),
+            custom_role("other", "pod reader"),
+            custom_role(VIEWER, "Mine"),
+            custom_role("mine", "Azure Arc Kubernetes Viewer"),
+        ] {
+            assert!(
+                matches!(
+                    store.create_role_definition(&dup, at).await,
+                    Err(StoreError::Conflict(_))
+                ),
+                "{dup:?}"
+            );
+        }
+        let roles = store.role_definitions().await.expect("list");
+        assert_eq!(roles, vec![custom_role("pod-reader", "Pod Reader")]);
+        assert!(!store.delete_role_definition(VIEWER).await.expect("delete"));
+        assert!(
+            store
+                .delete_role_definition("Pod-Reader")
+                .await
+                .expect("delete")
+        );
+        assert!(
+            !store
+                .delete_role_definition("pod-reader")
+                .await
+                .expect("delete")
+        );
+    }
+
+    #[tokio::test]
+    async fn assignments_raise_versions_reference_roles_and_go_with_their_cluster() {
+        let store = memory().await;
+        store
+            .create_cluster(&new_cluster("c", "t"))
+            .await
+            .expect("create");
+        store
+            .create_cluster(&new_cluster("d", "t2"))
+            .await
+            .expect("create");
+        let at = OffsetDateTime::now_utc();
+        store
+            .create_role_definition(&custom_role("pod-reader", "Pod Reader"), at)
+            .await
+            .expect("role");
+        let v0 = store
+            .guard_state("c")
+            .await
+            .expect("state")
+            .expect("exists")
+            .version;
+        assert!(
+            v0 >= 1_700_000_000_000,
+            "versions start at the creation time in ms: {v0}"
+        );
+
+        assert!(matches!(
+            store.create_role_assignment(&assignment("a0", VIEWER, "nope", None)).await,
+            Err(StoreError::NotFound(m)) if m.contains("nope")
+        ));
+        assert!(matches!(
+            store.create_role_assignment(&assignment("a0", "ghost", "c", None)).await,
+            Err(StoreError::NotFound(m)) if m.contains("ghost")
+        ));
+        let v1 = store
+            .create_role_assignment(&assignment("a1", VIEWER, "c", Some("dev")))
+            .await
+            .expect("assign");
+        let v2 = store
+            .create_role_assignment(&assignment("a2", "pod-reader", "c", None))
+            .await
+            .expect("assign");
+        store
+            .create_role_assignment(&assignment("a3", VIEWER, "d", None))
+            .await
+            .expect("assign");
+        assert!(v0 < v1 && v1 < v2, "{v0} {v1} {v2}");
+        assert!(matches!(
+            store
+                .create_role_assignment(&assignment("a4", VIEWER, "c", Some("dev")))
+                .await,
+            Err(StoreError::Conflict(_))
+        ));
+        let refused = store.delete_role_definition("pod-reader").await;
+        assert!(
+            matches!(refused, Err(StoreError::Conflict(_))),
+            "{refused:?}"
+        );
+        let v3 = store
+            .create_deny_assignment(&deny("d1", "c"))
+            .await
+            .expect("deny");
+        assert!(v3 > v2);
+
+        let state = store
+            .guard_state("c")
+            .await
+            .expect("state")
+            .expect("exists");
+        assert_eq!(state.version, v3);
+        assert_eq!(state.roles, vec![custom_role("pod-reader", "Pod Reader")]);
+        assert_eq!(
+            state.assignments,
+            vec![
+                assignment("a1", VIEWER, "c", Some("dev")),
+                assignment("a2", "pod-reader", "c", None)
+            ]
+        );
+        assert_eq!(state.deny_assignments, vec![deny("d1", "c")]);
+        assert_eq!(store.role_assignments(None).await.expect("list").len(), 3);
+        assert_eq!(
+            store.role_assignments(Some("d")).await.expect("list").len(),
+            1
+        );
+        assert_eq!(
+            store.deny_assignments(Some("d")).await.expect("list").len(),
+            0
+        );
+
+        let (cluster, v4) = store
+            .delete_role_assignment("a2")
+            .await
+            .expect("delete")
+            .expect("existed");
+        assert_eq!(cluster, "c");
+        assert!(v4 > v3);
+        assert!(
+            store
+                .delete_role_assignment("a2")
+                .await
+                .expect("delete")
+                .is_none()
+        );
+        assert!(
+            store
+                .delete_role_definition("pod-reader")
+                .await
+                .expect("delete")
+        );
+        let (_, v5) = store
+            .delete_deny_assignment("d1")
+            .await
+            .expect("delete")
+            .expect("existed");
+        assert!(v5 > v4);
+
+        // Deleting a cluster deletes its assignments, and nothing of the others'.
+        store
+            .create_deny_assignment(&deny("d2", "c"))
+            .await
+            .expect("deny");
+        assert!(store.delete_cluster("c").await.expect("delete"));
+        assert!(store.guard_state("c").await.expect("state").is_none());
+        let left: Vec<_> = store
+            .role_assignments(None)
+            .await
+            .expect("list")
+            .into_iter()
+            .map(|a| a.id)
+            .collect();
+        assert_eq!(left, ["a3"]);
+        assert!(store.deny_assignments(None).await.expect("list").is_empty());
+    }
+
+    #[tokio::test]
+    async fn import_is_all_or_nothing() {
+        let store = memory().await;
+        let new = new_cluster("moved", "t");
+        let role = custom_role("pod-reader", "Pod Reader");
+        let bad = [assignment("a1", "ghost", "moved", None)];
+        assert!(matches!(
+            store.import_cluster(&new, &[], &bad, &[]).await,
+            Err(StoreError::NotFound(_))
+        ));
+        assert!(store.cluster("moved").await.expect("query").is_none());
+        let good = [
+            assignment("a1", "pod-reader", "moved", None),
+            assignment("a2", VIEWER, "moved", Some("ns")),
+        ];
+        let record = store
+            .import_cluster(
+                &new,
+                std::slice::from_ref(&role),
+                &good,
+                &[deny("d1", "moved")],
+            )
+            .await
+            .expect("import");
+        assert_eq!(record.name, "moved");
+        let state = store
+            .guard_state("moved")
+            .await
+            .expect("state")
+            .expect("exists");
+        assert_eq!(
+            (state.assignments.len(), state.deny_assignments.len()),
+            (2, 1)
+        );
+        assert_eq!(state.roles, vec![role.clone()]);
+        // The role existed already this time: not an error.
+        assert!(matches!(
+            store.import_cluster(&new, &[role], &[], &[]).await,
+            Err(StoreError::AlreadyExists(_))
+        ));
+        let other = new_cluster("other", "t");
+        store
+            .import_cluster(&other, &[custom_role("pod-reader", "Pod Reader")], &[], &[])
+            .await
+            .expect("import with an existing role");
+    }
+
+    #[tokio::test]
+    async fn directory_entries() {
+        let store = memory().await;
+        let at = OffsetDateTime::from_unix_timestamp(1_700_000_000).expect("valid");
+        assert!(store.directory_entry("u").await.expect("get").is_none());
+        let mut entry = DirectoryEntry {
+            oid: "u".into(),
+            tid: Some("t".into()),
+            groups: vec!["g1".into(), "g2".into()],
+            updated_at: at,
+        };
+        store.set_directory_entry(&entry).await.expect("set");
+        assert_eq!(
+            store.directory_entry("u").await.expect("get"),
+            Some(entry.clone())
+        );
+        entry.groups = vec!["g3".into()];
+        entry.tid = None;
+        store.set_directory_entry(&entry).await.expect("replace");
+        assert_eq!(store.directory_entry("u").await.expect("get"), Some(entry));
+        assert!(store.delete_directory_entry("u").await.expect("delete"));
+        assert!(!store.delete_directory_entry("u").await.expect("delete"));
     }
 
     #[tokio::test]
