@@ -16,10 +16,13 @@ use tether_tunnel::{Connection, Incoming, Role, SessionConfig, code, kind, tls};
 use time::OffsetDateTime;
 use tokio::task::JoinSet;
 
+use crate::auth_proxy::{AuthProxy, AuthProxyError};
 use crate::backoff::Reconnect;
 use crate::config::{Config, ConfigError};
 use crate::control;
+use crate::directory::RelayDirectory;
 use crate::forward::{Upstream, UpstreamError, serve_stream};
+use crate::guard_push;
 use crate::identity::{self, Identity, IdentityError};
 use crate::metadata;
 use crate::onboard::{OnboardError, Onboarding};
@@ -67,6 +70,12 @@ pub enum AgentError {
         /// HTTP status (401 or 403).
         status: StatusCode,
     },
+    /// The authentication proxy could not be set up (Entra settings, authority CA).
+    #[error("cannot set up the authentication proxy: {0}")]
+    AuthProxy(#[from] AuthProxyError),
+    /// The guard CA could not be read or used.
+    #[error("cannot set up TLS to guard: {0}")]
+    GuardTls(#[source] tls::TlsError),
     /// The cluster's certificate expired (the agent could not renew it in time, e.g. it was offline).
     #[error(
         "this cluster's identity expired: delete it at the relay and connect it again ({message})"
@@ -97,7 +106,24 @@ pub async fn run(
             "ignoring the proxy for the apiserver (from the kubeconfig or HTTPS_PROXY): only the relay is reached through the proxy"
         );
     }
-    let upstream = Upstream::from_kube_config(&kube_config)?;
+    // Group overages are resolved through the relay, over whichever control channel is up.
+    let directory = Arc::new(RelayDirectory::default());
+    let upstream = match &config.entra {
+        Some(entra) => {
+            let resolver: Arc<dyn tether_guard::token::GroupResolver> = directory.clone();
+            let proxy = AuthProxy::new(entra, Some(resolver))?;
+            Upstream::with_auth_proxy(&kube_config, proxy)?
+        }
+        None => Upstream::from_kube_config(&kube_config)?,
+    };
+    // Dropping the pusher (when `run` returns) stops it.
+    let (snapshots, _pusher) = match &config.guard {
+        Some(guard) => {
+            let (sink, pusher) = guard_push::spawn(guard).map_err(AgentError::GuardTls)?;
+            (Some(sink), Some(pusher))
+        }
+        None => (None, None),
+    };
     // Names the agent's own requests in the apiserver's audit log (forwarded requests keep the user's).
     kube_config.headers.push((
         http::header::USER_AGENT,
@@ -117,6 +143,8 @@ pub async fn run(
         cluster = %config.cluster,
         apiserver = %upstream.base(),
         proxy = %proxy.map_or_else(|| "none".to_owned(), |p| p.proxy.to_string()),
+        auth_proxy = upstream.impersonates(),
+        guard = %config.guard.as_ref().map_or("none", |g| g.url.as_str()),
         "agent starting"
     );
     let mut shutdown: Shutdown = Box::pin(shutdown);
@@ -137,6 +165,8 @@ pub async fn run(
     };
     let metadata = metadata::spawn(agent_client);
     let mut state = control::State::new(config.state_dir.clone(), identity, metadata);
+    state.directory = directory;
+    state.snapshots = snapshots;
     let headers = tunnel_headers(&config.cluster);
 
     // Every stream task, across tunnels: a stream of a tunnel the relay is retiring still drains on shutdown.

@@ -39,6 +39,72 @@ pub struct Config {
     pub drain_timeout: Duration,
     /// Timeout for each attempt to reach the relay (TCP, TLS, WebSocket and onboarding request; default 15 s).
     pub connect_timeout: Duration,
+    /// The in-cluster authentication proxy: Entra-style tokens are validated here and forwarded with
+    /// impersonation on the agent's own credentials; `None` passes every token through unchanged.
+    pub entra: Option<EntraConfig>,
+    /// Where the guard RBAC snapshots the relay sends are pushed; `None` ignores them.
+    pub guard: Option<GuardConfig>,
+}
+
+/// Which tokens the agent's authentication proxy validates (`--entra-tenant`, `--entra-audience`,
+/// `--entra-authority`, `--entra-authority-ca`).
+///
+/// A bearer token that is a JWT whose `iss` lies under the v2 authority (`{authority}/…`) or Entra's v1
+/// authority (`https://sts.windows.net/…`) is validated again in the cluster (`tether_guard`'s
+/// `Authenticator`: signature, tenant, audience, lifetime; group overage through the relay's directory) and
+/// forwarded on the agent's own credentials with `Impersonate-*` headers, or refused with 401. Other tokens
+/// (Kubernetes service-account tokens, opaque tokens) pass through unchanged.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EntraConfig {
+    /// Accepted tenant ids (`tid`); at least one.
+    pub tenants: Vec<String>,
+    /// Accepted audiences (`aud`); at least one.
+    pub audiences: Vec<String>,
+    /// Base URL of v2 issuers and of discovery (default `https://login.microsoftonline.com`); https only.
+    pub authority: Option<String>,
+    /// A PEM CA bundle trusted, instead of the public web roots, for the authority's discovery documents and
+    /// keys (development issuers and tests).
+    pub authority_ca: Option<PathBuf>,
+}
+
+impl EntraConfig {
+    /// The guard crate's token settings for this configuration.
+    pub fn token_config(&self) -> tether_guard::TokenConfig {
+        let mut config =
+            tether_guard::TokenConfig::new(self.tenants.clone(), self.audiences.clone());
+        if let Some(authority) = &self.authority {
+            config.v2_authority = authority.trim_end_matches('/').to_owned();
+        }
+        config
+    }
+}
+
+/// Where and how the agent pushes guard snapshots (`--guard-url`, `--guard-push-token-file`, `--guard-ca`).
+#[derive(Debug, Clone)]
+pub struct GuardConfig {
+    /// Guard's snapshot endpoint, `https://tether-guard.tether-system.svc:8443/snapshot`.
+    pub url: String,
+    /// The bearer token guard accepts for `PUT /snapshot`.
+    pub push_token: Secret,
+    /// A PEM CA bundle to trust for guard's certificate; `None` trusts the public web roots.
+    pub ca: Option<PathBuf>,
+    /// Pacing of retries while guard is unreachable or refuses (default 500 ms..30 s).
+    pub backoff: Backoff,
+    /// Timeout of one push (connect, TLS, request and answer; default 10 s).
+    pub timeout: Duration,
+}
+
+impl GuardConfig {
+    /// Pushes to `url` with `push_token`, trusting the public web roots, with the default pacing.
+    pub fn new(url: impl Into<String>, push_token: Secret) -> Self {
+        Self {
+            url: url.into(),
+            push_token,
+            ca: None,
+            backoff: Backoff::default(),
+            timeout: Duration::from_secs(10),
+        }
+    }
 }
 
 /// Why a configuration cannot be used.
@@ -89,6 +155,12 @@ pub enum ConfigError {
     /// A duration setting is out of range.
     #[error("{0}")]
     InvalidDuration(&'static str),
+    /// The Entra (authentication proxy) settings are unusable.
+    #[error("invalid Entra settings: {0}")]
+    InvalidEntra(String),
+    /// The guard settings are unusable.
+    #[error("invalid guard settings: {0}")]
+    InvalidGuard(String),
 }
 
 impl Config {
@@ -111,6 +183,8 @@ impl Config {
             backoff: Backoff::default(),
             drain_timeout: Duration::from_secs(20),
             connect_timeout: Duration::from_secs(15),
+            entra: None,
+            guard: None,
         }
     }
 
@@ -152,6 +226,23 @@ impl Config {
             return Err(ConfigError::InvalidDuration(
                 "the connect timeout must be greater than zero",
             ));
+        }
+        if let Some(entra) = &self.entra {
+            entra
+                .token_config()
+                .validate()
+                .map_err(|e| ConfigError::InvalidEntra(e.to_string()))?;
+            if let Some(path) = &entra.authority_ca
+                && !path.is_file()
+            {
+                return Err(ConfigError::MissingFile {
+                    what: "Entra authority CA file",
+                    path: path.display().to_string(),
+                });
+            }
+        }
+        if let Some(guard) = &self.guard {
+            guard.validate()?;
         }
         match &self.onboarding_token {
             Some(token) if token.expose().trim().is_empty() => {
@@ -209,6 +300,47 @@ impl Config {
             .trim_end_matches('/')
             .trim_start_matches("https://");
         Ok(format!("wss://{rest}/agent/v1/tunnel"))
+    }
+}
+
+impl GuardConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::InvalidGuard(m));
+        let url = match url::Url::parse(&self.url) {
+            Ok(url) => url,
+            Err(e) => return invalid(format!("invalid guard URL {:?}: {e}", self.url)),
+        };
+        if url.scheme() != "https" || url.host_str().is_none_or(str::is_empty) {
+            return invalid(format!(
+                "the guard URL must be https://host[:port]/snapshot, not {:?}",
+                self.url
+            ));
+        }
+        if !url.username().is_empty() || url.password().is_some() {
+            return invalid("credentials in the guard URL are not allowed".to_owned());
+        }
+        if self.push_token.expose().trim().is_empty() {
+            return invalid("the snapshot push token is empty".to_owned());
+        }
+        if let Some(path) = &self.ca
+            && !path.is_file()
+        {
+            return Err(ConfigError::MissingFile {
+                what: "guard CA file",
+                path: path.display().to_string(),
+            });
+        }
+        if self.backoff.base.is_zero() || self.backoff.cap < self.backoff.base {
+            return Err(ConfigError::InvalidDuration(
+                "the guard backoff base must be positive and at most its cap",
+            ));
+        }
+        if self.timeout.is_zero() {
+            return Err(ConfigError::InvalidDuration(
+                "the guard push timeout must be greater than zero",
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -372,10 +504,96 @@ mod tests {
     }
 
     #[test]
+    fn entra_and_guard_settings_are_checked() {
+        let tmp = tempfile::tempdir().unwrap();
+        let good = EntraConfig {
+            tenants: vec!["72f988bf-86f1-41af-91ab-2d7cd011db47".into()],
+            audiences: vec!["api://tether".into()],
+            authority: Some("https://127.0.0.1:9443/".into()),
+            authority_ca: None,
+        };
+        let mut c = valid(tmp.path());
+        c.entra = Some(good.clone());
+        c.validate().unwrap();
+        assert_eq!(good.token_config().v2_authority, "https://127.0.0.1:9443");
+        for bad in [
+            EntraConfig {
+                tenants: vec![],
+                ..good.clone()
+            },
+            EntraConfig {
+                audiences: vec![],
+                ..good.clone()
+            },
+            EntraConfig {
+                authority: Some("http://idp.example".into()),
+                ..good.clone()
+            },
+        ] {
+            let mut c = valid(tmp.path());
+            c.entra = Some(bad.clone());
+            assert!(
+                matches!(c.validate(), Err(ConfigError::InvalidEntra(_))),
+                "{bad:?}"
+            );
+        }
+        let mut c = valid(tmp.path());
+        c.entra = Some(EntraConfig {
+            authority_ca: Some(tmp.path().join("nope.pem")),
+            ..good
+        });
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::MissingFile {
+                what: "Entra authority CA file",
+                ..
+            })
+        ));
+
+        let guard = GuardConfig::new("https://guard.example:8443/snapshot", Secret::new("t"));
+        let mut c = valid(tmp.path());
+        c.guard = Some(guard.clone());
+        c.validate().unwrap();
+        for url in [
+            "http://guard.example/snapshot",
+            "guard:8443",
+            "https://u:p@g.example/",
+        ] {
+            let mut c = valid(tmp.path());
+            c.guard = Some(GuardConfig::new(url, Secret::new("t")));
+            assert!(
+                matches!(c.validate(), Err(ConfigError::InvalidGuard(_))),
+                "{url}"
+            );
+        }
+        let mut c = valid(tmp.path());
+        c.guard = Some(GuardConfig::new(guard.url.clone(), Secret::new(" ")));
+        assert!(matches!(c.validate(), Err(ConfigError::InvalidGuard(_))));
+        let mut c = valid(tmp.path());
+        c.guard = Some(GuardConfig {
+            ca: Some(tmp.path().join("nope.pem")),
+            ..guard
+        });
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::MissingFile {
+                what: "guard CA file",
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn debug_never_shows_the_token() {
         let tmp = tempfile::tempdir().unwrap();
         let mut c = valid(tmp.path());
         c.onboarding_token = Some(Secret::new("very-secret-token"));
-        assert!(!format!("{c:?}").contains("very-secret-token"));
+        c.guard = Some(GuardConfig::new(
+            "https://guard.example/snapshot",
+            Secret::new("very-secret-push-token"),
+        ));
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("very-secret-token"));
+        assert!(!shown.contains("very-secret-push-token"));
     }
 }

@@ -4,9 +4,12 @@
 //! `hello` → `welcome` (which sets the heartbeat interval), then: `metadata` at once and whenever it
 //! changes, `health` at once and with every `heartbeat`, and, when the identity is due for renewal, `renew`
 //! with a CSR for a new key, answered by `certificate` (stored atomically and used from the next connection
-//! on; the tunnel and its streams stay up) or `error` (retried with backoff). Unknown messages are ignored.
+//! on; the tunnel and its streams stay up) or `error` (retried with backoff). The relay's `guardSnapshot`s go
+//! to the snapshot pusher ([`crate::guard_push`]); `resolveGroups` questions from the authentication proxy go
+//! out and their `groups` answers come back through [`crate::directory`]. Unknown messages are ignored.
 //! When the channel ends or fails, [`run`] returns why, and the caller closes the tunnel and reconnects.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -19,6 +22,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::backoff::Backoff;
+use crate::directory::RelayDirectory;
+use crate::guard_push::SnapshotSink;
 use crate::health;
 use crate::identity::{self, Identity, KeyRequest};
 
@@ -49,6 +54,10 @@ pub(crate) struct State {
     pub(crate) connections: u64,
     /// The newest agent version the relay offers, from the last `welcome`.
     pub(crate) latest_agent_version: Option<String>,
+    /// The relay's directory as the authentication proxy sees it; each channel attaches to it.
+    pub(crate) directory: Arc<RelayDirectory>,
+    /// Where guard snapshots go; `None` when no guard is configured.
+    pub(crate) snapshots: Option<SnapshotSink>,
     renewal: Renewal,
 }
 
@@ -73,6 +82,8 @@ impl State {
             started: Instant::now(),
             connections: 0,
             latest_agent_version: None,
+            directory: Arc::default(),
+            snapshots: None,
             renewal: Renewal {
                 due,
                 failures: 0,
@@ -132,13 +143,22 @@ fn rfc3339(t: OffsetDateTime) -> String {
 
 /// Runs the control channel on `conn` until it ends; returns why (for the log).
 pub(crate) async fn run(conn: &Connection, state: &mut State) -> String {
-    match run_inner(conn, state).await {
+    let mut attached = None;
+    let result = run_inner(conn, state, &mut attached).await;
+    if let Some(generation) = attached {
+        state.directory.detach(generation);
+    }
+    match result {
         Ok(()) => "the relay closed the control channel".to_owned(),
         Err(reason) => reason,
     }
 }
 
-async fn run_inner(conn: &Connection, state: &mut State) -> Result<(), String> {
+async fn run_inner(
+    conn: &Connection,
+    state: &mut State,
+    attached: &mut Option<u64>,
+) -> Result<(), String> {
     let stream = conn
         .open(OpenOptions {
             kind: kind::CONTROL,
@@ -189,6 +209,9 @@ async fn run_inner(conn: &Connection, state: &mut State) -> Result<(), String> {
     }
     tracing::debug!(heartbeat = ?interval, "control channel up");
 
+    let (generation, mut outgoing) = state.directory.attach();
+    *attached = Some(generation);
+
     let mut sent_metadata: Option<Metadata> = None;
     let current = state.metadata.borrow_and_update().clone();
     if let Some(metadata) = current {
@@ -234,10 +257,19 @@ async fn run_inner(conn: &Connection, state: &mut State) -> Result<(), String> {
                         state.latest_agent_version = Some(latest);
                     }
                 }
+                Ok(Some(Message::GuardSnapshot(snapshot))) => match &state.snapshots {
+                    Some(sink) => sink.offer(&snapshot.snapshot),
+                    None => tracing::debug!(
+                        version = ?snapshot.snapshot.get("version"),
+                        "no guard configured (--guard-url); ignoring a guard snapshot"
+                    ),
+                },
+                Ok(Some(Message::Groups(groups))) => state.directory.answer(groups),
                 Ok(Some(other)) => tracing::debug!(?other, "ignoring a control message"),
                 Ok(None) => return Ok(()),
                 Err(e) => return Err(failed("failed", e)),
             },
+            Some(message) = outgoing.recv() => send(&mut write, &message).await?,
             _ = heartbeat.tick() => {
                 send(&mut write, &Message::Heartbeat(Heartbeat { seq })).await?;
                 seq += 1;

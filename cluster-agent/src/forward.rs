@@ -4,8 +4,15 @@
 //! absolute-form URIs naming another host are refused (400), `CONNECT` is refused (405), and the upstream URI is
 //! always the apiserver base plus the request's path and query.
 //!
-//! Pass-through mode: the user's `Authorization` header reaches the apiserver unchanged and the forwarding
-//! client carries no credential of its own (no client certificate, no token).
+//! Pass-through (the default, and for every token that is not Entra-style): the user's `Authorization` header
+//! reaches the apiserver unchanged and the forwarding client carries no credential of its own (no client
+//! certificate, no token).
+//!
+//! With the authentication proxy ([`Upstream::with_auth_proxy`], [`crate::auth_proxy`]): a request with an
+//! Entra-style bearer token is validated in the agent and refused with 401 if invalid; if valid, it is sent
+//! on separate clients that carry the agent's OWN credentials from its kube config (client certificate and/or
+//! token), with the user's `Authorization` and `Impersonate-*` headers replaced by impersonation headers for
+//! the validated identity.
 
 use std::error::Error as StdError;
 use std::future::Future;
@@ -18,15 +25,20 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, Request, Response, StatusCode, Uri};
-use http_body_util::{Either, Full};
+use http_body_util::{Either, Empty, Full};
 use hyper::body::Incoming;
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use kube::client::ConfigExt as _;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
+use tether_guard::Identity;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tower::ServiceExt as _;
+
+use crate::auth_proxy::{AuthProxy, Credential, impersonate};
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -72,6 +84,14 @@ pub enum UpstreamError {
     /// rustls rejected the TLS configuration.
     #[error("TLS configuration rejected: {0}")]
     Tls(#[source] rustls::Error),
+    /// The agent's own credentials (for impersonation) could not be loaded from the kube config.
+    #[error("cannot load the agent's own credentials from the kube config: {0}")]
+    Credentials(#[source] kube::Error),
+    /// The kube config holds no credential of the agent's own, so impersonation cannot work.
+    #[error(
+        "the kube config has no credentials of the agent's own (client certificate or token); the authentication proxy needs them to impersonate users"
+    )]
+    NoOwnCredentials,
 }
 
 /// The one apiserver this agent forwards to, with its HTTP clients. Cheap to clone.
@@ -91,7 +111,26 @@ struct UpstreamInner {
     pooled: UpstreamClient,
     /// HTTP/1.1 only, no idle pool: upgrade requests (an h2 connection cannot upgrade).
     upgrade: UpstreamClient,
+    /// The authentication proxy and the clients carrying the agent's own credentials; `None`: pass-through
+    /// only.
+    impersonating: Option<Impersonating>,
 }
+
+/// Sends requests as the agent itself, impersonating users the proxy authenticated.
+struct Impersonating {
+    proxy: AuthProxy,
+    /// Like [`UpstreamInner::pooled`], presenting the agent's client certificate if it has one.
+    pooled: UpstreamClient,
+    /// Like [`UpstreamInner::upgrade`], presenting the agent's client certificate if it has one.
+    upgrade: UpstreamClient,
+    /// Produces the agent's `Authorization` header (static or refreshed token, basic auth); `None` when the
+    /// agent authenticates with its client certificate only.
+    authorization: Option<Authorizer>,
+}
+
+/// kube-rs's auth layer around a service that hands back the headers it was given: the agent's current
+/// `Authorization` value, refreshed as kube-rs does (token files re-read, exec plugins re-run).
+type Authorizer = tower::util::BoxCloneSyncService<Request<Empty<Bytes>>, Response<()>, BoxError>;
 
 impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -121,50 +160,13 @@ impl Upstream {
         }
         let base_path = url.path().trim_end_matches('/').to_string();
 
+        if config.accept_invalid_certs {
+            tracing::warn!(
+                "the kube config disables apiserver certificate verification (insecure-skip-tls-verify)"
+            );
+        }
         let tls = upstream_tls(config)?;
-        let server_name = match &config.tls_server_name {
-            Some(name) => Some(
-                ServerName::try_from(name.clone())
-                    .map_err(|_| UpstreamError::InvalidServerName(name.clone()))?,
-            ),
-            None => None,
-        };
-        let connect_timeout = config.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
-
-        let connector = |http2: bool| {
-            let mut http = HttpConnector::new();
-            http.enforce_http(false);
-            http.set_nodelay(true);
-            let builder = hyper_rustls::HttpsConnectorBuilder::new()
-                .with_tls_config(tls.clone())
-                .https_or_http();
-            let builder = match &server_name {
-                Some(name) => {
-                    builder.with_server_name_resolver(FixedServerNameResolver::new(name.clone()))
-                }
-                None => builder,
-            };
-            let https = if http2 {
-                builder.enable_http1().enable_http2().wrap_connector(http)
-            } else {
-                builder.enable_http1().wrap_connector(http)
-            };
-            TimeoutConnector {
-                inner: https,
-                timeout: connect_timeout,
-            }
-        };
-
-        let pooled = Client::builder(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .build(connector(true));
-        let upgrade = Client::builder(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .pool_max_idle_per_host(0)
-            .build(connector(false));
-
+        let (pooled, upgrade) = clients(config, tls)?;
         Ok(Self {
             inner: Arc::new(UpstreamInner {
                 scheme,
@@ -172,8 +174,66 @@ impl Upstream {
                 base_path,
                 pooled,
                 upgrade,
+                impersonating: None,
             }),
         })
+    }
+
+    /// Like [`Upstream::from_kube_config`], with the authentication proxy: requests with an Entra-style token
+    /// are validated by `proxy` and, if valid, sent with the agent's OWN credentials from `config` (its client
+    /// certificate, token, token file or exec plugin, as kube-rs loads them) and impersonation headers. Fails
+    /// when `config` holds no credential of the agent's own.
+    pub fn with_auth_proxy(config: &kube::Config, proxy: AuthProxy) -> Result<Self, UpstreamError> {
+        let plain = Self::from_kube_config(config)?;
+        let own_identity = config
+            .rustls_client_config()
+            .map_err(UpstreamError::Credentials)?
+            .client_auth_cert_resolver;
+        let authorization = config
+            .auth_layer()
+            .map_err(UpstreamError::Credentials)?
+            .map(|layer| {
+                let echo = tower::service_fn(|req: Request<Empty<Bytes>>| async move {
+                    let (parts, _) = req.into_parts();
+                    let mut response = Response::new(());
+                    *response.headers_mut() = parts.headers;
+                    // kube-rs's layer is an Either whose halves must share the error type: BoxError.
+                    Ok::<_, BoxError>(response)
+                });
+                tower::util::BoxCloneSyncService::new(
+                    tower::ServiceBuilder::new().layer(layer).service(echo),
+                )
+            });
+        if !own_identity.has_certs() && authorization.is_none() {
+            return Err(UpstreamError::NoOwnCredentials);
+        }
+        let mut tls = upstream_tls(config)?;
+        tls.client_auth_cert_resolver = own_identity;
+        let (pooled, upgrade) = clients(config, tls)?;
+        let inner = Arc::try_unwrap(plain.inner).unwrap_or_else(|shared| UpstreamInner {
+            scheme: shared.scheme.clone(),
+            authority: shared.authority.clone(),
+            base_path: shared.base_path.clone(),
+            pooled: shared.pooled.clone(),
+            upgrade: shared.upgrade.clone(),
+            impersonating: None,
+        });
+        Ok(Self {
+            inner: Arc::new(UpstreamInner {
+                impersonating: Some(Impersonating {
+                    proxy,
+                    pooled,
+                    upgrade,
+                    authorization,
+                }),
+                ..inner
+            }),
+        })
+    }
+
+    /// Whether the authentication proxy is on.
+    pub fn impersonates(&self) -> bool {
+        self.inner.impersonating.is_some()
     }
 
     /// The apiserver base URL requests are forwarded to.
@@ -226,15 +286,61 @@ pub enum TargetError {
     NotAPath,
 }
 
+/// The pooled (h2 or HTTP/1.1) and upgrade (HTTP/1.1, unpooled) clients for the apiserver with `tls`, honouring
+/// the kube config's `tls_server_name` and `connect_timeout`.
+fn clients(
+    config: &kube::Config,
+    tls: rustls::ClientConfig,
+) -> Result<(UpstreamClient, UpstreamClient), UpstreamError> {
+    let server_name = match &config.tls_server_name {
+        Some(name) => Some(
+            ServerName::try_from(name.clone())
+                .map_err(|_| UpstreamError::InvalidServerName(name.clone()))?,
+        ),
+        None => None,
+    };
+    let connect_timeout = config.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    let connector = |http2: bool| {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        let builder = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls.clone())
+            .https_or_http();
+        let builder = match &server_name {
+            Some(name) => {
+                builder.with_server_name_resolver(FixedServerNameResolver::new(name.clone()))
+            }
+            None => builder,
+        };
+        let https = if http2 {
+            builder.enable_http1().enable_http2().wrap_connector(http)
+        } else {
+            builder.enable_http1().wrap_connector(http)
+        };
+        TimeoutConnector {
+            inner: https,
+            timeout: connect_timeout,
+        }
+    };
+    let pooled = Client::builder(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .build(connector(true));
+    let upgrade = Client::builder(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .pool_max_idle_per_host(0)
+        .build(connector(false));
+    Ok((pooled, upgrade))
+}
+
 fn upstream_tls(config: &kube::Config) -> Result<rustls::ClientConfig, UpstreamError> {
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(UpstreamError::Tls)?;
     let tls = if config.accept_invalid_certs {
-        tracing::warn!(
-            "the kube config disables apiserver certificate verification (insecure-skip-tls-verify)"
-        );
         builder
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(danger::AcceptAnyCertificate(provider)))
@@ -268,7 +374,8 @@ fn upstream_tls(config: &kube::Config) -> Result<rustls::ClientConfig, UpstreamE
         }
         builder.with_root_certificates(roots)
     };
-    // No client certificate, ever: in pass-through mode the user's identity is the only one the apiserver sees.
+    // No client certificate here: a pass-through request carries the user's identity only. The impersonating
+    // clients (Upstream::with_auth_proxy) set the agent's own on a copy.
     Ok(tls.with_no_client_auth())
 }
 
@@ -426,27 +533,52 @@ async fn forward(
         Ok(target) => target,
         Err(e) => return status_response(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
     };
+    let route = match route(upstream, req.headers()).await {
+        Ok(route) => route,
+        Err(refused) => return refused,
+    };
     let upgrade = is_upgrade(req.headers());
     let downstream_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
 
     let (parts, body) = req.into_parts();
+    let mut headers = forwarded_headers(&parts.headers, upgrade);
+    let (pooled, upgrading) = match &route {
+        Route::PassThrough => (&upstream.inner.pooled, &upstream.inner.upgrade),
+        Route::Impersonate(identity, imp) => {
+            if let Err(reason) = impersonate(&mut headers, identity) {
+                return unauthorized(reason);
+            }
+            match imp.own_authorization().await {
+                Ok(Some(value)) => {
+                    headers.insert(header::AUTHORIZATION, value);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    let detail = crate::error_chain(e.as_ref());
+                    tracing::warn!(error = %detail, "the agent's own credentials are unavailable");
+                    return status_response(
+                        StatusCode::BAD_GATEWAY,
+                        "InternalError",
+                        &format!("the agent's own credentials are unavailable: {detail}"),
+                    );
+                }
+            }
+            (&imp.pooled, &imp.upgrade)
+        }
+    };
     let mut out = Request::builder()
         .method(parts.method)
         .uri(target)
         .version(http::Version::HTTP_11);
-    if let Some(headers) = out.headers_mut() {
-        *headers = forwarded_headers(&parts.headers, upgrade);
+    if let Some(out_headers) = out.headers_mut() {
+        *out_headers = headers;
     }
     let out = match out.body(body) {
         Ok(out) => out,
         Err(e) => return status_response(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
     };
 
-    let client = if upgrade {
-        &upstream.inner.upgrade
-    } else {
-        &upstream.inner.pooled
-    };
+    let client = if upgrade { upgrading } else { pooled };
     let mut resp = match client.request(out).await {
         Ok(resp) => resp,
         Err(e) => return upstream_error(&e, &upstream.base()),
@@ -491,6 +623,59 @@ async fn forward(
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers, false);
     Response::from_parts(parts, Either::Left(body))
+}
+
+/// How one request goes to the apiserver.
+enum Route<'a> {
+    /// As the user sent it, on the clients without credentials.
+    PassThrough,
+    /// As the agent, impersonating the validated identity.
+    Impersonate(Identity, &'a Impersonating),
+}
+
+/// Decides the route: pass-through unless the proxy is on and the request carries an Entra-style token, which
+/// must then validate (else the 401 response to send back).
+async fn route<'a>(
+    upstream: &'a Upstream,
+    headers: &HeaderMap,
+) -> Result<Route<'a>, Response<ResponseBody>> {
+    let Some(imp) = &upstream.inner.impersonating else {
+        return Ok(Route::PassThrough);
+    };
+    let token = match imp.proxy.credential(headers) {
+        Ok(Credential::PassThrough) => return Ok(Route::PassThrough),
+        Ok(Credential::Entra(token)) => token,
+        Err(reason) => return Err(unauthorized(reason)),
+    };
+    match imp.proxy.authenticate(token).await {
+        Ok(identity) => {
+            tracing::debug!(uid = %identity.uid, groups = identity.groups.len(), "Entra token accepted; impersonating");
+            Ok(Route::Impersonate(identity, imp))
+        }
+        Err(e) => {
+            tracing::info!(reason = e.label(), "Entra token refused in the cluster");
+            Err(unauthorized(&e.to_string()))
+        }
+    }
+}
+
+impl Impersonating {
+    /// The agent's own `Authorization` value, if it authenticates with one.
+    async fn own_authorization(&self) -> Result<Option<HeaderValue>, BoxError> {
+        let Some(authorizer) = &self.authorization else {
+            return Ok(None);
+        };
+        let response = authorizer
+            .clone()
+            .oneshot(Request::new(Empty::new()))
+            .await?;
+        Ok(response.headers().get(header::AUTHORIZATION).cloned())
+    }
+}
+
+/// A 401 `Status`, as the apiserver answers a credential it does not accept.
+fn unauthorized(reason: &str) -> Response<ResponseBody> {
+    status_response(StatusCode::UNAUTHORIZED, "Unauthorized", reason)
 }
 
 /// True when the request asks to switch protocols (`Connection: upgrade` with an `Upgrade` header).

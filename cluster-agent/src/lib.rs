@@ -12,17 +12,28 @@
 //! with full-jitter exponential backoff ([`Backoff`]) and, on shutdown, sends GOAWAY and lets open streams
 //! finish before closing.
 //!
+//! With `--entra-tenant`/`--entra-audience` it is also the in-cluster authentication proxy ([`auth_proxy`]):
+//! a request carrying an Entra-style token is validated again in the cluster (the cluster never trusts the
+//! relay blindly), refused with 401 if invalid, and otherwise forwarded on the agent's own credentials with
+//! `Impersonate-*` headers for the validated user; group overages are resolved through the relay's directory
+//! over the control channel. With `--guard-url` it passes the guard RBAC snapshots the relay sends on to
+//! tether-guard (`PUT /snapshot`, retried with backoff until accepted).
+//!
 //! What it does not do: it is never an open proxy. The upstream URL, CA and TLS server name come from the kube
-//! config only, never from a request; forwarded requests carry the user's own `Authorization` (pass-through)
-//! and no credential of the agent's. It does not listen on any port.
+//! config only, never from a request; every request without an Entra-style token carries the user's own
+//! `Authorization` (pass-through) and no credential of the agent's. It does not authorize (guard, called by
+//! the apiserver, does), and it does not listen on any port.
 //!
 //! Entry point: [`run`] with a [`Config`], as called by the `tether-agent` binary and by `tether up`.
 
 mod agent;
+pub mod auth_proxy;
 pub mod backoff;
 mod config;
 mod control;
+mod directory;
 pub mod forward;
+mod guard_push;
 mod health;
 pub mod identity;
 pub mod metadata;
@@ -30,7 +41,7 @@ mod onboard;
 
 pub use agent::{AgentError, IDENTITY_EXPIRED_REASON, run};
 pub use backoff::Backoff;
-pub use config::{Config, ConfigError};
+pub use config::{Config, ConfigError, EntraConfig, GuardConfig};
 pub use tether_tunnel::Secret;
 
 /// An error and its causes on one line, for logs and Status messages.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
-use tether_agent::{AgentError, Config, Secret};
+use tether_agent::{AgentError, Config, EntraConfig, GuardConfig, Secret};
 use tether_tunnel::proxy::ProxyConfig;
 
 /// Exit status for a configuration that cannot be used (EX_USAGE).
@@ -62,6 +62,38 @@ struct Args {
     /// The kubeconfig naming the apiserver (default: KUBECONFIG, ~/.kube/config, else in-cluster).
     #[arg(long, env = "TETHER_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
+    /// Entra tenant id whose tokens the in-cluster authentication proxy validates and impersonates
+    /// (repeatable or comma-separated; with --entra-audience).
+    #[arg(
+        long = "entra-tenant",
+        env = "TETHER_ENTRA_TENANTS",
+        value_delimiter = ','
+    )]
+    entra_tenants: Vec<String>,
+    /// Accepted audience of Entra tokens (repeatable or comma-separated; with --entra-tenant).
+    #[arg(
+        long = "entra-audience",
+        env = "TETHER_ENTRA_AUDIENCES",
+        value_delimiter = ','
+    )]
+    entra_audiences: Vec<String>,
+    /// Base URL of the Entra issuer and its discovery documents (default https://login.microsoftonline.com).
+    #[arg(long, env = "TETHER_ENTRA_AUTHORITY")]
+    entra_authority: Option<String>,
+    /// A PEM CA trusted (instead of the public roots) for the authority's discovery and keys: development
+    /// issuers and tests.
+    #[arg(long, env = "TETHER_ENTRA_AUTHORITY_CA")]
+    entra_authority_ca: Option<PathBuf>,
+    /// Guard's snapshot endpoint, https://HOST:PORT/snapshot: RBAC snapshots from the relay are pushed there
+    /// (with --guard-push-token-file).
+    #[arg(long, env = "TETHER_GUARD_URL")]
+    guard_url: Option<String>,
+    /// A file holding the bearer token guard accepts for snapshot pushes.
+    #[arg(long, env = "TETHER_GUARD_PUSH_TOKEN_FILE")]
+    guard_push_token_file: Option<PathBuf>,
+    /// A PEM CA bundle to trust for guard's certificate (default: the public web PKI roots).
+    #[arg(long, env = "TETHER_GUARD_CA")]
+    guard_ca: Option<PathBuf>,
     /// Seconds open streams may keep running after a shutdown signal.
     #[arg(long, env = "TETHER_DRAIN_TIMEOUT", default_value_t = 20)]
     drain_timeout: u64,
@@ -156,6 +188,33 @@ fn config_from(args: Args) -> anyhow::Result<Config> {
     config.proxy_ca = args.proxy_cert;
     config.kubeconfig = args.kubeconfig;
     config.drain_timeout = Duration::from_secs(args.drain_timeout);
+    let entra_given = !args.entra_tenants.is_empty()
+        || !args.entra_audiences.is_empty()
+        || args.entra_authority.is_some()
+        || args.entra_authority_ca.is_some();
+    if entra_given {
+        // Incomplete settings (a tenant without an audience) fail validation with exit 64.
+        config.entra = Some(EntraConfig {
+            tenants: args.entra_tenants,
+            audiences: args.entra_audiences,
+            authority: args.entra_authority,
+            authority_ca: args.entra_authority_ca,
+        });
+    }
+    config.guard = match (args.guard_url, args.guard_push_token_file) {
+        (Some(url), Some(path)) => {
+            let token = std::fs::read_to_string(&path).with_context(|| {
+                format!("cannot read the guard push token file {}", path.display())
+            })?;
+            let mut guard = GuardConfig::new(url, Secret::new(token.trim()));
+            guard.ca = args.guard_ca;
+            Some(guard)
+        }
+        (Some(_), None) => anyhow::bail!("--guard-url needs --guard-push-token-file"),
+        (None, Some(_)) => anyhow::bail!("--guard-push-token-file needs --guard-url"),
+        (None, None) if args.guard_ca.is_some() => anyhow::bail!("--guard-ca needs --guard-url"),
+        (None, None) => None,
+    };
     Ok(config)
 }
 
