@@ -277,15 +277,34 @@ fn no_content() -> Response<Body> {
     resp
 }
 
-/// Splits `rest` (what follows the collection's path) into an optional item id; more segments are a 404.
-fn item<'a>(collection: &str, rest: Option<&'a str>) -> Result<Option<&'a str>, ApiError> {
-    match rest {
-        None => Ok(None),
+/// Splits `rest` (what follows the collection's path) into an optional item id, percent-decoded (so
+/// `Cluster%20Admin` names the built-in); more segments are a 404.
+fn item(collection: &str, rest: Option<&str>) -> Result<Option<String>, ApiError> {
+    let Some(rest) = rest else {
+        return Ok(None);
+    };
+    match percent_decode(rest) {
         Some(id) if !id.is_empty() && !id.contains('/') => Ok(Some(id)),
-        Some(other) => Err(ApiError::not_found(format!(
-            "the relay serves no /api/v1/{collection}/{other}"
+        _ => Err(ApiError::not_found(format!(
+            "the relay serves no /api/v1/{collection}/{rest}"
         ))),
     }
+}
+
+/// `%XX` escapes decoded; `None` for a malformed escape or bytes that are not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut bytes = s.bytes();
+    while let Some(b) = bytes.next() {
+        if b == b'%' {
+            let hi = (bytes.next()? as char).to_digit(16)?;
+            let lo = (bytes.next()? as char).to_digit(16)?;
+            out.push(u8::try_from(hi * 16 + lo).ok()?);
+        } else {
+            out.push(b);
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 /// The only query parameter of the assignment lists: `cluster`.
@@ -314,7 +333,7 @@ pub(crate) async fn role_definitions(
 ) -> Result<Response<Body>, ApiError> {
     api::require_admin(shared, req.headers())?;
     let id = item("roledefinitions", rest)?;
-    match (req.method().clone(), id) {
+    match (req.method().clone(), id.as_deref()) {
         (Method::POST, None) => create_role(shared, req).await,
         (Method::GET, None) => {
             let custom = shared.store.role_definitions().await?;
@@ -429,7 +448,7 @@ pub(crate) async fn role_assignments(
 ) -> Result<Response<Body>, ApiError> {
     api::require_admin(shared, req.headers())?;
     let id = item("roleassignments", rest)?;
-    match (req.method().clone(), id) {
+    match (req.method().clone(), id.as_deref()) {
         (Method::POST, None) => assign(shared, req).await,
         (Method::GET, None) => {
             let cluster = cluster_filter(req.uri().query())?;
@@ -594,7 +613,7 @@ pub(crate) async fn deny_assignments(
 ) -> Result<Response<Body>, ApiError> {
     api::require_admin(shared, req.headers())?;
     let id = item("denyassignments", rest)?;
-    match (req.method().clone(), id) {
+    match (req.method().clone(), id.as_deref()) {
         (Method::POST, None) => deny(shared, req).await,
         (Method::GET, None) => {
             let cluster = cluster_filter(req.uri().query())?;
@@ -860,12 +879,10 @@ pub(crate) async fn directory(
     oid: &str,
 ) -> Result<Response<Body>, ApiError> {
     api::require_admin(shared, req.headers())?;
-    if oid.is_empty() || oid.contains('/') {
-        return Err(ApiError::not_found(format!(
-            "the relay serves no /api/v1/directory/users/{oid}"
-        )));
-    }
-    let oid = principal(oid, "object id")?;
+    let Some(oid) = item("directory/users", Some(oid))? else {
+        return Err(ApiError::method_not_allowed());
+    };
+    let oid = principal(&oid, "object id")?;
     match req.method().clone() {
         Method::PUT => {
             let body: SetGroups = server::read_json(shared, req.into_body()).await?;
@@ -952,6 +969,22 @@ mod tests {
         assert_eq!(&a[14..15], "4");
         assert!(matches!(&a[19..20], "8" | "9" | "a" | "b"), "{a}");
         assert_ne!(a, new_id());
+    }
+
+    #[test]
+    fn item_ids_are_percent_decoded() {
+        assert_eq!(
+            percent_decode("Cluster%20Admin").as_deref(),
+            Some("Cluster Admin")
+        );
+        assert_eq!(percent_decode("plain").as_deref(), Some("plain"));
+        assert_eq!(percent_decode("%2f").as_deref(), Some("/"));
+        assert!(percent_decode("%zz").is_none() && percent_decode("%4").is_none());
+        assert!(percent_decode("%ff").is_none(), "not UTF-8");
+        assert!(
+            item("x", Some("a%2Fb")).is_err(),
+            "a decoded slash is not an id"
+        );
     }
 
     #[test]
