@@ -276,6 +276,9 @@ impl Report {
                     cell(|l| l.max_ms),
                 );
             }
+            for r in self.runs.iter().filter(|r| !r.error_samples.is_empty()) {
+                let _ = writeln!(out, "  {} errors: {}", r.label, r.error_samples.join("; "));
+            }
             let kinds: Vec<(&str, &str, &LatencySummary)> = self
                 .runs
                 .iter()
@@ -432,6 +435,7 @@ mod tests {
             seconds: 2.0,
             requests: 200,
             errors: 1,
+            error_samples: vec!["1× HTTP 503".into()],
             requests_per_sec: 100.0,
             latency: Some(LatencySummary {
                 count: 200,
@@ -470,6 +474,7 @@ mod tests {
         assert!(t.contains("== requests"), "{t}");
         assert!(t.contains("tether"), "{t}");
         assert!(t.contains("3.25"), "{t}");
+        assert!(t.contains("tether errors: 1× HTTP 503"), "{t}");
         assert!(t.contains("requests tether/direct  0.250×"), "{t}");
         assert!(
             t.contains("[MISSED] ≥ 0.5× direct — measured 0.250× (50 % short)"),

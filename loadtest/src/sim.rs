@@ -5,8 +5,8 @@
 //! authenticates with mTLS); an older relay ignores the CSR and answers with a bearer credential. Both work.
 //!
 //! The control channel (a stream of kind CONTROL; messages are a u32 big-endian length then JSON) is spoken
-//! here independently of `tether_tunnel`'s own codec: `hello` and `metadata` at connect, then `heartbeat`
-//! and `health` every interval the relay's `welcome` names. When the relay refuses the control stream (a relay
+//! here independently of `tether_tunnel`'s own codec, as the agent speaks it: `hello`, then after the relay's
+//! `welcome` a `metadata` and a `health`, then a `heartbeat` and a `health` every interval the welcome names. When the relay refuses the control stream (a relay
 //! without one), the tunnel is held with protocol keepalives only, and [`SimStats::control_refused`] says so.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -231,12 +231,6 @@ async fn control_channel(
     let version = env!("CARGO_PKG_VERSION");
     wr.write_all(&encode(&json!({"type": "hello", "agentVersion": version})))
         .await?;
-    wr.write_all(&encode(&json!({
-        "type": "metadata", "kubernetesVersion": "v1.33.0", "nodeCount": 1, "totalCpuMillis": 2000,
-        "totalMemoryBytes": 4_294_967_296u64, "distribution": "loadtest", "infrastructure": "loopback",
-        "agentVersion": version
-    })))
-    .await?;
     if answer.accepted().await.is_err() {
         stats.control_refused.fetch_add(1, Ordering::Relaxed);
         anyhow::bail!("control stream refused");
@@ -250,11 +244,26 @@ async fn control_channel(
     {
         interval = Duration::from_secs_f64(secs);
     }
+    // As the agent does: metadata and health at once, then a heartbeat and a health report every interval.
+    let started = Instant::now();
+    let health = |conn: &Connection| {
+        encode(&json!({
+            "type": "health", "agentVersion": version,
+            "uptimeSeconds": started.elapsed().as_secs(), "memoryBytes": 0, "cpuSeconds": 0.0,
+            "reconnects": 0, "tunnelRttMillis": conn.rtt().map_or(0, |d| d.as_millis() as u64)
+        }))
+    };
+    wr.write_all(&encode(&json!({
+        "type": "metadata", "kubernetesVersion": "v1.33.0", "nodeCount": 1, "totalCpuMillis": 2000,
+        "totalMemoryBytes": 4_294_967_296u64, "distribution": "loadtest", "infrastructure": "loopback",
+        "agentVersion": version
+    })))
+    .await?;
+    wr.write_all(&health(conn)).await?;
     // Agents started together should not beat together: start at a random phase.
     let phase = interval.mul_f64(rand::rng().random_range(0.0..1.0));
     let mut tick = tokio::time::interval_at(Instant::now() + phase, interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let started = Instant::now();
     let mut seq = 0u64;
     let reader = async {
         // Drain whatever the relay sends (certificates, snapshots); end when the stream ends.
@@ -266,12 +275,7 @@ async fn control_channel(
             _ = tick.tick() => {
                 seq += 1;
                 wr.write_all(&encode(&json!({"type": "heartbeat", "seq": seq}))).await?;
-                wr.write_all(&encode(&json!({
-                    "type": "health", "agentVersion": version,
-                    "uptimeSeconds": started.elapsed().as_secs(), "memoryBytes": 0, "cpuSeconds": 0.0,
-                    "reconnects": 0, "tunnelRttMillis": conn.rtt().map_or(0, |d| d.as_millis() as u64)
-                })))
-                .await?;
+                wr.write_all(&health(conn)).await?;
                 stats.heartbeats.fetch_add(1, Ordering::Relaxed);
             }
             () = &mut reader => anyhow::bail!("control stream ended"),
