@@ -11,7 +11,7 @@ use hyper::body::Incoming;
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc};
 
-use crate::auth::{self, Attributes, Decision, User};
+use crate::auth::{Attributes, User};
 use crate::body::Body;
 use crate::resources::{self, IncludeObject, Resource};
 use crate::selector::{FieldSelector, LabelSelector};
@@ -223,13 +223,12 @@ async fn dispatch(
             verb: "create".into(),
             resource_request: true,
             api_group: resources::AUTHENTICATION_GROUP.into(),
+            api_version: "v1".into(),
             resource: "selfsubjectreviews".into(),
             ..attrs
         };
     }
-    if let Decision::Deny(reason) = auth::authorize(user, &attrs) {
-        return Err(auth::forbidden(user, &attrs, &reason));
-    }
+    shared.authz.check(user, &attrs).await?;
     if self_review {
         if method != Method::POST {
             return Err(ApiError::method_not_allowed(format!(
@@ -346,6 +345,7 @@ fn attributes(method: &Method, path: &str, target: Option<&Target>, query: &Quer
             verb: method.as_str().to_ascii_lowercase(),
             resource_request: false,
             api_group: String::new(),
+            api_version: String::new(),
             resource: String::new(),
             subresource: String::new(),
             namespace: String::new(),
@@ -380,6 +380,7 @@ fn attributes(method: &Method, path: &str, target: Option<&Target>, query: &Quer
         verb: verb.into(),
         resource_request: true,
         api_group: String::new(),
+        api_version: "v1".into(),
         resource: t.resource.plural().into(),
         subresource: t.subresource.clone().unwrap_or_default(),
         namespace,

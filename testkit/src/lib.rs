@@ -3,18 +3,23 @@
 //! binary ([`kubectl`]).
 //!
 //! The sample apiserver implements the part of the Kubernetes API our tests and the quickstart exercise, the way
-//! kube-apiserver does where real clients (kubectl, kube-rs, python-kubernetes) look: bearer-token authentication,
+//! kube-apiserver does where real clients (kubectl, kube-rs, python-kubernetes) look: bearer-token authentication
+//! (static tokens, then a TokenReview webhook), authorization (AlwaysAllow, or a structured authorization
+//! configuration with SubjectAccessReview webhooks and a tiny built-in RBAC, see [`authz`]), impersonation,
 //! discovery, namespaces, nodes, pods and configmaps with CRUD, paging, selectors, patches and watches, pod logs,
 //! and exec over WebSocket (`v5.channel.k8s.io` / `v4.channel.k8s.io`). It serves HTTPS only, HTTP/1.1 and h2.
+//! [`dev_issuer`] is a development-only token issuer shaped like Entra ID, for the quickstart and tests.
 //!
 //! What it does not do: persistence (everything lives in memory), API groups other than core `v1`, admission,
-//! RBAC (every authenticated request is allowed; see [`auth`] for where authorization goes), protobuf, SPDY
-//! (kubectl ≥ 1.30 uses WebSockets for exec), port-forward and attach. It is test support, never used by the relay
-//! or the agent.
+//! full RBAC (roles and bindings objects; only [`RbacRule`]s added in code), real CEL, protobuf, SPDY (kubectl ≥
+//! 1.30 uses WebSockets for exec), port-forward and attach. It is test support, never used by the relay or the
+//! agent.
 
 pub mod auth;
+pub mod authz;
 mod body;
 pub mod certs;
+pub mod dev_issuer;
 mod exec;
 mod handlers;
 pub mod kubectl;
@@ -28,16 +33,19 @@ mod server;
 mod status;
 mod store;
 mod util;
+pub mod webhook;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use auth::User;
+pub use authz::{RbacRule, Subject};
 use resources::Resource;
 use server::Shared;
 
@@ -77,7 +85,18 @@ pub enum TestkitError {
     /// Something did not happen before its deadline.
     #[error("timed out: {0}")]
     Timeout(String),
+    /// A webhook configuration (kubeconfig, authorization configuration) is unusable.
+    #[error(transparent)]
+    Webhook(#[from] webhook::WebhookError),
+    /// The development issuer failed.
+    #[error("development issuer: {0}")]
+    Issuer(String),
 }
+
+/// The user name of the sample apiserver's agent identity (the `agent-kubeconfig` it writes): a service account
+/// that the built-in RBAC lets do everything, impersonation included, as the agent's Helm chart binds it to
+/// cluster-admin.
+pub const AGENT_USER: &str = "system:serviceaccount:tether-system:tether-agent";
 
 /// How to start a [`SampleApiserver`].
 #[derive(Debug, Clone)]
@@ -88,6 +107,14 @@ pub struct SampleOptions {
     pub listen: SocketAddr,
     /// The bearer token of user `admin`; None generates a random one.
     pub token: Option<String>,
+    /// A TokenReview webhook kubeconfig (`--authentication-token-webhook-config-file`), asked for tokens that are
+    /// not static ones.
+    pub authn_webhook: Option<PathBuf>,
+    /// How long TokenReview answers are cached (`--authentication-token-webhook-cache-ttl`, default 2 min).
+    pub authn_cache_ttl: Duration,
+    /// A structured `AuthorizationConfiguration` (`--authorization-config`); None allows every authenticated
+    /// request.
+    pub authz_config: Option<PathBuf>,
 }
 
 impl SampleOptions {
@@ -97,6 +124,9 @@ impl SampleOptions {
             dir: dir.into(),
             listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
             token: None,
+            authn_webhook: None,
+            authn_cache_ttl: auth::DEFAULT_AUTHN_CACHE_TTL,
+            authz_config: None,
         }
     }
 }
@@ -109,6 +139,7 @@ pub struct SampleApiserver {
     token: String,
     ca_pem: String,
     kubeconfig: PathBuf,
+    agent_kubeconfig: PathBuf,
     shutdown: CancellationToken,
     tracker: TaskTracker,
 }
@@ -124,9 +155,24 @@ impl std::fmt::Debug for SampleApiserver {
 
 impl SampleApiserver {
     /// Generates a CA and a serving certificate (SANs: localhost, 127.0.0.1, ::1 and the listen IP if it is not
-    /// unspecified), binds, serves in background tasks, and writes `DIR/kubeconfig` (server URL, CA data embedded,
-    /// user token), `DIR/ca.pem` and `DIR/token`. Returns when ready to serve.
+    /// unspecified), loads the webhook configurations, binds, serves in background tasks, and writes
+    /// `DIR/kubeconfig` (server URL, CA data embedded, user token), `DIR/agent-kubeconfig` (the same for
+    /// [`AGENT_USER`]), `DIR/ca.pem` and `DIR/token`. Returns when ready to serve.
     pub async fn start(opts: SampleOptions) -> Result<SampleApiserver, TestkitError> {
+        let authn = auth::Authenticator {
+            tokens: auth::Tokens::default(),
+            webhook: match &opts.authn_webhook {
+                Some(path) => Some(auth::TokenWebhook::new(
+                    webhook::WebhookClient::from_kubeconfig(path)?,
+                    opts.authn_cache_ttl,
+                )),
+                None => None,
+            },
+        };
+        let authz = match &opts.authz_config {
+            Some(path) => authz::Authorizer::from_config(path)?,
+            None => authz::Authorizer::always_allow(),
+        };
         let ca = certs::Ca::new("tether-sample-apiserver-ca")?;
         let mut names = vec![
             "localhost".to_string(),
@@ -164,12 +210,42 @@ impl SampleApiserver {
         let token = opts.token.clone().unwrap_or_else(util::random_token);
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
-        let shared = Arc::new(Shared::new(addr, shutdown.clone(), tracker.clone()));
+        let shared = Arc::new(Shared::new(
+            addr,
+            shutdown.clone(),
+            tracker.clone(),
+            authn,
+            authz,
+        ));
         shared
+            .authn
             .tokens
             .add(&token, auth::user("admin", &["system:masters"]));
+        let agent_token = util::random_token();
+        shared.authn.tokens.add(
+            &agent_token,
+            auth::user(
+                AGENT_USER,
+                &[
+                    "system:serviceaccounts",
+                    "system:serviceaccounts:tether-system",
+                ],
+            ),
+        );
+        shared
+            .authz
+            .rbac
+            .add(RbacRule::everything(Subject::User(AGENT_USER.into())));
 
         let kubeconfig = write_state(&opts.dir, &url, ca.cert_pem(), &token)?;
+        let agent_kubeconfig = opts.dir.join("agent-kubeconfig");
+        write_kubeconfig(
+            &agent_kubeconfig,
+            &url,
+            ca.cert_pem(),
+            "tether-agent",
+            &agent_token,
+        )?;
         tracker.spawn(server::accept_loop(
             listener,
             tokio_rustls::TlsAcceptor::from(tls),
@@ -183,6 +259,7 @@ impl SampleApiserver {
             token,
             ca_pem: ca.cert_pem().to_string(),
             kubeconfig,
+            agent_kubeconfig,
             shutdown,
             tracker,
         })
@@ -213,9 +290,49 @@ impl SampleApiserver {
         self.kubeconfig.clone()
     }
 
+    /// `DIR/agent-kubeconfig`: the sample's agent identity ([`AGENT_USER`]), for a cluster agent that
+    /// impersonates the users it authenticates.
+    pub fn agent_kubeconfig_path(&self) -> PathBuf {
+        self.agent_kubeconfig.clone()
+    }
+
     /// Adds an identity: requests with bearer `token` act as `user` in `groups` (plus `system:authenticated`).
     pub fn add_token(&self, token: &str, user: &str, groups: &[&str]) {
-        self.shared.tokens.add(token, auth::user(user, groups));
+        self.shared
+            .authn
+            .tokens
+            .add(token, auth::user(user, groups));
+    }
+
+    /// Adds a rule to the built-in RBAC (used when the authorization configuration has an `RBAC` authorizer).
+    pub fn allow(&self, rule: RbacRule) {
+        self.shared.authz.rbac.add(rule);
+    }
+
+    /// How many requests came with a User-Agent whose product (the part before the first `/`) starts with
+    /// `prefix`, e.g. `kubectl`.
+    pub fn requests_with_user_agent(&self, prefix: &str) -> u64 {
+        self.shared
+            .user_agents
+            .lock()
+            .map(|agents| {
+                agents
+                    .iter()
+                    .filter(|(product, _)| product.starts_with(prefix))
+                    .map(|(_, n)| n)
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
+    /// How many TokenReview webhook calls were made (answers not in the cache).
+    pub fn token_reviews(&self) -> u64 {
+        self.shared.authn.webhook_calls()
+    }
+
+    /// How many SubjectAccessReview webhook calls were made (answers not in the cache).
+    pub fn access_reviews(&self) -> u64 {
+        self.shared.authz.webhook_calls()
     }
 
     /// Creates `count` configmaps named `{prefix}{i}` (i from 0) in `namespace` directly in the store (creating
@@ -302,11 +419,26 @@ fn write_state(
     ca_pem: &str,
     token: &str,
 ) -> Result<PathBuf, TestkitError> {
-    use base64::Engine as _;
     std::fs::create_dir_all(dir).map_err(|source| TestkitError::Write {
         path: dir.to_path_buf(),
         source,
     })?;
+    write_file(&dir.join("ca.pem"), ca_pem.as_bytes())?;
+    write_file(&dir.join("token"), format!("{token}\n").as_bytes())?;
+    let kubeconfig = dir.join("kubeconfig");
+    write_kubeconfig(&kubeconfig, url, ca_pem, "admin", token)?;
+    Ok(kubeconfig)
+}
+
+/// Writes a kubeconfig for `url` (CA data embedded) whose user `user_name` has bearer `token`.
+fn write_kubeconfig(
+    path: &std::path::Path,
+    url: &str,
+    ca_pem: &str,
+    user_name: &str,
+    token: &str,
+) -> Result<(), TestkitError> {
+    use base64::Engine as _;
     let kubeconfig = json!({
         "apiVersion": "v1",
         "kind": "Config",
@@ -314,24 +446,21 @@ fn write_state(
             "server": url,
             "certificate-authority-data": base64::engine::general_purpose::STANDARD.encode(ca_pem),
         }}],
-        "users": [{"name": "admin", "user": {"token": token}}],
-        "contexts": [{"name": "tether-sample", "context": {"cluster": "tether-sample", "user": "admin", "namespace": "default"}}],
+        "users": [{"name": user_name, "user": {"token": token}}],
+        "contexts": [{"name": "tether-sample", "context": {"cluster": "tether-sample", "user": user_name, "namespace": "default"}}],
         "current-context": "tether-sample",
         "preferences": {},
     });
     let text = serde_yaml::to_string(&kubeconfig)?;
-    let write = |name: &str, bytes: &[u8]| -> Result<PathBuf, TestkitError> {
-        let path = dir.join(name);
-        certs::write_private(&path, bytes).map_err(|e| match e {
-            certs::CertError::Io { source, .. } => TestkitError::Write {
-                path: path.clone(),
-                source,
-            },
-            other => TestkitError::Certs(other),
-        })?;
-        Ok(path)
-    };
-    write("ca.pem", ca_pem.as_bytes())?;
-    write("token", format!("{token}\n").as_bytes())?;
-    write("kubeconfig", text.as_bytes())
+    write_file(path, text.as_bytes())
+}
+
+fn write_file(path: &std::path::Path, bytes: &[u8]) -> Result<(), TestkitError> {
+    certs::write_private(path, bytes).map_err(|e| match e {
+        certs::CertError::Io { source, .. } => TestkitError::Write {
+            path: path.to_path_buf(),
+            source,
+        },
+        other => TestkitError::Certs(other),
+    })
 }

@@ -2,10 +2,11 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use tether_testkit::{SampleApiserver, SampleOptions};
+use tether_testkit::{SampleApiserver, SampleOptions, TestkitError};
 
 /// A sample Kubernetes apiserver for tests and demos (in memory, HTTPS, bearer tokens).
 #[derive(Debug, Parser)]
@@ -20,6 +21,21 @@ struct Args {
     /// Bearer token of user "admin" (random when not given).
     #[arg(long, env = "TETHER_SAMPLE_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// TokenReview webhook kubeconfig, asked for tokens that are not static ones (as kube-apiserver's flag).
+    #[arg(long, env = "TETHER_SAMPLE_AUTHN_WEBHOOK")]
+    authentication_token_webhook_config_file: Option<PathBuf>,
+    /// How long TokenReview answers are cached (Go duration, e.g. 2m).
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    authentication_token_webhook_cache_ttl: Duration,
+    /// Structured AuthorizationConfiguration YAML (as kube-apiserver's flag); without it every authenticated
+    /// request is allowed.
+    #[arg(long, env = "TETHER_SAMPLE_AUTHZ_CONFIG")]
+    authorization_config: Option<PathBuf>,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    tether_testkit::authz::parse_duration(s)
+        .ok_or_else(|| format!("invalid duration {s:?} (e.g. 2m, 30s)"))
 }
 
 #[tokio::main]
@@ -39,9 +55,18 @@ async fn main() -> anyhow::Result<()> {
         dir: args.dir,
         listen: args.listen,
         token: args.token,
+        authn_webhook: args.authentication_token_webhook_config_file,
+        authn_cache_ttl: args.authentication_token_webhook_cache_ttl,
+        authz_config: args.authorization_config,
     })
-    .await
-    .context("starting the sample apiserver")?;
+    .await;
+    let server = match server {
+        Err(TestkitError::Webhook(e)) => {
+            eprintln!("error: {e}");
+            std::process::exit(64);
+        }
+        other => other.context("starting the sample apiserver")?,
+    };
     println!(
         "sample apiserver at {}; kubeconfig: {}",
         server.url(),

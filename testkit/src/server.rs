@@ -16,7 +16,8 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::auth::Tokens;
+use crate::auth::Authenticator;
+use crate::authz::Authorizer;
 use crate::body::Body;
 use crate::store::Store;
 
@@ -34,10 +35,13 @@ pub(crate) const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
 /// State shared by every connection and request.
 pub(crate) struct Shared {
     pub(crate) store: Store,
-    pub(crate) tokens: Tokens,
+    pub(crate) authn: Authenticator,
+    pub(crate) authz: Authorizer,
     pub(crate) requests: AtomicU64,
     /// Requests refused for a missing or unknown bearer token.
     pub(crate) unauthenticated: AtomicU64,
+    /// Requests per User-Agent product (the part before the first `/`), bounded.
+    pub(crate) user_agents: std::sync::Mutex<std::collections::HashMap<String, u64>>,
     /// The listen address, for discovery's `serverAddressByClientCIDRs`.
     pub(crate) addr: SocketAddr,
     /// When the server started: the demo pod's log ticks count from here.
@@ -57,6 +61,8 @@ impl Shared {
         addr: SocketAddr,
         shutdown: CancellationToken,
         tracker: TaskTracker,
+        authn: Authenticator,
+        authz: Authorizer,
     ) -> Shared {
         let store = Store::new();
         for ns in ["default", "kube-system", "kube-public"] {
@@ -92,9 +98,11 @@ impl Shared {
         }
         Shared {
             store,
-            tokens: Tokens::default(),
+            authn,
+            authz,
             requests: AtomicU64::new(0),
             unauthenticated: AtomicU64::new(0),
+            user_agents: std::sync::Mutex::new(std::collections::HashMap::new()),
             addr,
             started: Instant::now(),
             started_wall: time::OffsetDateTime::now_utc(),
@@ -179,15 +187,22 @@ async fn serve_connection(
     }
 }
 
-/// Every request: count it, authenticate, route, log.
+/// Most distinct User-Agent products counted.
+const MAX_USER_AGENTS: usize = 256;
+
+/// Every request: count it, authenticate, apply impersonation, route (which authorizes), log.
 async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<Incoming>) -> Response<Body> {
     shared.requests.fetch_add(1, Ordering::Relaxed);
+    count_user_agent(&shared, req.headers());
     let started = Instant::now();
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let version = req.version();
-    let response = match shared.tokens.authenticate(req.headers()) {
-        Ok(user) => crate::handlers::route(&shared, user, req).await,
+    let response = match shared.authn.authenticate(req.headers()).await {
+        Ok(user) => match crate::authz::impersonate(&shared.authz, user, req.headers()).await {
+            Ok(user) => crate::handlers::route(&shared, user, req).await,
+            Err(e) => crate::handlers::error_response(&e),
+        },
         Err(e) => {
             shared.unauthenticated.fetch_add(1, Ordering::Relaxed);
             crate::handlers::error_response(&e)
@@ -198,4 +213,17 @@ async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<Incoming>) -
         elapsed_ms = started.elapsed().as_millis() as u64, "request"
     );
     response
+}
+
+fn count_user_agent(shared: &Shared, headers: &http::HeaderMap) {
+    let product = headers
+        .get(http::header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+        .map(|ua| ua.split('/').next().unwrap_or_default().trim().to_string())
+        .unwrap_or_default();
+    if let Ok(mut agents) = shared.user_agents.lock()
+        && (agents.len() < MAX_USER_AGENTS || agents.contains_key(&product))
+    {
+        *agents.entry(product).or_default() += 1;
+    }
 }

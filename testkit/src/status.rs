@@ -35,6 +35,14 @@ impl ApiError {
         ApiError::new(403, "Forbidden", message)
     }
 
+    /// 403 with kube's details (`name`, `group`, `kind`) when the request named a resource.
+    pub(crate) fn forbidden_with(message: impl Into<String>, details: Option<Value>) -> ApiError {
+        ApiError {
+            details,
+            ..ApiError::new(403, "Forbidden", message)
+        }
+    }
+
     pub(crate) fn not_found(resource: &str, name: &str) -> ApiError {
         ApiError::new(404, "NotFound", format!("{resource} \"{name}\" not found"))
             .with_details(json!({"name": name, "kind": resource}))
@@ -135,14 +143,6 @@ impl ApiError {
 
     pub(crate) fn timeout(message: impl Into<String>) -> ApiError {
         ApiError::new(408, "Timeout", message)
-    }
-
-    pub(crate) fn internal(message: impl Into<String>) -> ApiError {
-        ApiError::new(
-            500,
-            "InternalError",
-            format!("Internal error occurred: {}", message.into()),
-        )
     }
 
     /// The `Status` object kube-apiserver sends for this error.

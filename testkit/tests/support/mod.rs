@@ -80,6 +80,18 @@ impl Client {
         content_type: Option<&str>,
         body: Vec<u8>,
     ) -> anyhow::Result<http::Response<hyper::body::Incoming>> {
+        self.send_with(method, path, content_type, body, &[]).await
+    }
+
+    /// [`Client::send`] with extra request headers.
+    pub async fn send_with(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: Option<&str>,
+        body: Vec<u8>,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<http::Response<hyper::body::Incoming>> {
         let tcp = tokio::net::TcpStream::connect(self.addr).await?;
         let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
             .connect(ServerName::try_from("localhost")?.to_owned(), tcp)
@@ -99,6 +111,9 @@ impl Client {
         }
         if let Some(ct) = content_type {
             req = req.header("content-type", ct);
+        }
+        for (name, value) in headers {
+            req = req.header(*name, *value);
         }
         let req = req.body(Full::new(Bytes::from(body)))?;
         let io = TokioIo::new(tls);
@@ -123,6 +138,29 @@ impl Client {
     ) -> anyhow::Result<Reply> {
         let response =
             tokio::time::timeout(DEADLINE, self.send(method, path, content_type, body)).await??;
+        let (parts, body) = response.into_parts();
+        let body = tokio::time::timeout(DEADLINE, body.collect())
+            .await??
+            .to_bytes();
+        Ok(Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
+    }
+
+    /// A bodiless request with extra headers.
+    pub async fn request_with(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<Reply> {
+        let response = tokio::time::timeout(
+            DEADLINE,
+            self.send_with(method, path, None, Vec::new(), headers),
+        )
+        .await??;
         let (parts, body) = response.into_parts();
         let body = tokio::time::timeout(DEADLINE, body.collect())
             .await??
