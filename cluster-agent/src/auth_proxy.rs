@@ -33,6 +33,8 @@ pub const IMPERSONATE_UID: &str = "impersonate-uid";
 pub const IMPERSONATE_EXTRA_PREFIX: &str = "impersonate-extra-";
 /// The prefix of every impersonation header (all of them are dropped from a user's Entra request).
 const IMPERSONATE_PREFIX: &str = "impersonate-";
+/// The WebSocket subprotocol in which browser clients carry a bearer token (`base64url.bearer.…{token}`).
+const WEBSOCKET_BEARER_PREFIX: &str = "base64url.bearer.authorization.k8s.io.";
 
 /// Why the authentication proxy could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -128,8 +130,8 @@ fn bearer(value: &HeaderValue) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
-/// Rewrites `headers` for an authenticated Entra user: removes `Authorization` and every `Impersonate-*`
-/// header, then adds the impersonation headers for `identity`. The agent's own credential is added by the
+/// Rewrites `headers` for an authenticated Entra user: removes `Authorization`, any bearer token carried as a
+/// WebSocket subprotocol, and every `Impersonate-*` header, then adds the impersonation headers for `identity`. The agent's own credential is added by the
 /// caller. Fails (nothing is forwarded then) when the identity cannot be written as header values.
 pub(crate) fn impersonate(
     headers: &mut HeaderMap,
@@ -144,6 +146,7 @@ pub(crate) fn impersonate(
     for name in user_sent {
         headers.remove(&name);
     }
+    strip_websocket_bearer(headers);
     // Bytes beyond ASCII (a UPN with accents) are allowed; control characters are not.
     let value = |v: &str| {
         HeaderValue::from_bytes(v.as_bytes())
@@ -162,6 +165,30 @@ pub(crate) fn impersonate(
         }
     }
     Ok(())
+}
+
+/// Drops `base64url.bearer.authorization.k8s.io.*` from `Sec-WebSocket-Protocol`, keeping the other
+/// subprotocols (the apiserver would otherwise still see the user's token there).
+fn strip_websocket_bearer(headers: &mut HeaderMap) {
+    let name = header::SEC_WEBSOCKET_PROTOCOL;
+    if !headers.contains_key(&name) {
+        return;
+    }
+    let kept: Vec<String> = headers
+        .get_all(&name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|p| !p.is_empty() && !p.starts_with(WEBSOCKET_BEARER_PREFIX))
+        .map(str::to_owned)
+        .collect();
+    headers.remove(&name);
+    if !kept.is_empty()
+        && let Ok(value) = HeaderValue::from_str(&kept.join(", "))
+    {
+        headers.insert(name, value);
+    }
 }
 
 #[cfg(test)]
@@ -252,6 +279,12 @@ mod tests {
         h.insert("impersonate-extra-scopes", HeaderValue::from_static("x"));
         h.insert("impersonate-uid", HeaderValue::from_static("0"));
         h.insert("accept", HeaderValue::from_static("application/json"));
+        h.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            HeaderValue::from_static(
+                "v5.channel.k8s.io, base64url.bearer.authorization.k8s.io.dXNlcg",
+            ),
+        );
         let identity = Identity {
             username: "alice@contoso.example".into(),
             uid: "oid-1".into(),
@@ -272,7 +305,16 @@ mod tests {
         assert_eq!(h["impersonate-extra-oid"], "oid-1");
         assert_eq!(h["impersonate-extra-tid"], "t1");
         assert_eq!(h["accept"], "application/json");
-        assert_eq!(h.len(), 7);
+        assert_eq!(h[header::SEC_WEBSOCKET_PROTOCOL], "v5.channel.k8s.io");
+        assert_eq!(h.len(), 8);
+
+        let mut only_token = HeaderMap::new();
+        only_token.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            HeaderValue::from_static("base64url.bearer.authorization.k8s.io.dXNlcg"),
+        );
+        impersonate(&mut only_token, &identity).unwrap();
+        assert!(only_token.get(header::SEC_WEBSOCKET_PROTOCOL).is_none());
 
         let bad = Identity {
             username: "evil\r\nx: y".into(),

@@ -18,6 +18,13 @@ fn agent() -> Command {
         "https_proxy",
         "NO_PROXY",
         "no_proxy",
+        "TETHER_ENTRA_TENANTS",
+        "TETHER_ENTRA_AUDIENCES",
+        "TETHER_ENTRA_AUTHORITY",
+        "TETHER_ENTRA_AUTHORITY_CA",
+        "TETHER_GUARD_URL",
+        "TETHER_GUARD_PUSH_TOKEN_FILE",
+        "TETHER_GUARD_CA",
     ] {
         cmd.env_remove(var);
     }
@@ -102,6 +109,77 @@ fn the_token_is_never_echoed() -> Result<()> {
     );
     assert!(all.contains("kubeconfig"), "{all}");
     assert!(!all.contains("super-secret-onboarding-token"), "{all}");
+    Ok(())
+}
+
+#[test]
+fn bad_entra_and_guard_settings_exit_64() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let token_file = dir.path().join("push-token");
+    std::fs::write(&token_file, "very-secret-push-token\n")?;
+    let run = |extra: &[&str], env: &[(&str, &str)]| -> Result<String> {
+        let mut cmd = agent();
+        cmd.args([
+            "--relay",
+            "https://relay.example",
+            "--cluster",
+            "prod",
+            "--onboarding-token",
+            "onb",
+        ])
+        .arg("--state-dir")
+        .arg(&state)
+        .args(extra);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output()?;
+        assert_eq!(out.status.code(), Some(64), "{extra:?} {env:?}");
+        Ok(format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    };
+    let all = run(
+        &["--entra-tenant", "72f988bf-86f1-41af-91ab-2d7cd011db47"],
+        &[],
+    )?;
+    assert!(all.contains("invalid Entra settings"), "{all}");
+    assert!(all.contains("audience"), "{all}");
+    let all = run(
+        &[],
+        &[
+            ("TETHER_ENTRA_TENANTS", "t1,t2"),
+            ("TETHER_ENTRA_AUDIENCES", "api://tether"),
+            ("TETHER_ENTRA_AUTHORITY", "http://idp.example"),
+        ],
+    )?;
+    assert!(all.contains("https://"), "{all}");
+
+    let all = run(&["--guard-url", "https://guard.example/snapshot"], &[])?;
+    assert!(all.contains("--guard-push-token-file"), "{all}");
+    let token = token_file.to_str().unwrap_or_default();
+    let all = run(
+        &[
+            "--guard-url",
+            "http://guard.example/snapshot",
+            "--guard-push-token-file",
+            token,
+        ],
+        &[],
+    )?;
+    assert!(all.contains("invalid guard settings"), "{all}");
+    assert!(!all.contains("very-secret-push-token"), "{all}");
+    let all = run(
+        &[],
+        &[
+            ("TETHER_GUARD_URL", "https://guard.example/snapshot"),
+            ("TETHER_GUARD_PUSH_TOKEN_FILE", "/nonexistent/push-token"),
+        ],
+    )?;
+    assert!(all.contains("guard push token file"), "{all}");
     Ok(())
 }
 

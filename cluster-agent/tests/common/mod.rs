@@ -23,6 +23,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 pub mod harness;
+pub mod idp;
 pub mod proxy;
 pub mod real_relay;
 pub mod relay;

@@ -1,8 +1,10 @@
 //! A minimal stand-in for the relay's agent endpoints, built on `tether_tunnel`'s server side: onboarding with
 //! a one-time token and a CSR (signed by a test agent CA), the tunnel upgrade with client-certificate checks,
-//! and the control channel (welcome, renewals). Tests get each tunnel as a `Connection` and every control
-//! message the agent sent.
+//! and the control channel (welcome, renewals, the guard snapshot after each hello, answers to
+//! `resolveGroups` from a small directory, and messages tests push). Tests get each tunnel as a `Connection`
+//! and every control message the agent sent.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -19,7 +21,7 @@ use sha2::{Digest, Sha256};
 use tether_tunnel::control::{self, Message, Welcome};
 use tether_tunnel::{Connection, Role, SessionConfig, code, kind, ws};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc};
 
 use super::TestCa;
 
@@ -58,6 +60,14 @@ pub struct RelayState {
     pub renew_requests: AtomicUsize,
     /// Every control stream accepted, to reset from tests.
     pub control_streams: Mutex<Vec<tether_tunnel::StreamControl>>,
+    /// The guard snapshot sent right after each `welcome`, as the real relay does at `hello`.
+    pub guard_snapshot: Mutex<Option<serde_json::Value>>,
+    /// The directory `resolveGroups` is answered from: user oid → group ids (unknown users get an error).
+    pub directory: Mutex<HashMap<String, Vec<String>>>,
+    /// How many `resolveGroups` the agents asked.
+    pub resolve_requests: AtomicUsize,
+    /// Messages for every live control channel ([`FakeRelay::send_to_agents`]).
+    push: broadcast::Sender<Message>,
     ca: Arc<TestCa>,
     tunnels: mpsc::UnboundedSender<Connection>,
     messages: mpsc::UnboundedSender<Message>,
@@ -106,6 +116,10 @@ impl FakeRelay {
             renew_mode: Mutex::new(RenewMode::Issue),
             renew_requests: AtomicUsize::new(0),
             control_streams: Mutex::new(Vec::new()),
+            guard_snapshot: Mutex::new(None),
+            directory: Mutex::new(HashMap::new()),
+            resolve_requests: AtomicUsize::new(0),
+            push: broadcast::channel(64).0,
             ca: ca.clone(),
             tunnels: tx,
             messages: mtx,
@@ -217,11 +231,38 @@ impl FakeRelay {
             ),
             renew_requests: AtomicUsize::new(0),
             control_streams: Mutex::new(Vec::new()),
+            guard_snapshot: Mutex::new(old.guard_snapshot.lock().ok().and_then(|s| s.clone())),
+            directory: Mutex::new(old.directory.lock().map(|d| d.clone()).unwrap_or_default()),
+            resolve_requests: AtomicUsize::new(0),
+            push: broadcast::channel(64).0,
             ca: old.ca.clone(),
             tunnels: tx,
             messages: mtx,
         });
         Self::start_with(self.addr, self.ca.clone(), state, rx, mrx).await
+    }
+
+    /// Sends `message` on every control channel open now; how many received it.
+    pub fn send_to_agents(&self, message: Message) -> usize {
+        self.state.push.send(message).unwrap_or(0)
+    }
+
+    /// Sets the snapshot sent after each `hello` and sends it to the agents connected now.
+    pub fn set_guard_snapshot(&self, snapshot: serde_json::Value) -> usize {
+        if let Ok(mut s) = self.state.guard_snapshot.lock() {
+            *s = Some(snapshot.clone());
+        }
+        self.send_to_agents(Message::GuardSnapshot(control::GuardSnapshot { snapshot }))
+    }
+
+    /// Sets the groups the directory answers for `oid`.
+    pub fn set_groups(&self, oid: &str, groups: &[&str]) {
+        if let Ok(mut d) = self.state.directory.lock() {
+            d.insert(
+                oid.to_owned(),
+                groups.iter().map(|g| (*g).to_owned()).collect(),
+            );
+        }
     }
 
     pub fn presented(&self) -> Vec<Option<String>> {
@@ -417,16 +458,72 @@ async fn serve_control(conn: Connection, state: Arc<RelayState>) {
             streams.push(stream.control());
         }
         let state = state.clone();
+        let mut pushed = state.push.subscribe();
         tokio::spawn(async move {
             let (read, mut write) = tokio::io::split(stream);
             let mut reader = control::Reader::new(read);
-            while let Ok(Some(message)) = reader.recv().await {
+            loop {
+                let message = tokio::select! {
+                    message = reader.recv() => match message {
+                        Ok(Some(message)) => message,
+                        _ => return,
+                    },
+                    pushed = pushed.recv() => match pushed {
+                        Ok(message) => {
+                            if control::send(&mut write, &message).await.is_err() {
+                                return;
+                            }
+                            continue;
+                        }
+                        Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                        Err(broadcast::error::RecvError::Closed) => return,
+                    },
+                };
                 let _ = state.messages.send(message.clone());
-                let reply = match message {
-                    Message::Hello(_) => Some(Message::Welcome(Welcome {
+                if let Message::ResolveGroups(question) = &message {
+                    state.resolve_requests.fetch_add(1, Ordering::SeqCst);
+                    let known = state
+                        .directory
+                        .lock()
+                        .ok()
+                        .and_then(|d| d.get(&question.oid).cloned());
+                    let answer = control::Groups {
+                        request_id: question.request_id,
+                        error: known
+                            .is_none()
+                            .then(|| "the user is not in the directory".to_owned()),
+                        groups: known,
+                    };
+                    if control::send(&mut write, &Message::Groups(answer))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    continue;
+                }
+                if let Message::Hello(_) = &message {
+                    let welcome = Message::Welcome(Welcome {
                         heartbeat_interval_seconds: state.heartbeat_seconds.load(Ordering::SeqCst),
                         latest_agent_version: Some("9.9.9".to_owned()),
-                    })),
+                    });
+                    if control::send(&mut write, &welcome).await.is_err() {
+                        return;
+                    }
+                    let snapshot = state.guard_snapshot.lock().ok().and_then(|s| s.clone());
+                    if let Some(snapshot) = snapshot
+                        && control::send(
+                            &mut write,
+                            &Message::GuardSnapshot(control::GuardSnapshot { snapshot }),
+                        )
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    continue;
+                }
+                let reply = match message {
                     Message::Renew(renew) => {
                         state.renew_requests.fetch_add(1, Ordering::SeqCst);
                         let mode = state
