@@ -145,37 +145,8 @@ impl Upstream {
     /// `root_cert`, else the webpki roots), `accept_invalid_certs`, `tls_server_name` and `connect_timeout`.
     /// The config's credentials (client certificate, token, exec plugin) are deliberately NOT used.
     pub fn from_kube_config(config: &kube::Config) -> Result<Self, UpstreamError> {
-        let url = &config.cluster_url;
-        let invalid = |reason| UpstreamError::InvalidUrl {
-            url: url.to_string(),
-            reason,
-        };
-        let scheme = url.scheme().cloned().ok_or_else(|| invalid("no scheme"))?;
-        if scheme != Scheme::HTTPS && scheme != Scheme::HTTP {
-            return Err(invalid("the scheme must be https or http"));
-        }
-        let authority = url.authority().cloned().ok_or_else(|| invalid("no host"))?;
-        if url.query().is_some() {
-            return Err(invalid("a query is not allowed in the cluster URL"));
-        }
-        let base_path = url.path().trim_end_matches('/').to_string();
-
-        if config.accept_invalid_certs {
-            tracing::warn!(
-                "the kube config disables apiserver certificate verification (insecure-skip-tls-verify)"
-            );
-        }
-        let tls = upstream_tls(config)?;
-        let (pooled, upgrade) = clients(config, tls)?;
         Ok(Self {
-            inner: Arc::new(UpstreamInner {
-                scheme,
-                authority,
-                base_path,
-                pooled,
-                upgrade,
-                impersonating: None,
-            }),
+            inner: Arc::new(UpstreamInner::pass_through(config)?),
         })
     }
 
@@ -184,50 +155,10 @@ impl Upstream {
     /// certificate, token, token file or exec plugin, as kube-rs loads them) and impersonation headers. Fails
     /// when `config` holds no credential of the agent's own.
     pub fn with_auth_proxy(config: &kube::Config, proxy: AuthProxy) -> Result<Self, UpstreamError> {
-        let plain = Self::from_kube_config(config)?;
-        let own_identity = config
-            .rustls_client_config()
-            .map_err(UpstreamError::Credentials)?
-            .client_auth_cert_resolver;
-        let authorization = config
-            .auth_layer()
-            .map_err(UpstreamError::Credentials)?
-            .map(|layer| {
-                let echo = tower::service_fn(|req: Request<Empty<Bytes>>| async move {
-                    let (parts, _) = req.into_parts();
-                    let mut response = Response::new(());
-                    *response.headers_mut() = parts.headers;
-                    // kube-rs's layer is an Either whose halves must share the error type: BoxError.
-                    Ok::<_, BoxError>(response)
-                });
-                tower::util::BoxCloneSyncService::new(
-                    tower::ServiceBuilder::new().layer(layer).service(echo),
-                )
-            });
-        if !own_identity.has_certs() && authorization.is_none() {
-            return Err(UpstreamError::NoOwnCredentials);
-        }
-        let mut tls = upstream_tls(config)?;
-        tls.client_auth_cert_resolver = own_identity;
-        let (pooled, upgrade) = clients(config, tls)?;
-        let inner = Arc::try_unwrap(plain.inner).unwrap_or_else(|shared| UpstreamInner {
-            scheme: shared.scheme.clone(),
-            authority: shared.authority.clone(),
-            base_path: shared.base_path.clone(),
-            pooled: shared.pooled.clone(),
-            upgrade: shared.upgrade.clone(),
-            impersonating: None,
-        });
+        let mut inner = UpstreamInner::pass_through(config)?;
+        inner.impersonating = Some(Impersonating::new(config, proxy)?);
         Ok(Self {
-            inner: Arc::new(UpstreamInner {
-                impersonating: Some(Impersonating {
-                    proxy,
-                    pooled,
-                    upgrade,
-                    authorization,
-                }),
-                ..inner
-            }),
+            inner: Arc::new(inner),
         })
     }
 
@@ -270,6 +201,79 @@ impl Upstream {
             .path_and_query(path_and_query)
             .build()
             .map_err(|_| TargetError::NotAPath)
+    }
+}
+
+impl UpstreamInner {
+    /// The plain clients (no credential of the agent's) for `config`.
+    fn pass_through(config: &kube::Config) -> Result<Self, UpstreamError> {
+        let url = &config.cluster_url;
+        let invalid = |reason| UpstreamError::InvalidUrl {
+            url: url.to_string(),
+            reason,
+        };
+        let scheme = url.scheme().cloned().ok_or_else(|| invalid("no scheme"))?;
+        if scheme != Scheme::HTTPS && scheme != Scheme::HTTP {
+            return Err(invalid("the scheme must be https or http"));
+        }
+        let authority = url.authority().cloned().ok_or_else(|| invalid("no host"))?;
+        if url.query().is_some() {
+            return Err(invalid("a query is not allowed in the cluster URL"));
+        }
+        let base_path = url.path().trim_end_matches('/').to_string();
+
+        if config.accept_invalid_certs {
+            tracing::warn!(
+                "the kube config disables apiserver certificate verification (insecure-skip-tls-verify)"
+            );
+        }
+        let tls = upstream_tls(config)?;
+        let (pooled, upgrade) = clients(config, tls)?;
+        Ok(Self {
+            scheme,
+            authority,
+            base_path,
+            pooled,
+            upgrade,
+            impersonating: None,
+        })
+    }
+}
+
+impl Impersonating {
+    /// The impersonating clients, presenting the agent's own credentials from `config`.
+    fn new(config: &kube::Config, proxy: AuthProxy) -> Result<Self, UpstreamError> {
+        let own_identity = config
+            .rustls_client_config()
+            .map_err(UpstreamError::Credentials)?
+            .client_auth_cert_resolver;
+        let authorization = config
+            .auth_layer()
+            .map_err(UpstreamError::Credentials)?
+            .map(|layer| {
+                let echo = tower::service_fn(|req: Request<Empty<Bytes>>| async move {
+                    let (parts, _) = req.into_parts();
+                    let mut response = Response::new(());
+                    *response.headers_mut() = parts.headers;
+                    // kube-rs's layer is an Either whose halves must share the error type: BoxError.
+                    Ok::<_, BoxError>(response)
+                });
+                tower::util::BoxCloneSyncService::new(
+                    tower::ServiceBuilder::new().layer(layer).service(echo),
+                )
+            });
+        if !own_identity.has_certs() && authorization.is_none() {
+            return Err(UpstreamError::NoOwnCredentials);
+        }
+        let mut tls = upstream_tls(config)?;
+        tls.client_auth_cert_resolver = own_identity;
+        let (pooled, upgrade) = clients(config, tls)?;
+        Ok(Self {
+            proxy,
+            pooled,
+            upgrade,
+            authorization,
+        })
     }
 }
 

@@ -351,3 +351,43 @@ async fn untrusted_apiserver_certificate_is_a_502() -> Result<()> {
     assert!(api.seen().is_empty());
     Ok(())
 }
+
+#[tokio::test]
+async fn the_authentication_proxy_needs_credentials_of_the_agents_own() -> Result<()> {
+    tether_tunnel::tls::install_crypto_provider();
+    let api = TestApiserver::start().await?;
+    let dir = tempfile::tempdir()?;
+    let entra = tether_agent::EntraConfig {
+        tenants: vec!["72f988bf-86f1-41af-91ab-2d7cd011db47".into()],
+        audiences: vec!["api://tether".into()],
+        ..Default::default()
+    };
+    let proxy = tether_agent::auth_proxy::AuthProxy::new(&entra, None)?;
+
+    let anonymous = api.kube_config(dir.path(), None).await?;
+    let refused = Upstream::with_auth_proxy(&anonymous, proxy.clone());
+    assert!(
+        matches!(
+            refused,
+            Err(tether_agent::forward::UpstreamError::NoOwnCredentials)
+        ),
+        "{refused:?}"
+    );
+
+    let creds = AgentCreds {
+        token: "agent-own-token".into(),
+        client: api.ca.issue(&["system:tether-agent"])?,
+    };
+    let own = api.kube_config(dir.path(), Some(&creds)).await?;
+    let upstream = Upstream::with_auth_proxy(&own, proxy)?;
+    assert!(upstream.impersonates());
+    // Without an Entra token, nothing changes: the user's credential only.
+    let req = Request::get("/api")
+        .header("authorization", "Bearer user-token")
+        .body(Empty::<Bytes>::new())?;
+    assert_eq!(send(&upstream, req).await?.status(), StatusCode::OK);
+    let seen = api.seen();
+    assert_eq!(seen[0].headers["authorization"], "Bearer user-token");
+    assert!(!seen[0].client_cert);
+    Ok(())
+}

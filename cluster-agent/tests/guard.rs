@@ -47,12 +47,17 @@ struct ProxySetup {
 /// The agent with the authentication proxy on (trusting the local IdP) and its own token and client
 /// certificate in its kubeconfig; `None` (test skipped) without PyJWT.
 async fn proxy_setup() -> Result<Option<ProxySetup>> {
+    proxy_setup_with_token(AGENT_TOKEN).await
+}
+
+/// As [`proxy_setup`], with `agent_token` as the agent's token (empty: client certificate only).
+async fn proxy_setup_with_token(agent_token: &str) -> Result<Option<ProxySetup>> {
     if !idp::pyjwt_available() {
         return Ok(None);
     }
     let mut env = env(Some("onb-1")).await?;
     let creds = AgentCreds {
-        token: AGENT_TOKEN.into(),
+        token: agent_token.into(),
         client: env.api.ca.issue(&["system:tether-agent"])?,
     };
     common::write_kubeconfig(
@@ -208,6 +213,26 @@ async fn a_valid_entra_token_is_forwarded_as_the_agent_impersonating_the_user() 
     assert!(up.client_cert);
     assert_eq!(values(up, "impersonate-user"), [ALICE]);
     assert_eq!(values(up, "impersonate-group"), ALICE_GROUPS);
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_agent_with_a_client_certificate_only_sends_no_authorization_at_all() -> Result<()> {
+    let Some(s) = proxy_setup_with_token("").await? else {
+        return Ok(());
+    };
+    let auth = bearer(&s.minted.token("valid_v2"));
+    let resp = request(
+        &s.conn,
+        get_with("/api/v1/pods", &[("authorization", auth.as_str())])?,
+    )
+    .await?;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let seen = s.env.api.seen();
+    assert_eq!(seen.len(), 1);
+    assert!(seen[0].headers.get("authorization").is_none(), "{seen:?}");
+    assert!(seen[0].client_cert);
+    assert_eq!(values(&seen[0], "impersonate-user"), [ALICE]);
     Ok(())
 }
 

@@ -501,6 +501,12 @@ pub fn write_kubeconfig(
 ) -> Result<PathBuf> {
     let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s.as_bytes());
     let user = match creds {
+        // An empty token: the user authenticates with its client certificate only.
+        Some(c) if c.token.is_empty() => format!(
+            "    client-certificate-data: {}\n    client-key-data: {}\n",
+            b64(&c.client.cert_pem),
+            b64(&c.client.key_pem)
+        ),
         Some(c) => format!(
             "    token: {}\n    client-certificate-data: {}\n    client-key-data: {}\n",
             c.token,
