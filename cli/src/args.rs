@@ -54,6 +54,207 @@ pub enum Command {
     },
     /// Write a kubeconfig that reaches a cluster through the relay.
     Kubeconfig(KubeconfigArgs),
+    /// Decide who may do what in a cluster: role assignments, custom roles, deny assignments (enforced in the
+    /// cluster by tether-guard).
+    Role {
+        /// What to do.
+        #[command(subcommand)]
+        command: RoleCommand,
+    },
+    /// DEVELOPMENT ONLY: mint an Entra-shaped token from the development issuer of `tether up`.
+    #[command(
+        long_about = "DEVELOPMENT ONLY: mint an Entra-shaped access token from the development issuer that \
+                      `tether up` runs (its key is in DIR/dev-issuer). Real clusters take tokens from Entra ID \
+                      (az account get-access-token, kubelogin); this command exists for the quickstart and tests."
+    )]
+    Token(TokenArgs),
+    /// The relay's directory of group memberships, used for tokens whose groups overflow (group overage).
+    Directory {
+        /// What to do.
+        #[command(subcommand)]
+        command: DirectoryCommand,
+    },
+}
+
+/// `tether role …`
+#[derive(Debug, Subcommand)]
+pub enum RoleCommand {
+    /// Assign a role to a user or group (by object id) on a cluster, or on one namespace of it.
+    Assign(AssignArgs),
+    /// List role assignments.
+    List(AssignmentListArgs),
+    /// Delete a role assignment (it stops working in the cluster within seconds).
+    Delete(IdArgs),
+    /// Create a custom role from a JSON file (this form, `az role definition`'s, or ARM's):
+    /// {"Name": "Pod Reader", "DataActions": ["Microsoft.Kubernetes/connectedClusters/pods/read"]}.
+    Define(DefineArgs),
+    /// List role definitions: the four built-ins (Viewer, Writer, Admin, Cluster Admin) and custom ones.
+    Definitions(OutputArgs),
+    /// Delete a custom role definition (refused while it is assigned).
+    DeleteDefinition(IdArgs),
+    /// Deny assignments: data actions refused to principals whatever their roles grant.
+    Deny {
+        /// What to do.
+        #[command(subcommand)]
+        command: DenyCommand,
+    },
+}
+
+/// `tether role deny …`
+#[derive(Debug, Subcommand)]
+pub enum DenyCommand {
+    /// Create a deny assignment.
+    Add(DenyArgs),
+    /// List deny assignments.
+    List(AssignmentListArgs),
+    /// Delete a deny assignment.
+    Delete(IdArgs),
+}
+
+/// `tether role assign`
+#[derive(Debug, Args)]
+pub struct AssignArgs {
+    /// The role: Viewer, Writer, Admin, Cluster Admin, or a custom role's id or name.
+    #[arg(long)]
+    pub role: String,
+    /// The user's or group's object id (a token's `oid`, or a group id in its `groups`).
+    #[arg(long)]
+    pub principal: String,
+    /// The cluster.
+    #[arg(long)]
+    pub cluster: String,
+    /// Only this namespace (default: the whole cluster).
+    #[arg(long)]
+    pub namespace: Option<String>,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+/// `tether role list`, `tether role deny list`
+#[derive(Debug, Args)]
+pub struct AssignmentListArgs {
+    /// Only this cluster's.
+    #[arg(long)]
+    pub cluster: Option<String>,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+/// Commands that take one id.
+#[derive(Debug, Args)]
+pub struct IdArgs {
+    /// The id.
+    pub id: String,
+}
+
+/// Commands that only print.
+#[derive(Debug, Args)]
+pub struct OutputArgs {
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+/// `tether role define`
+#[derive(Debug, Args)]
+pub struct DefineArgs {
+    /// The role definition (JSON; `-` reads stdin).
+    #[arg(short = 'f', long)]
+    pub file: PathBuf,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+/// `tether role deny add`
+#[derive(Debug, Args)]
+pub struct DenyArgs {
+    /// A name saying why (shown in the Forbidden message).
+    #[arg(long)]
+    pub name: String,
+    /// A data action to deny (wildcards allowed), e.g. Microsoft.Kubernetes/connectedClusters/secrets/*;
+    /// repeatable.
+    #[arg(long = "action", required = true)]
+    pub actions: Vec<String>,
+    /// A data action carved out of the denied ones; repeatable.
+    #[arg(long = "not-action")]
+    pub not_actions: Vec<String>,
+    /// Who is denied: object ids, or 00000000-0000-0000-0000-000000000000 for everyone; repeatable.
+    #[arg(long = "principal", required = true)]
+    pub principals: Vec<String>,
+    /// Who is exempt (object ids); repeatable.
+    #[arg(long = "exclude")]
+    pub exclude: Vec<String>,
+    /// The cluster.
+    #[arg(long)]
+    pub cluster: String,
+    /// Only this namespace (default: the whole cluster).
+    #[arg(long)]
+    pub namespace: Option<String>,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: OutputFormat,
+}
+
+/// `tether directory …`
+#[derive(Debug, Subcommand)]
+pub enum DirectoryCommand {
+    /// Set a user's groups (object ids), replacing what was there.
+    SetGroups {
+        /// The user's object id.
+        oid: String,
+        /// The group ids.
+        #[arg(required = true)]
+        groups: Vec<String>,
+    },
+    /// Show a user's groups.
+    Show {
+        /// The user's object id.
+        oid: String,
+    },
+    /// Remove a user from the directory.
+    Delete {
+        /// The user's object id.
+        oid: String,
+    },
+}
+
+/// How `tether token` prints.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
+pub enum TokenFormat {
+    /// Only the token, for `$(tether token …)`.
+    #[default]
+    Token,
+    /// The token with its identity (oid, tenant, groups, expiry) as JSON.
+    Json,
+}
+
+/// `tether token`
+#[derive(Debug, Args)]
+pub struct TokenArgs {
+    /// The user name (upn / preferred_username), e.g. alice@contoso.com.
+    #[arg(long)]
+    pub user: String,
+    /// A group id for the groups claim; repeatable.
+    #[arg(long = "group")]
+    pub groups: Vec<String>,
+    /// The object id (default: a stable id derived from the user name).
+    #[arg(long)]
+    pub oid: Option<String>,
+    /// The audience (default: the one `tether up` configured).
+    #[arg(long)]
+    pub audience: Option<String>,
+    /// How long the token is valid (at most 24h).
+    #[arg(long, default_value = "1h", value_parser = parse_duration)]
+    pub lifetime: Duration,
+    /// The `tether up` directory (default: the folder of --config, else ./tether-up).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Output format.
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: TokenFormat,
 }
 
 /// `tether cluster …`
@@ -250,6 +451,9 @@ pub struct UpArgs {
     /// version).
     #[arg(long, value_name = "VERSION")]
     pub latest_agent_version: Option<String>,
+    /// Do not wire in guard and the development token issuer (kubectl tokens then only pass through).
+    #[arg(long)]
+    pub no_guard: bool,
 }
 
 /// Parses `500ms`, `10s`, `15m`, `2h`, `90d` (a bare number is seconds), like the relay's flags.

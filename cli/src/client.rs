@@ -206,6 +206,115 @@ impl RelayClient {
             .map(|_| ())
     }
 
+    /// Assigns `role` (id or name, built-ins included) to `principal` (an object id) on `cluster`, or on one
+    /// `namespace` of it; the created assignment.
+    pub async fn assign_role(
+        &self,
+        role: &str,
+        principal: &str,
+        cluster: &str,
+        namespace: Option<&str>,
+    ) -> Result<Value, ClientError> {
+        let mut body =
+            serde_json::json!({"role": role, "principalId": principal, "cluster": cluster});
+        if let Some(ns) = namespace {
+            body["namespace"] = Value::String(ns.to_string());
+        }
+        self.call(Method::POST, "/api/v1/roleassignments", Some(body))
+            .await
+    }
+
+    /// Role assignments, of one cluster or all.
+    pub async fn role_assignments(&self, cluster: Option<&str>) -> Result<Vec<Value>, ClientError> {
+        self.items("/api/v1/roleassignments", cluster).await
+    }
+
+    /// Deletes a role assignment.
+    pub async fn delete_role_assignment(&self, id: &str) -> Result<(), ClientError> {
+        let path = format!("/api/v1/roleassignments/{}", segment(id)?);
+        self.call(Method::DELETE, &path, None).await.map(|_| ())
+    }
+
+    /// Creates a custom role definition from its JSON (any form `tether_guard::rbac::RoleDefinition::from_json`
+    /// accepts: this one, `az role definition`'s, or ARM's).
+    pub async fn define_role(&self, definition: &Value) -> Result<Value, ClientError> {
+        self.call(
+            Method::POST,
+            "/api/v1/roledefinitions",
+            Some(definition.clone()),
+        )
+        .await
+    }
+
+    /// Role definitions: the built-ins, then the custom ones.
+    pub async fn role_definitions(&self) -> Result<Vec<Value>, ClientError> {
+        self.items("/api/v1/roledefinitions", None).await
+    }
+
+    /// Deletes a custom role definition (refused while it is assigned).
+    pub async fn delete_role_definition(&self, id: &str) -> Result<(), ClientError> {
+        let path = format!("/api/v1/roledefinitions/{}", segment(id)?);
+        self.call(Method::DELETE, &path, None).await.map(|_| ())
+    }
+
+    /// Creates a deny assignment (`{name, dataActions, notDataActions, principals, excludePrincipals, cluster,
+    /// namespace?}`).
+    pub async fn create_deny_assignment(&self, body: &Value) -> Result<Value, ClientError> {
+        self.call(Method::POST, "/api/v1/denyassignments", Some(body.clone()))
+            .await
+    }
+
+    /// Deny assignments, of one cluster or all.
+    pub async fn deny_assignments(&self, cluster: Option<&str>) -> Result<Vec<Value>, ClientError> {
+        self.items("/api/v1/denyassignments", cluster).await
+    }
+
+    /// Deletes a deny assignment.
+    pub async fn delete_deny_assignment(&self, id: &str) -> Result<(), ClientError> {
+        let path = format!("/api/v1/denyassignments/{}", segment(id)?);
+        self.call(Method::DELETE, &path, None).await.map(|_| ())
+    }
+
+    /// Records the groups of user `oid` in the relay's directory (used when a token carries a group overage).
+    pub async fn set_groups(&self, oid: &str, groups: &[String]) -> Result<Value, ClientError> {
+        let path = format!("/api/v1/directory/users/{}", segment(oid)?);
+        self.call(
+            Method::PUT,
+            &path,
+            Some(serde_json::json!({ "groups": groups })),
+        )
+        .await
+    }
+
+    /// A user's directory entry.
+    pub async fn directory_entry(&self, oid: &str) -> Result<Value, ClientError> {
+        let path = format!("/api/v1/directory/users/{}", segment(oid)?);
+        self.call(Method::GET, &path, None).await
+    }
+
+    /// Removes a user from the relay's directory.
+    pub async fn delete_directory_entry(&self, oid: &str) -> Result<(), ClientError> {
+        let path = format!("/api/v1/directory/users/{}", segment(oid)?);
+        self.call(Method::DELETE, &path, None).await.map(|_| ())
+    }
+
+    async fn items(&self, path: &str, cluster: Option<&str>) -> Result<Vec<Value>, ClientError> {
+        let path = match cluster {
+            Some(c) => format!(
+                "{path}?{}",
+                url::form_urlencoded::Serializer::new(String::new())
+                    .append_pair("cluster", c)
+                    .finish()
+            ),
+            None => path.to_string(),
+        };
+        let answer = self.call(Method::GET, &path, None).await?;
+        match answer.get("items") {
+            Some(Value::Array(items)) => Ok(items.clone()),
+            _ => Err(ClientError::Decode("no items array in the answer".into())),
+        }
+    }
+
     async fn call(
         &self,
         method: Method,
@@ -270,6 +379,22 @@ fn cluster_path(name: &str) -> Result<String, ClientError> {
         )));
     }
     Ok(format!("/api/v1/clusters/{name}"))
+}
+
+/// One path segment, percent-encoded (ids are opaque to the client).
+fn segment(id: &str) -> Result<String, ClientError> {
+    if id.is_empty() {
+        return Err(ClientError::InvalidRequest("an empty id".into()));
+    }
+    Ok(id
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            other => format!("%{other:02X}"),
+        })
+        .collect())
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

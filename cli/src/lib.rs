@@ -18,7 +18,10 @@ use std::error::Error as _;
 
 pub use args::Cli;
 
-use args::{ClusterCommand, Command, OutputFormat};
+use args::{
+    ClusterCommand, Command, DenyCommand, DirectoryCommand, OutputFormat, RoleCommand, TokenArgs,
+    TokenFormat,
+};
 use client::{ClientError, RelayClient};
 use config::{ConfigError, ResolvedConfig};
 
@@ -103,6 +106,230 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             kubeconfig::write_for_args(&config, &args)?;
             Ok(())
         }
+        Command::Role { command } => {
+            let config = ResolvedConfig::resolve(&cli.global)?;
+            let client = RelayClient::new(&config)?;
+            role_command(&client, command).await
+        }
+        Command::Directory { command } => {
+            let config = ResolvedConfig::resolve(&cli.global)?;
+            let client = RelayClient::new(&config)?;
+            directory_command(&client, command).await
+        }
+        Command::Token(args) => token_command(&cli.global, &args),
+    }
+}
+
+/// The longest lifetime `tether token` gives a development token.
+const MAX_DEV_TOKEN_LIFETIME: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+fn token_command(global: &args::GlobalArgs, args: &TokenArgs) -> Result<(), CliError> {
+    if args.lifetime.is_zero() || args.lifetime > MAX_DEV_TOKEN_LIFETIME {
+        return Err(ConfigError::Invalid("--lifetime must be between 1s and 24h".into()).into());
+    }
+    let dir = match (&args.dir, &global.config) {
+        (Some(dir), _) => dir.clone(),
+        (None, Some(config)) => config
+            .parent()
+            .map(std::path::Path::to_path_buf)
+            .unwrap_or_default(),
+        (None, None) => std::path::PathBuf::from("./tether-up"),
+    };
+    let issuer_dir = dir.join(up::DEV_ISSUER_DIR);
+    if !issuer_dir.join("issuer.json").is_file() {
+        return Err(ConfigError::Invalid(format!(
+            "no development issuer in {}: run `tether up` first (or pass --dir with its directory)",
+            issuer_dir.display()
+        ))
+        .into());
+    }
+    let request = tether_testkit::dev_issuer::TokenRequest {
+        user: args.user.clone(),
+        groups: args.groups.clone(),
+        oid: args.oid.clone(),
+        audience: args.audience.clone(),
+        lifetime: args.lifetime,
+    };
+    let minted = tether_testkit::dev_issuer::mint_from_dir(&issuer_dir, &request)
+        .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+    eprintln!(
+        "DEVELOPMENT ONLY: token for {} (oid {}, tenant {}) from the development issuer of `tether up`, valid {}. \
+         Real clusters use tokens from Entra ID.",
+        minted.user,
+        minted.oid,
+        minted.tenant,
+        output::human_duration(args.lifetime.as_secs()),
+    );
+    let mut out = std::io::stdout().lock();
+    match args.output {
+        TokenFormat::Token => output::line(&mut out, &minted.token),
+        TokenFormat::Json => output::json(
+            &mut out,
+            &serde_json::json!({
+                "developmentOnly": true,
+                "token": minted.token,
+                "user": minted.user,
+                "oid": minted.oid,
+                "tenant": minted.tenant,
+                "groups": minted.groups,
+                "expiresAt": minted.expires_at,
+            }),
+        ),
+    }
+    .map_err(CliError::Output)
+}
+
+async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), CliError> {
+    let mut out = std::io::stdout().lock();
+    match command {
+        RoleCommand::Assign(args) => {
+            let created = client
+                .assign_role(
+                    &args.role,
+                    &args.principal,
+                    &args.cluster,
+                    args.namespace.as_deref(),
+                )
+                .await?;
+            match args.output {
+                OutputFormat::Json => output::json(&mut out, &created),
+                OutputFormat::Table => output::assigned(&mut out, &created),
+            }
+        }
+        RoleCommand::List(args) => {
+            let items = client.role_assignments(args.cluster.as_deref()).await?;
+            match args.output {
+                OutputFormat::Json => {
+                    output::json(&mut out, &serde_json::json!({ "items": items }))
+                }
+                OutputFormat::Table => output::assignment_table(&mut out, &items),
+            }
+        }
+        RoleCommand::Delete(args) => {
+            client.delete_role_assignment(&args.id).await?;
+            output::line(&mut out, &format!("role assignment {} deleted", args.id))
+        }
+        RoleCommand::Define(args) => {
+            let definition = read_json_object(&args.file, "a role definition")?;
+            let created = client.define_role(&definition).await?;
+            match args.output {
+                OutputFormat::Json => output::json(&mut out, &created),
+                OutputFormat::Table => output::line(
+                    &mut out,
+                    &format!(
+                        "role \"{}\" defined (id {})",
+                        created["name"].as_str().unwrap_or_default(),
+                        created["id"].as_str().unwrap_or_default()
+                    ),
+                ),
+            }
+        }
+        RoleCommand::Definitions(args) => {
+            let items = client.role_definitions().await?;
+            match args.output {
+                OutputFormat::Json => {
+                    output::json(&mut out, &serde_json::json!({ "items": items }))
+                }
+                OutputFormat::Table => output::role_table(&mut out, &items),
+            }
+        }
+        RoleCommand::DeleteDefinition(args) => {
+            client.delete_role_definition(&args.id).await?;
+            output::line(&mut out, &format!("role definition {} deleted", args.id))
+        }
+        RoleCommand::Deny { command } => match command {
+            DenyCommand::Add(args) => {
+                let mut body = serde_json::json!({
+                    "name": args.name,
+                    "dataActions": args.actions,
+                    "notDataActions": args.not_actions,
+                    "principals": args.principals,
+                    "excludePrincipals": args.exclude,
+                    "cluster": args.cluster,
+                });
+                if let Some(ns) = &args.namespace {
+                    body["namespace"] = serde_json::Value::String(ns.clone());
+                }
+                let created = client.create_deny_assignment(&body).await?;
+                match args.output {
+                    OutputFormat::Json => output::json(&mut out, &created),
+                    OutputFormat::Table => output::line(
+                        &mut out,
+                        &format!(
+                            "deny assignment \"{}\" created (id {})",
+                            args.name,
+                            created["id"].as_str().unwrap_or_default()
+                        ),
+                    ),
+                }
+            }
+            DenyCommand::List(args) => {
+                let items = client.deny_assignments(args.cluster.as_deref()).await?;
+                match args.output {
+                    OutputFormat::Json => {
+                        output::json(&mut out, &serde_json::json!({ "items": items }))
+                    }
+                    OutputFormat::Table => output::deny_table(&mut out, &items),
+                }
+            }
+            DenyCommand::Delete(args) => {
+                client.delete_deny_assignment(&args.id).await?;
+                output::line(&mut out, &format!("deny assignment {} deleted", args.id))
+            }
+        },
+    }
+    .map_err(CliError::Output)
+}
+
+async fn directory_command(
+    client: &RelayClient,
+    command: DirectoryCommand,
+) -> Result<(), CliError> {
+    let mut out = std::io::stdout().lock();
+    match command {
+        DirectoryCommand::SetGroups { oid, groups } => {
+            let entry = client.set_groups(&oid, &groups).await?;
+            output::json(&mut out, &entry)
+        }
+        DirectoryCommand::Show { oid } => {
+            let entry = client.directory_entry(&oid).await?;
+            output::json(&mut out, &entry)
+        }
+        DirectoryCommand::Delete { oid } => {
+            client.delete_directory_entry(&oid).await?;
+            output::line(&mut out, &format!("{oid} removed from the directory"))
+        }
+    }
+    .map_err(CliError::Output)
+}
+
+/// Reads a JSON object from a file (`-` is stdin).
+fn read_json_object(path: &std::path::Path, what: &str) -> Result<serde_json::Value, ConfigError> {
+    use std::io::Read as _;
+    let mut text = Vec::new();
+    let name = if path.as_os_str() == "-" {
+        std::io::stdin()
+            .read_to_end(&mut text)
+            .map_err(|source| ConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        "stdin".to_string()
+    } else {
+        text = std::fs::read(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        path.display().to_string()
+    };
+    match serde_json::from_slice::<serde_json::Value>(&text) {
+        Ok(value @ serde_json::Value::Object(_)) => Ok(value),
+        Ok(_) => Err(ConfigError::Invalid(format!(
+            "{name} is not {what}: expected a JSON object"
+        ))),
+        Err(e) => Err(ConfigError::Invalid(format!(
+            "{name} is not {what} (JSON): {e}"
+        ))),
     }
 }
 

@@ -445,6 +445,118 @@ fn text_of(value: &Value, name: &str) -> String {
     }
 }
 
+fn scope(item: &Value) -> String {
+    match item.get("namespace").and_then(Value::as_str) {
+        Some(ns) => format!("namespace {ns}"),
+        None => "cluster".to_string(),
+    }
+}
+
+fn list(item: &Value, name: &str) -> String {
+    item.get(name)
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .unwrap_or_default()
+}
+
+/// What `tether role assign` prints.
+pub(crate) fn assigned(out: &mut impl Write, created: &Value) -> io::Result<()> {
+    let role = created["roleName"]
+        .as_str()
+        .or_else(|| created["roleId"].as_str())
+        .unwrap_or_default();
+    writeln!(
+        out,
+        "Role \"{role}\" assigned to {} on cluster \"{}\" ({}): id {}",
+        field(created, "principalId"),
+        field(created, "cluster"),
+        scope(created),
+        field(created, "id"),
+    )
+}
+
+/// `tether role list`.
+pub(crate) fn assignment_table(out: &mut impl Write, items: &[Value]) -> io::Result<()> {
+    let header = ["ID", "ROLE", "PRINCIPAL", "CLUSTER", "SCOPE"].map(String::from);
+    let rows: Vec<[String; 5]> = items
+        .iter()
+        .map(|a| {
+            [
+                field(a, "id").to_string(),
+                a["roleName"]
+                    .as_str()
+                    .unwrap_or_else(|| field(a, "roleId"))
+                    .to_string(),
+                field(a, "principalId").to_string(),
+                field(a, "cluster").to_string(),
+                scope(a),
+            ]
+        })
+        .collect();
+    table(out, &header, &rows)
+}
+
+/// `tether role deny list`.
+pub(crate) fn deny_table(out: &mut impl Write, items: &[Value]) -> io::Result<()> {
+    let header = [
+        "ID",
+        "NAME",
+        "ACTIONS",
+        "PRINCIPALS",
+        "EXCLUDED",
+        "CLUSTER",
+        "SCOPE",
+    ]
+    .map(String::from);
+    let rows: Vec<[String; 7]> = items
+        .iter()
+        .map(|d| {
+            [
+                field(d, "id").to_string(),
+                field(d, "name").to_string(),
+                list(d, "dataActions"),
+                list(d, "principals"),
+                list(d, "excludePrincipals"),
+                field(d, "cluster").to_string(),
+                scope(d),
+            ]
+        })
+        .collect();
+    table(out, &header, &rows)
+}
+
+/// `tether role definitions`.
+pub(crate) fn role_table(out: &mut impl Write, items: &[Value]) -> io::Result<()> {
+    let header = ["ID", "NAME", "BUILT-IN", "DATA ACTIONS"].map(String::from);
+    let rows: Vec<[String; 4]> = items
+        .iter()
+        .map(|r| {
+            let actions = r["dataActions"].as_array().map_or(0, Vec::len);
+            let not = r["notDataActions"].as_array().map_or(0, Vec::len);
+            [
+                field(r, "id").to_string(),
+                field(r, "name").to_string(),
+                if r["builtIn"].as_bool() == Some(true) {
+                    "yes".to_string()
+                } else {
+                    "no".to_string()
+                },
+                if not > 0 {
+                    format!("{actions} (minus {not})")
+                } else {
+                    actions.to_string()
+                },
+            ]
+        })
+        .collect();
+    table(out, &header, &rows)
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;

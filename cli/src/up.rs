@@ -3,15 +3,25 @@
 //!
 //! Layout of the directory:
 //! `relay/` (the relay's data dir: SQLite, generated CAs and certificate, admin token), `agent/` (the agent's state
-//! dir: its identity, `identity.json` and `identity-key.pem`), `sample-apiserver/` (only without `--kubeconfig`), `kubeconfig` (for kubectl, through
-//! the relay) and `config.json` (for the other `tether` commands).
+//! dir: its identity, `identity.json` and `identity-key.pem`), `sample-apiserver/` (only without `--kubeconfig`;
+//! `webhooks/` holds its guard webhook configs), `kubeconfig` (for kubectl, through the relay) and `config.json`
+//! (for the other `tether` commands).
+//!
+//! With the sample apiserver (and without `--no-guard`), guard is wired in the way a real cluster would have it:
+//! `dev-issuer/` is a DEVELOPMENT-ONLY Entra-shaped token issuer (`tether token` mints with its key), `guard/` is
+//! tether-guard's state (its certificate, client CA, push token, last snapshot, audit log). Guard runs in process
+//! on its own HTTPS port; the sample apiserver calls it for TokenReview and SubjectAccessReview with a client
+//! certificate; the relay and the agent validate the issuer's tokens (tenant, audience, authority); the agent
+//! impersonates the users it validated and pushes the relay's RBAC snapshots to guard's `/snapshot`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tether_testkit::{SampleApiserver, SampleOptions};
+use tether_testkit::dev_issuer::{DEV_AUDIENCE, DEV_TENANT, DevIssuer};
+use tether_testkit::{SampleApiserver, SampleOptions, certs};
 use tether_tunnel::Secret;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -54,7 +64,15 @@ pub enum UpError {
     /// The agent did not connect in time.
     #[error("the agent did not connect within {0:?}")]
     NotConnected(Duration),
+    /// Guard or the development issuer failed to start.
+    #[error("guard: {0}")]
+    Guard(String),
 }
+
+/// Where `tether up` keeps the development issuer (under its directory); `tether token` reads it.
+pub const DEV_ISSUER_DIR: &str = "dev-issuer";
+/// Where `tether up` keeps guard's state (under its directory).
+pub const GUARD_DIR: &str = "guard";
 
 impl UpError {
     /// True for errors in the user's options.
@@ -86,6 +104,10 @@ pub struct UpOptions {
     pub identity_validity: Option<Duration>,
     /// The newest agent version the relay offers; `None` keeps the relay's default (its own version).
     pub latest_agent_version: Option<String>,
+    /// Wire in guard and the development token issuer (only with the sample apiserver).
+    pub guard: bool,
+    /// The audience Entra-style tokens must carry (relay, agent and guard).
+    pub audience: String,
 }
 
 impl UpOptions {
@@ -103,6 +125,8 @@ impl UpOptions {
             offline_threshold: None,
             identity_validity: None,
             latest_agent_version: None,
+            guard: true,
+            audience: DEV_AUDIENCE.to_string(),
         }
     }
 }
@@ -120,6 +144,8 @@ impl From<UpArgs> for UpOptions {
             offline_threshold: args.offline_threshold,
             identity_validity: args.identity_validity,
             latest_agent_version: args.latest_agent_version,
+            guard: !args.no_guard,
+            audience: DEV_AUDIENCE.to_string(),
         }
     }
 }
@@ -159,9 +185,169 @@ pub struct Up {
     pub user_token: Option<String>,
     /// The sample apiserver, when no kubeconfig was given.
     pub sample: Option<SampleApiserver>,
+    /// The DEVELOPMENT-ONLY token issuer, when guard is wired in.
+    pub issuer: Option<DevIssuer>,
+    guard: Option<GuardRuntime>,
+    entra: Option<Entra>,
     cluster_kubeconfig: PathBuf,
     relay: Option<Running<tether_relay::RelayError>>,
     agent: Option<Running<tether_agent::AgentError>>,
+}
+
+/// tether-guard in process: its engine, where it listens, and what the agent needs to push to it.
+struct GuardRuntime {
+    guard: Arc<tether_guard::Guard>,
+    addr: SocketAddr,
+    server: tether_guard::ServerConfig,
+    push_token: tether_tunnel::Secret,
+    dir: PathBuf,
+    issuer_authority: String,
+    issuer_ca: Vec<u8>,
+    audience: String,
+    running: Option<Running<tether_guard::server::ServeError>>,
+}
+
+impl GuardRuntime {
+    /// Makes guard's certificate and the apiserver's client certificate, opens the snapshot file, binds, serves.
+    /// Returns guard and the apiserver's client certificate.
+    async fn start(
+        dir: &Path,
+        issuer: &DevIssuer,
+        audience: &str,
+    ) -> Result<(GuardRuntime, certs::CertifiedPem), UpError> {
+        let err = |e: &dyn std::fmt::Display| UpError::Guard(e.to_string());
+        create_private_dir(dir)?;
+        let ca = certs::Ca::new("tether-guard CA (tether up)").map_err(|e| err(&e))?;
+        let serving = ca
+            .issue_server(&["127.0.0.1".to_string(), "localhost".into()])
+            .map_err(|e| err(&e))?;
+        let client_ca =
+            certs::Ca::new("kube-apiserver client CA (tether up)").map_err(|e| err(&e))?;
+        let client = client_ca
+            .issue_client("kube-apiserver", &[])
+            .map_err(|e| err(&e))?;
+        let write =
+            |name: &str, text: &str| certs::write_pem(&dir.join(name), text).map_err(|e| err(&e));
+        write("ca.pem", ca.cert_pem())?;
+        write("tls.crt", &serving.cert_pem)?;
+        write("tls.key", &serving.key_pem)?;
+        write("client-ca.pem", client_ca.cert_pem())?;
+        let push_token = {
+            let path = dir.join("push-token");
+            match std::fs::read_to_string(&path) {
+                Ok(t) if t.trim().len() >= 16 => t.trim().to_string(),
+                _ => {
+                    let t = format!("{:032x}", rand::random::<u128>());
+                    write("push-token", &t)?;
+                    t
+                }
+            }
+        };
+        let tls = tether_guard::server_tls(
+            serving.cert_pem.as_bytes(),
+            serving.key_pem.as_bytes(),
+            client_ca.cert_pem().as_bytes(),
+        )
+        .map_err(|e| err(&e))?;
+        let server = tether_guard::ServerConfig {
+            tls,
+            limits: tether_guard::Limits::default(),
+            snapshot_push_token: Some(tether_tunnel::Secret::new(push_token.clone())),
+        };
+        let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .await
+            .map_err(|e| err(&e))?;
+        let addr = listener.local_addr().map_err(|e| err(&e))?;
+        let mut runtime = GuardRuntime {
+            guard: Self::engine(
+                dir,
+                issuer.authority(),
+                issuer.ca_pem().as_bytes(),
+                audience,
+            )?,
+            addr,
+            server,
+            push_token: tether_tunnel::Secret::new(push_token),
+            dir: dir.to_path_buf(),
+            issuer_authority: issuer.authority().to_string(),
+            issuer_ca: issuer.ca_pem().as_bytes().to_vec(),
+            audience: audience.to_string(),
+            running: None,
+        };
+        runtime.serve(listener);
+        Ok((runtime, client))
+    }
+
+    /// Guard's engine: the issuer's tokens, the snapshot on disk (last-known-good), the audit log.
+    fn engine(
+        dir: &Path,
+        authority: &str,
+        authority_ca: &[u8],
+        audience: &str,
+    ) -> Result<Arc<tether_guard::Guard>, UpError> {
+        let err = |e: &dyn std::fmt::Display| UpError::Guard(e.to_string());
+        let mut token = tether_guard::TokenConfig::new(
+            vec![DEV_TENANT.to_string()],
+            vec![audience.to_string()],
+        );
+        token.v2_authority = authority.to_string();
+        let fetch =
+            tether_guard::jwks::HttpsFetcher::new(Some(authority_ca)).map_err(|e| err(&e))?;
+        let authenticator =
+            tether_guard::Authenticator::new(token, Arc::new(fetch)).map_err(|e| err(&e))?;
+        let store =
+            tether_guard::SnapshotStore::open(dir.join("snapshot.json")).map_err(|e| err(&e))?;
+        let audit =
+            tether_guard::audit::AuditSink::file(&dir.join("audit.jsonl")).map_err(|e| err(&e))?;
+        Ok(Arc::new(tether_guard::Guard::new(
+            Some(Arc::new(authenticator)),
+            Arc::new(store),
+            tether_guard::GuardOptions {
+                audit,
+                ..tether_guard::GuardOptions::default()
+            },
+        )))
+    }
+
+    fn serve(&mut self, listener: tokio::net::TcpListener) {
+        let (tx, rx) = oneshot::channel::<()>();
+        let join = tokio::spawn(tether_guard::run(
+            self.guard.clone(),
+            self.server.clone(),
+            listener,
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        self.running = Some(Running { shutdown: tx, join });
+    }
+
+    async fn stop(&mut self) -> Result<(), UpError> {
+        match self.running.take() {
+            Some(r) => r.stop().await.map_err(UpError::Guard),
+            None => Ok(()),
+        }
+    }
+
+    /// Starts again on the same address with a new engine that loads the snapshot from disk.
+    async fn restart(&mut self) -> Result<(), UpError> {
+        self.stop().await?;
+        self.guard = Self::engine(
+            &self.dir,
+            &self.issuer_authority,
+            &self.issuer_ca,
+            &self.audience,
+        )?;
+        let listener = bind_retrying(self.addr)
+            .await
+            .map_err(|e| UpError::Guard(e.to_string()))?;
+        self.serve(listener);
+        Ok(())
+    }
+
+    fn url(&self) -> String {
+        format!("https://{}", display_addr(self.addr))
+    }
 }
 
 const CONNECT_WAIT: Duration = Duration::from_secs(60);
@@ -171,7 +357,7 @@ impl Up {
     pub async fn start(options: UpOptions) -> Result<Up, UpError> {
         validate_name(&options.cluster)?;
         // Bad lifecycle settings are the user's to fix (exit 64), found before anything starts.
-        relay_config(&options.dir, &options)
+        relay_config(&options.dir, &options, None)
             .validate()
             .map_err(|e| UpError::Config(e.to_string()))?;
         let dir = &options.dir;
@@ -181,6 +367,21 @@ impl Up {
             source,
         })?;
 
+        let (issuer, guard) = if options.guard && options.kubeconfig.is_none() {
+            let issuer = DevIssuer::start(
+                &dir.join(DEV_ISSUER_DIR),
+                SocketAddr::from(([127, 0, 0, 1], 0)),
+                &options.audience,
+            )
+            .await
+            .map_err(|e| UpError::Guard(format!("development issuer: {e}")))?;
+            let guard =
+                GuardRuntime::start(&dir.join(GUARD_DIR), &issuer, &options.audience).await?;
+            (Some(issuer), Some(guard))
+        } else {
+            (None, None)
+        };
+
         let (sample, cluster_kubeconfig, user_token) = match &options.kubeconfig {
             Some(path) => {
                 let token = bearer_token_of(path)?;
@@ -189,20 +390,42 @@ impl Up {
             None => {
                 let sample_dir = dir.join("sample-apiserver");
                 create_private_dir(&sample_dir)?;
-                let sample = SampleApiserver::start(SampleOptions {
-                    dir: sample_dir,
-                    listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-                    token: None,
-                })
-                .await
-                .map_err(|e| UpError::Sample(e.to_string()))?;
-                let kubeconfig = sample.kubeconfig_path();
+                let mut sample_options = SampleOptions::new(sample_dir.clone());
+                if let Some((guard, client)) = &guard {
+                    let configs = tether_testkit::webhook::write_guard_configs(
+                        &sample_dir.join("webhooks"),
+                        &guard.url(),
+                        &String::from_utf8_lossy(
+                            &std::fs::read(dir.join(GUARD_DIR).join("ca.pem")).map_err(
+                                |source| UpError::Io {
+                                    path: dir.join(GUARD_DIR).join("ca.pem"),
+                                    source,
+                                },
+                            )?,
+                        ),
+                        client,
+                    )
+                    .map_err(|e| UpError::Guard(e.to_string()))?;
+                    sample_options.authn_webhook = Some(configs.authn_webhook);
+                    sample_options.authz_config = Some(configs.authz_config);
+                }
+                let sample = SampleApiserver::start(sample_options)
+                    .await
+                    .map_err(|e| UpError::Sample(e.to_string()))?;
+                // The agent uses its own identity (allowed to impersonate), not the admin's.
+                let kubeconfig = sample.agent_kubeconfig_path();
                 let token = Some(sample.token().to_string());
                 (Some(sample), kubeconfig, token)
             }
         };
+        let guard = guard.map(|(guard, _client)| guard);
+        let entra = issuer.as_ref().map(|issuer| Entra {
+            authority: issuer.authority().to_string(),
+            authority_ca: issuer.ca_file(),
+            audience: options.audience.clone(),
+        });
 
-        let relay_config = relay_config(&dir, &options);
+        let relay_config = relay_config(&dir, &options, entra.as_ref());
         let relay = tether_relay::Relay::new(relay_config)
             .await
             .map_err(|e| UpError::Relay(e.to_string()))?;
@@ -231,6 +454,9 @@ impl Up {
             config_path: dir.join("config.json"),
             user_token,
             sample,
+            issuer,
+            guard,
+            entra,
             cluster_kubeconfig,
             relay: Some(relay_task),
             agent: None,
@@ -263,6 +489,32 @@ impl Up {
     /// The state directory.
     pub fn dir(&self) -> &Path {
         &self.options.dir
+    }
+
+    /// Guard's engine (its snapshot store, cache, metrics), when guard is wired in.
+    pub fn guard(&self) -> Option<&Arc<tether_guard::Guard>> {
+        self.guard.as_ref().map(|g| &g.guard)
+    }
+
+    /// Guard's base URL (`https://127.0.0.1:PORT`), when guard is wired in.
+    pub fn guard_url(&self) -> Option<String> {
+        self.guard.as_ref().map(GuardRuntime::url)
+    }
+
+    /// Stops guard's server (the sample apiserver's webhooks then fail: its failure policy applies).
+    pub async fn stop_guard(&mut self) -> Result<(), UpError> {
+        match &mut self.guard {
+            Some(g) => g.stop().await,
+            None => Ok(()),
+        }
+    }
+
+    /// Restarts guard on the same address with a fresh engine that loads its last snapshot from disk.
+    pub async fn restart_guard(&mut self) -> Result<(), UpError> {
+        match &mut self.guard {
+            Some(g) => g.restart().await,
+            None => Err(UpError::Config("guard is not wired in".into())),
+        }
     }
 
     /// The agent's state directory.
@@ -323,6 +575,22 @@ impl Up {
         config.relay_ca = Some(self.options.dir.join("relay").join("ca.pem"));
         config.kubeconfig = Some(self.cluster_kubeconfig.clone());
         config.drain_timeout = Duration::from_secs(5);
+        if let Some(entra) = &self.entra {
+            config.entra = Some(tether_agent::EntraConfig {
+                tenants: vec![DEV_TENANT.to_string()],
+                audiences: vec![entra.audience.clone()],
+                authority: Some(entra.authority.clone()),
+                authority_ca: Some(entra.authority_ca.clone()),
+            });
+        }
+        if let Some(guard) = &self.guard {
+            let mut push = tether_agent::GuardConfig::new(
+                format!("{}/snapshot", guard.url()),
+                guard.push_token.clone(),
+            );
+            push.ca = Some(guard.dir.join("ca.pem"));
+            config.guard = Some(push);
+        }
         config
     }
 
@@ -418,9 +686,13 @@ impl Up {
     /// Starts the relay again on the same address and data dir (the agent is left to reconnect by itself).
     pub async fn start_relay(&mut self) -> Result<(), UpError> {
         self.stop_relay().await?;
-        let relay = tether_relay::Relay::new(relay_config(&self.options.dir, &self.options))
-            .await
-            .map_err(|e| UpError::Relay(e.to_string()))?;
+        let relay = tether_relay::Relay::new(relay_config(
+            &self.options.dir,
+            &self.options,
+            self.entra.as_ref(),
+        ))
+        .await
+        .map_err(|e| UpError::Relay(e.to_string()))?;
         let listener = bind_retrying(self.relay_addr).await?;
         self.relay = Some(spawn_relay(relay, listener));
         Ok(())
@@ -447,18 +719,30 @@ impl Up {
             })
     }
 
-    /// Stops everything: agent (drain), relay, sample apiserver.
+    /// Stops everything: agent (drain), relay, sample apiserver, guard, the development issuer.
     pub async fn shutdown(mut self) -> Result<(), UpError> {
         let agent = self.stop_agent().await;
         let relay = self.stop_relay().await;
         if let Some(sample) = self.sample.take() {
             sample.shutdown().await;
         }
-        agent.and(relay)
+        let guard = self.stop_guard().await;
+        if let Some(issuer) = self.issuer.take() {
+            issuer.shutdown().await;
+        }
+        agent.and(relay).and(guard)
     }
 }
 
-fn relay_config(dir: &Path, options: &UpOptions) -> tether_relay::Config {
+/// The Entra-style token settings shared by the relay and the agent (the development issuer's).
+#[derive(Debug, Clone)]
+struct Entra {
+    authority: String,
+    authority_ca: PathBuf,
+    audience: String,
+}
+
+fn relay_config(dir: &Path, options: &UpOptions, entra: Option<&Entra>) -> tether_relay::Config {
     let mut config = tether_relay::Config::new(dir.join("relay"));
     let mut hostnames = vec![
         "localhost".to_string(),
@@ -481,6 +765,14 @@ fn relay_config(dir: &Path, options: &UpOptions) -> tether_relay::Config {
     }
     if let Some(version) = &options.latest_agent_version {
         config.latest_agent_version = version.clone();
+    }
+    if let Some(entra) = entra {
+        config.entra = Some(tether_relay::EntraConfig {
+            tenants: vec![DEV_TENANT.to_string()],
+            audiences: vec![entra.audience.clone()],
+            authority: Some(entra.authority.clone()),
+            authority_ca: Some(entra.authority_ca.clone()),
+        });
     }
     config
 }
@@ -612,6 +904,18 @@ pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
             up.cluster()
         ),
     }
+    if let (Some(guard), Some(issuer)) = (up.guard_url(), &up.issuer) {
+        println!(
+            "  guard:    {guard}  (the cluster's authentication and authorization webhooks; audit log: {})",
+            up.dir().join(GUARD_DIR).join("audit.jsonl").display()
+        );
+        println!(
+            "  issuer:   {}  DEVELOPMENT ONLY token issuer (tenant {}, audience {})",
+            issuer.authority(),
+            issuer.info().tenant,
+            issuer.info().audience
+        );
+    }
     println!("  state:    {}", up.dir().display());
     println!();
     println!("Try:");
@@ -621,15 +925,34 @@ pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
             "  (the kubeconfig has no user credential; add yours: tether passes it through to the cluster)"
         );
     }
-    println!(
-        "  tether --config {} cluster list",
-        up.config_path.display()
-    );
-    println!(
-        "  tether --config {} cluster show {}",
-        up.config_path.display(),
-        up.cluster()
-    );
+    let config = up.config_path.display().to_string();
+    println!("  tether --config {config} cluster list");
+    println!("  tether --config {config} cluster show {}", up.cluster());
+    if up.issuer.is_some() {
+        let alice = "alice@contoso.com";
+        let oid = tether_testkit::dev_issuer::object_id(alice);
+        let dir = up.dir().display().to_string();
+        println!();
+        println!("Access control (guard): give {alice} read access to namespace default:");
+        println!(
+            "  tether --config {config} token --user {alice} > {dir}/alice.token   # DEVELOPMENT ONLY token"
+        );
+        println!(
+            "  tether --config {config} kubeconfig {} --token-file {dir}/alice.token -f {dir}/alice.kubeconfig",
+            up.cluster()
+        );
+        println!(
+            "  kubectl --kubeconfig {dir}/alice.kubeconfig get configmaps     # Forbidden: no role yet"
+        );
+        println!(
+            "  tether --config {config} role assign --role Viewer --principal {oid} --cluster {} --namespace default",
+            up.cluster()
+        );
+        println!("  kubectl --kubeconfig {dir}/alice.kubeconfig get configmaps     # allowed");
+        println!(
+            "  kubectl --kubeconfig {dir}/alice.kubeconfig get configmaps -n kube-system   # Forbidden"
+        );
+    }
     println!();
     println!("Press Ctrl-C to stop.");
     wait_for_signal().await;
