@@ -29,3 +29,19 @@ if [ ${#missing[@]} -gt 0 ] || [ $have_kubectl -eq 0 ]; then
     apt-get install -y -qq --no-install-recommends kubectl || apt-get install -y -qq --no-install-recommends kubernetes-client
   fi
 fi
+
+# The guard tests mint tokens with PyJWT, an implementation independent of Tether's.
+if ! python3 -c "import jwt, cryptography" >/dev/null 2>&1; then
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    if [ "$(id -u)" -ne 0 ]; then
+      echo "missing test dependencies (pip for PyJWT) and not root: pip install pyjwt cryptography first" >&2
+      exit 1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
+  fi
+  # Debian marks its Python as externally managed; the flag is what pip itself suggests for test machines.
+  python3 -m pip install --quiet --disable-pip-version-check pyjwt cryptography 2>/dev/null \
+    || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages pyjwt cryptography
+fi
