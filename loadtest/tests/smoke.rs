@@ -245,7 +245,7 @@ fn reconnect_brings_every_agent_back() -> anyhow::Result<()> {
     let r = run_labelled(&report, "reconnects").context("no reconnect run")?;
     assert!(r["requests"].as_u64().is_some_and(|n| n >= 4), "{r}");
     assert!(
-        figure(&report, "all agents back, after the relay was ready").is_some(),
+        figure(&report, "all agents back, after the new relay started").is_some(),
         "{report}"
     );
     assert!(

@@ -76,6 +76,9 @@ pub async fn run(env: &Env, args: &ReconnectArgs) -> anyhow::Result<Report> {
         StopSignal::Kill => relay.kill().await,
     }
     let stopped_in = t_stop.elapsed();
+    // The restart is the new process's start: under a reconnect storm its /healthz answers late (it queues
+    // behind the agents) while it already accepts tunnels.
+    let t_start = Instant::now();
     let relay =
         RelayProcess::start(&bins.relay, &data_dir, Some(addr), &env.relay_options(None)).await?;
     let t_ready = Instant::now();
@@ -94,8 +97,8 @@ pub async fn run(env: &Env, args: &ReconnectArgs) -> anyhow::Result<Report> {
     let rejected = SimStats::get(&stats.rejected);
     match &back {
         Ok(_) => env.say(&format!(
-            "all {n} agents back {:.2?} after the new relay was ready ({:.2?} after the stop)",
-            t_all - t_ready,
+            "all {n} agents back {:.2?} after the new relay started ({:.2?} after the stop)",
+            t_all - t_start,
             t_all - t_stop
         )),
         Err(e) => report
@@ -123,14 +126,14 @@ pub async fn run(env: &Env, args: &ReconnectArgs) -> anyhow::Result<Report> {
         "s",
     ));
     report.figures.push(Figure::new(
-        "relay down (stop → ready again)",
-        (t_ready - t_stop).as_secs_f64(),
+        "new relay: start → /healthz answered",
+        (t_ready - t_start).as_secs_f64(),
         "s",
     ));
-    let back_after_ready = back.is_ok().then(|| (t_all - t_ready).as_secs_f64());
-    if let Some(s) = back_after_ready {
+    let back_after_start = back.is_ok().then(|| (t_all - t_start).as_secs_f64());
+    if let Some(s) = back_after_start {
         report.figures.push(Figure::new(
-            "all agents back, after the relay was ready",
+            "all agents back, after the new relay started",
             s,
             "s",
         ));
@@ -168,6 +171,29 @@ pub async fn run(env: &Env, args: &ReconnectArgs) -> anyhow::Result<Report> {
             .ratios
             .push(Figure::new("accept rate peak/mean", r, "×"));
     }
+    // The same without the stragglers' tail: up to the bin where 99 % were back.
+    if let Some(run) = report.runs.last() {
+        let bin = args.bin.as_secs_f64();
+        let mut cumulative = 0.0;
+        let upto = run.timeline.iter().position(|r| {
+            cumulative += r * bin;
+            cumulative >= 0.99 * n as f64
+        });
+        if let Some(i) = upto {
+            let back99 = (i + 1) as f64 * bin;
+            let ratio99 = peak_and_mean(&run.timeline[..=i]).map(|(peak, mean)| peak / mean);
+            report.figures.push(Figure::new(
+                "99 % of agents back, after the stop (bin end)",
+                back99,
+                "s",
+            ));
+            if let Some(r) = ratio99 {
+                report
+                    .ratios
+                    .push(Figure::new("accept rate peak/mean up to 99 % back", r, "×"));
+            }
+        }
+    }
     let at = if args.count >= 10_000 {
         String::new()
     } else {
@@ -175,7 +201,7 @@ pub async fn run(env: &Env, args: &ReconnectArgs) -> anyhow::Result<Report> {
     };
     report.targets.push(TargetCheck::compare(
         format!("all agents back within 60 s of a relay restart{at}"),
-        back_after_ready,
+        back_after_start,
         60.0,
         false,
         " s",
