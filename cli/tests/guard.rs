@@ -66,13 +66,24 @@ impl PyTokens {
 }
 
 fn mint_with_pyjwt(env: &Env, users: &[(&str, &[&str])]) -> anyhow::Result<PyTokens> {
+    mint_with_pyjwt_overage(env, users, &[])
+}
+
+/// Like [`mint_with_pyjwt`]; the users named in `overage` get a group-overage token (no `groups` claim).
+fn mint_with_pyjwt_overage(
+    env: &Env,
+    users: &[(&str, &[&str])],
+    overage: &[&str],
+) -> anyhow::Result<PyTokens> {
     let issuer = env.up.issuer.as_ref().context("guard is wired in")?;
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_secs();
     let users: Vec<Value> = users
         .iter()
-        .map(|(name, groups)| json!({"name": name, "oid": object_id(name), "groups": groups}))
+        .map(|(name, groups)| {
+            json!({"name": name, "oid": object_id(name), "groups": groups, "overage": overage.contains(name)})
+        })
         .collect();
     let params = json!({
         "now": now,
@@ -618,6 +629,95 @@ async fn guard_keeps_deciding_from_its_last_snapshot_without_the_relay() -> anyh
         Some(1)
     );
     check(direct, token).await?;
+    env.up.shutdown().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_roles_and_group_overage_through_the_cli() -> anyhow::Result<()> {
+    if !pyjwt_available()? {
+        return Ok(());
+    }
+    let env = start().await?;
+    let cluster = env.up.cluster().to_string();
+    let erin = "erin@contoso.com";
+    let frank = "frank@contoso.com";
+
+    // A custom role in the `az role definition` form, from a file.
+    let file = env.dir.path().join("pod-reader.json");
+    std::fs::write(
+        &file,
+        json!({
+            "Name": "Pod Reader",
+            "Description": "reads pods and their logs",
+            "Actions": [],
+            "DataActions": ["Microsoft.Kubernetes/connectedClusters/pods/read"],
+            "NotDataActions": [],
+        })
+        .to_string(),
+    )?;
+    let file_arg = file.display().to_string();
+    let role_id = role(&env, &["define", "-f", &file_arg]).await?;
+    let listed = env.tether_ok(&["role", "definitions"]).await?;
+    assert!(
+        listed.contains("Pod Reader") && listed.contains("Azure Arc Kubernetes Viewer"),
+        "{listed}"
+    );
+    role(
+        &env,
+        &[
+            "assign",
+            "--role",
+            "Pod Reader",
+            "--principal",
+            &object_id(erin),
+            "--cluster",
+            &cluster,
+        ],
+    )
+    .await?;
+    // Frank's token has too many groups to carry them; the relay's directory knows them.
+    role(
+        &env,
+        &[
+            "assign",
+            "--role",
+            "Viewer",
+            "--principal",
+            SRE_GROUP,
+            "--cluster",
+            &cluster,
+        ],
+    )
+    .await?;
+    wait_snapshot(&env, 2, 0).await?;
+
+    // A role in use cannot be deleted.
+    let out = env.tether(&["role", "delete-definition", &role_id]).await?;
+    assert_eq!(out.code, Some(1), "{out:?}");
+
+    let py = mint_with_pyjwt_overage(&env, &[(erin, &[]), (frank, &[])], &[frank])?;
+    let erin_kubectl = kubectl_as(&env, "erin", &py.user(erin)?).await?;
+    ok(&erin_kubectl, &["get", "pods", "-n", "default"]).await?;
+    forbidden(
+        &erin_kubectl,
+        &["get", "configmaps", "-n", "default"],
+        "User \"erin@contoso.com\" cannot list resource \"configmaps\"",
+    )
+    .await?;
+
+    env.tether_ok(&["directory", "set-groups", &object_id(frank), SRE_GROUP])
+        .await?;
+    let frank_kubectl = kubectl_as(&env, "frank", &py.user(frank)?).await?;
+    let out = ok(&frank_kubectl, &["auth", "whoami", "-o", "json"]).await?;
+    let who: Value = serde_json::from_str(&out.stdout)?;
+    assert!(
+        who["status"]["userInfo"]["groups"]
+            .as_array()
+            .is_some_and(|g| g.iter().any(|g| g == SRE_GROUP)),
+        "{who}"
+    );
+    ok(&frank_kubectl, &["get", "configmaps", "-n", "prod"]).await?;
     env.up.shutdown().await?;
     Ok(())
 }

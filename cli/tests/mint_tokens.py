@@ -2,7 +2,7 @@
 
 Reads one JSON object from argv[1]:
   now, iss, other_iss, tid, other_tid, aud, kid, key_file (the development issuer's RSA key, PKCS#8 PEM),
-  users: [{name, oid, groups}]
+  users: [{name, oid, groups, overage?}]
 Prints {"users": {name: token}, "attacks": {case: token}, "service_account": token}.
 
 Valid tokens are signed RS256 with the development issuer's key (so relay, agent and guard find the key in the
@@ -51,7 +51,13 @@ def main() -> None:
             "tid": p["tid"],
             "ver": "2.0",
         }
-        if user.get("groups"):
+        if user.get("overage"):
+            # Too many groups for the token: Entra leaves them out and points at Graph instead.
+            c["_claim_names"] = {"groups": "src1"}
+            c["_claim_sources"] = {
+                "src1": {"endpoint": f"https://graph.windows.net/{p['tid']}/users/{user['oid']}/getMemberObjects"}
+            }
+        elif user.get("groups"):
             c["groups"] = user["groups"]
         c.update(extra)
         return {k: v for k, v in c.items() if v is not None}
