@@ -555,4 +555,80 @@ mod tests {
         assert_eq!(args.latest_agent_version, None);
         Ok(())
     }
+
+    #[test]
+    fn role_and_token_commands_parse() -> anyhow::Result<()> {
+        let cli = Cli::try_parse_from([
+            "tether",
+            "role",
+            "assign",
+            "--role",
+            "Cluster Admin",
+            "--principal",
+            "5405cf57-9db4-433d-b03e-cedc85623c05",
+            "--cluster",
+            "demo",
+            "--namespace",
+            "dev",
+        ])?;
+        let Command::Role {
+            command: RoleCommand::Assign(args),
+        } = cli.command
+        else {
+            anyhow::bail!("not role assign");
+        };
+        assert_eq!(args.role, "Cluster Admin");
+        assert_eq!(args.namespace.as_deref(), Some("dev"));
+        let cli = Cli::try_parse_from([
+            "tether",
+            "role",
+            "deny",
+            "add",
+            "--name",
+            "n",
+            "--action",
+            "a1",
+            "--action",
+            "a2",
+            "--principal",
+            "p",
+            "--cluster",
+            "c",
+        ])?;
+        let Command::Role {
+            command:
+                RoleCommand::Deny {
+                    command: DenyCommand::Add(args),
+                },
+        } = cli.command
+        else {
+            anyhow::bail!("not role deny add");
+        };
+        assert_eq!(args.actions, ["a1", "a2"]);
+        // A deny assignment without actions or principals is a usage error.
+        assert!(
+            Cli::try_parse_from([
+                "tether",
+                "role",
+                "deny",
+                "add",
+                "--name",
+                "n",
+                "--cluster",
+                "c"
+            ])
+            .is_err()
+        );
+        let cli = Cli::try_parse_from([
+            "tether", "token", "--user", "alice", "--group", "g1", "--group", "g2", "-o", "json",
+        ])?;
+        let Command::Token(args) = cli.command else {
+            anyhow::bail!("not token");
+        };
+        assert_eq!(args.groups, ["g1", "g2"]);
+        assert_eq!(args.lifetime, Duration::from_secs(3600));
+        assert_eq!(args.output, TokenFormat::Json);
+        assert!(Cli::try_parse_from(["tether", "token"]).is_err());
+        Ok(())
+    }
 }

@@ -721,3 +721,24 @@ async fn custom_roles_and_group_overage_through_the_cli() -> anyhow::Result<()> 
     env.up.shutdown().await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn tether_token_without_a_development_issuer_is_a_usage_error() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tether"))
+        .args(["token", "--user", "alice@contoso.com", "--dir"])
+        .arg(dir.path())
+        .env_remove("TETHER_CONFIG")
+        .output()
+        .await?;
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("run `tether up` first"), "{stderr}");
+    assert!(out.stdout.is_empty());
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tether"))
+        .args(["token", "--help"])
+        .output()
+        .await?;
+    assert!(String::from_utf8_lossy(&out.stdout).contains("DEVELOPMENT ONLY"));
+    Ok(())
+}

@@ -61,3 +61,27 @@ async fn an_empty_token_is_a_configuration_error() -> anyhow::Result<()> {
     assert!(!dir.path().join("kubeconfig").exists());
     Ok(())
 }
+
+#[tokio::test]
+async fn unusable_webhook_configuration_is_a_configuration_error() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("authz.yaml");
+    // A webhook authorizer whose kubeconfig does not exist: refused before anything listens.
+    std::fs::write(
+        &config,
+        "apiVersion: apiserver.config.k8s.io/v1\nkind: AuthorizationConfiguration\nauthorizers:\n\
+         - type: Webhook\n  name: w\n  webhook:\n    timeout: 3s\n    subjectAccessReviewVersion: v1\n\
+         \x20   failurePolicy: NoOpinion\n    connectionInfo: {type: KubeConfigFile, kubeConfigFile: missing.kubeconfig}\n",
+    )?;
+    let out = Command::new(env!("CARGO_BIN_EXE_tether-sample-apiserver"))
+        .arg("--dir")
+        .arg(dir.path())
+        .args(["--listen", "127.0.0.1:0", "--authorization-config"])
+        .arg(&config)
+        .output()
+        .await?;
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("missing.kubeconfig"), "{stderr}");
+    Ok(())
+}
