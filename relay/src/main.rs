@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
+use tether_tunnel::parse_duration;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum LogFormat {
@@ -90,31 +91,6 @@ struct Args {
         default_value = "text"
     )]
     log_format: LogFormat,
-}
-
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, unit) = s
-        .find(|c: char| !c.is_ascii_digit())
-        .map_or((s, "s"), |i| s.split_at(i));
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?} (expected e.g. 10s, 500ms, 15m, 2h, 90d)"))?;
-    let secs = |per: u64| {
-        n.checked_mul(per)
-            .map(Duration::from_secs)
-            .ok_or_else(|| format!("duration {s:?} is too long"))
-    };
-    match unit {
-        "ms" => Ok(Duration::from_millis(n)),
-        "s" => secs(1),
-        "m" => secs(60),
-        "h" => secs(3600),
-        "d" => secs(86_400),
-        _ => Err(format!(
-            "invalid duration unit in {s:?} (use ms, s, m, h or d)"
-        )),
-    }
 }
 
 impl Args {
@@ -250,19 +226,6 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
-        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
-        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
-        assert_eq!(parse_duration("90d"), Ok(Duration::from_secs(90 * 86_400)));
-        assert!(parse_duration("fast").is_err());
-        assert!(parse_duration("1w").is_err());
-        assert!(parse_duration("99999999999999999999d").is_err());
-    }
 
     #[test]
     fn cli_parses() {

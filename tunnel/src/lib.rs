@@ -20,12 +20,14 @@
 
 mod conn;
 pub mod control;
+mod duration;
 pub mod proxy;
 mod secret;
 pub mod tls;
 pub mod ws;
 
 pub use conn::{CloseInfo, Connection, Incoming, OpenOptions, Stream, StreamControl, TunnelError};
+pub use duration::parse_duration;
 pub use secret::Secret;
 pub use tether_proto::{ConnectionError, Priority, Role, Stats, code, kind};
 
