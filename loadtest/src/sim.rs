@@ -341,18 +341,20 @@ pub struct Fleet {
 }
 
 impl Fleet {
-    /// Starts one task per agent. At most `initial_concurrency` first connects are in flight at once.
+    /// Starts one task per agent. At most `initial_concurrency` first connects are in flight at once; every
+    /// successful connect is counted in `accepts` (if given; see also [`Fleet::count_accepts_in`]).
     pub fn start(
         agents: &[Arc<SimAgent>],
         backoff: Backoff,
         default_heartbeat: Duration,
         initial_concurrency: Option<usize>,
+        accepts: Option<Arc<Timeline>>,
     ) -> Self {
         let shared = Arc::new(FleetShared {
             backoff,
             default_heartbeat,
             stats: Arc::new(SimStats::default()),
-            accepts: RwLock::new(None),
+            accepts: RwLock::new(accepts),
             stop: CancellationToken::new(),
             initial_gate: initial_concurrency.map(|n| Arc::new(Semaphore::new(n.max(1)))),
         });

@@ -43,6 +43,7 @@ pub async fn run(env: &Env, args: &ReconnectArgs) -> anyhow::Result<Report> {
         Backoff::default(),
         heartbeat,
         Some(args.connect_concurrency),
+        None,
     );
     let n = args.count as u64;
     let bar = env.bar(n, "connecting tunnels");

@@ -99,8 +99,9 @@ pub async fn run(env: &Env, args: &TunnelsArgs) -> anyhow::Result<Report> {
         Backoff::default(),
         args.heartbeat_interval,
         Some(args.connect_concurrency),
+        // Counted from the first task on: spawning thousands of tasks takes long enough for early connects.
+        Some(timeline.clone()),
     );
-    fleet.count_accepts_in(timeline.clone());
     let bar = env.bar(sims as u64, "connecting tunnels");
     let limit = Duration::from_secs(120).max(Duration::from_millis(30 * sims as u64));
     let target = sims as u64;
@@ -118,6 +119,35 @@ pub async fn run(env: &Env, args: &TunnelsArgs) -> anyhow::Result<Report> {
     env.say(&format!(
         "{sims} tunnels up in {connect_time:.2?} ({connect_rate:.0}/s)"
     ));
+    // A few failed first attempts retry after a backoff and stretch the total; the ramp's own rate is the
+    // relay's accept rate.
+    let rates = timeline.rates(connect_time + Duration::from_millis(250), 1.0);
+    let mut cumulative = 0.0;
+    let upto99 = rates.iter().position(|r| {
+        cumulative += r * 0.25;
+        cumulative >= 0.99 * sims as f64
+    });
+    if let Some(i) = upto99 {
+        let secs = (i + 1) as f64 * 0.25;
+        report.figures.push(Figure::new(
+            "tunnel connect rate up to 99 % connected",
+            0.99 * sims as f64 / secs,
+            "connects/s",
+        ));
+    }
+    let errors = SimStats::get(&fleet.stats().connect_errors);
+    if errors > 0 {
+        let first = fleet
+            .stats()
+            .first_error
+            .lock()
+            .ok()
+            .and_then(|e| e.clone())
+            .unwrap_or_default();
+        report.notes.push(format!(
+            "{errors} connect attempts failed and were retried with the agent's backoff (first: {first})"
+        ));
+    }
     report.runs.push(RunResult {
         label: "tunnel connects".into(),
         seconds: connect_time.as_secs_f64(),
@@ -126,7 +156,7 @@ pub async fn run(env: &Env, args: &TunnelsArgs) -> anyhow::Result<Report> {
         requests_per_sec: connect_rate,
         timeline_interval_ms: 250,
         timeline_unit: "connects/s".into(),
-        timeline: timeline.rates(connect_time + Duration::from_millis(250), 1.0),
+        timeline: rates,
         ..RunResult::default()
     });
     let relay_connected = relay.process().rss_kib();
@@ -181,7 +211,7 @@ pub async fn run(env: &Env, args: &TunnelsArgs) -> anyhow::Result<Report> {
         ));
     }
     report.figures.push(Figure::new(
-        "tunnel connect rate",
+        "tunnel connect rate (all connected, retries included)",
         connect_rate,
         "connects/s",
     ));
