@@ -4,7 +4,7 @@
 #   bash scripts/bench.sh                 # every scenario with its defaults (about 10 minutes on 2 cores)
 #   bash scripts/bench.sh requests --concurrency 64 --protocol h2
 #   bash scripts/bench.sh tunnels --count 10000
-#   bash scripts/bench.sh profile         # perf (or callgrind) profiles of relay and agent under `requests`
+#   bash scripts/bench.sh profile         # perf (else callgrind) profiles of relay and agent under `requests`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,13 +28,14 @@ case "$scenario" in
       # Sample relay and agent (cpu-clock works without hardware counters) while `requests` runs through them.
       rm -rf "$out/profile/work"
       "$lt" --out "$out/profile" --no-progress --work-dir "$out/profile/work" requests --paths tether \
-        --duration 20s --warmup 2s "$@" &
+        --duration 20s --warmup 2s &
       lt_pid=$!
       # The load generator writes each child's pid next to its log.
       relay_pid="$out/profile/work/relay/relay.pid"
       agent_pid="$out/profile/work/agent/agent-loadtest.pid"
       for _ in $(seq 300); do
         [ -s "$relay_pid" ] && [ -s "$agent_pid" ] && break
+        kill -0 "$lt_pid" 2>/dev/null || { echo "the load generator exited early" >&2; exit 1; }
         sleep 0.2
       done
       relay=$(cat "$relay_pid")
@@ -45,8 +46,8 @@ case "$scenario" in
       wait "$lt_pid"
       wait
       for p in relay agent; do
-        perf report -i "$out/profile/$p.perf" --stdio --no-children --sort symbol 2>/dev/null \
-          | grep -v '^#' | grep -v '^$' | head -60 > "$out/profile/$p.top.txt"
+        { perf report -i "$out/profile/$p.perf" --stdio --no-children --sort symbol -g none 2>/dev/null \
+          | grep -v '^#' | grep -v '^$' | head -60 > "$out/profile/$p.top.txt"; } || true
         echo "== $p: top symbols ($out/profile/$p.top.txt)"; head -25 "$out/profile/$p.top.txt"
       done
     else
@@ -54,9 +55,9 @@ case "$scenario" in
       "$lt" --out "$out/profile" --no-progress --work-dir "$out/profile/work" \
         --relay-wrapper "valgrind --tool=callgrind --callgrind-out-file=$PWD/$out/profile/callgrind.relay.%p" \
         --agent-wrapper "valgrind --tool=callgrind --callgrind-out-file=$PWD/$out/profile/callgrind.agent.%p" \
-        requests --paths tether --duration 10s --warmup 2s --concurrency 4 "$@"
+        requests --paths tether --duration 10s --warmup 2s --concurrency 4
       for f in "$out"/profile/callgrind.*; do
-        echo "== $f"; callgrind_annotate "$f" 2>/dev/null | head -40
+        echo "== $f"; { callgrind_annotate "$f" 2>/dev/null | head -40; } || true
       done
     fi
     ;;
