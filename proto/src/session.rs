@@ -1044,7 +1044,12 @@ impl Session {
         let Some(s) = self.streams.get(&id) else {
             return self.unknown_stream(id, "RESET for a stream never opened");
         };
-        if !s.local && now.saturating_duration_since(s.opened_at) < RAPID_RESET_AGE {
+        // The rapid-reset attack makes us start work and cancels it at once. A peer that resets a stream we have
+        // already answered in full (the relay does this at the end of every ordinary request) costs nothing.
+        if !s.local
+            && s.send == SendHalf::Open
+            && now.saturating_duration_since(s.opened_at) < RAPID_RESET_AGE
+        {
             if now.saturating_duration_since(self.rapid_reset_window_start) >= RAPID_RESET_WINDOW {
                 self.rapid_reset_window_start = now;
                 self.rapid_resets = 0;

@@ -122,6 +122,31 @@ fn rapid_reset_flood() {
 }
 
 #[test]
+fn resets_after_a_finished_answer_are_not_a_flood() {
+    // The relay ends every ordinary request by dropping its stream once the answer is in, so the agent sees a
+    // RESET right after it finished answering, thousands of times a second under load. Not an attack.
+    let mut raw = server();
+    for i in 0..2000u32 {
+        let id = 2 * i + 1;
+        raw.feed(&[open(id), data(id, 10, true)]);
+        assert_eq!(
+            raw.session.accept_stream(StreamId(id), Bytes::new()),
+            Ok(())
+        );
+        assert_eq!(raw.session.write(StreamId(id), b"answer"), Ok(6));
+        assert_eq!(raw.session.finish(StreamId(id)), Ok(()));
+        raw.feed(&[Frame::Reset {
+            stream: StreamId(id),
+            code: code::CANCEL,
+        }]);
+    }
+    assert!(
+        raw.closed().is_none(),
+        "ordinary request endings were taken for a rapid-reset flood"
+    );
+}
+
+#[test]
 fn resets_of_old_streams_are_not_a_flood() {
     let mut raw = server();
     let mut frames: Vec<Frame> = (0..1001u32).map(|i| open(2 * i + 1)).collect();
