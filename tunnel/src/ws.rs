@@ -197,8 +197,13 @@ where
     })
 }
 
+/// The read buffer is allocated (and zeroed) up front per connection: tungstenite's 128 KiB default made every
+/// idle tunnel cost the relay that much; 16 KiB still takes a whole TLS record per read.
+const READ_BUFFER_SIZE: usize = 16 * 1024;
+
 fn ws_config() -> WebSocketConfig {
     WebSocketConfig::default()
+        .read_buffer_size(READ_BUFFER_SIZE)
         .max_message_size(Some(MAX_MESSAGE_SIZE))
         .max_frame_size(Some(MAX_MESSAGE_SIZE))
 }
