@@ -97,7 +97,7 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Self {
-            max_connections: 10_000,
+            max_connections: 50_000,
             tls_handshake_timeout: Duration::from_secs(10),
             header_read_timeout: Duration::from_secs(30),
             max_header_bytes: 64 * 1024,

@@ -48,6 +48,10 @@ struct Args {
     /// How long an agent has to accept a request before the user gets a 504 (e.g. 10s, 500ms).
     #[arg(long, env = "TETHER_RELAY_OPEN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     open_timeout: Duration,
+    /// Most concurrent TCP connections (agent tunnels and user connections together); past it new connections
+    /// wait. Size it for the number of clusters plus the users' connections.
+    #[arg(long, env = "TETHER_RELAY_MAX_CONNECTIONS", default_value_t = 50_000)]
+    max_connections: usize,
     /// Database URL (default sqlite://DATA_DIR/relay.db).
     #[arg(long, env = "TETHER_RELAY_DATABASE_URL")]
     database_url: Option<String>,
@@ -103,6 +107,7 @@ impl Args {
         }
         config.admin_token_file = self.admin_token_file.clone();
         config.open_timeout = self.open_timeout;
+        config.limits.max_connections = self.max_connections;
         config.database_url = self.database_url.clone();
         config.heartbeat_interval = self.heartbeat_interval;
         config.offline_threshold = self.offline_threshold;
