@@ -317,10 +317,19 @@ async fn ensure_identity(
             not_after = %stored.not_after,
             "using the stored identity"
         );
-        if stored.is_expired(OffsetDateTime::now_utc()) {
-            tracing::warn!("the stored identity has expired; the relay will refuse it");
+        let expired = stored.is_expired(OffsetDateTime::now_utc());
+        if !expired || config.onboarding_token.is_none() {
+            if expired {
+                tracing::warn!("the stored identity has expired; the relay will refuse it");
+            }
+            return Ok(Some(stored));
         }
-        return Ok(Some(stored));
+        // The recovery the relay tells the user about: delete the cluster, connect it again, start the agent
+        // with the new onboarding token. An expired identity is worth nothing, so the token replaces it here
+        // (the new identity is stored over it) without anyone emptying the state directory by hand.
+        tracing::warn!(
+            "the stored identity has expired; onboarding again with the given onboarding token"
+        );
     }
     let Some(token) = &config.onboarding_token else {
         return Err(ConfigError::MissingOnboardingToken {

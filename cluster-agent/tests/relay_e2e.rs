@@ -190,6 +190,7 @@ async fn metadata_health_renewal_and_expiry_with_the_real_relay() -> Result<()> 
         .as_str()
         .unwrap_or_default()
         .to_owned();
+    let not_after_text = not_after.clone();
     let not_after =
         time::OffsetDateTime::parse(&not_after, &time::format_description::well_known::Rfc3339)?;
     let give_up = tokio::time::Instant::now() + DEADLINE;
@@ -219,6 +220,35 @@ async fn metadata_health_renewal_and_expiry_with_the_real_relay() -> Result<()> 
         }
         other => bail!("expected IdentityExpired, got {other:?}"),
     }
+
+    // Recovery as the relay says: delete the cluster, connect it again, start the agent with the new token.
+    // The expired identity in the state directory is replaced; nobody has to empty the directory by hand.
+    let (status, _) = relay
+        .call(
+            Method::DELETE,
+            "/api/v1/clusters/prod",
+            &relay.admin_token,
+            None,
+        )
+        .await?;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let token = relay.register("prod").await?;
+    let (stop_agent, agent_stopped) = oneshot::channel::<()>();
+    let agent = tokio::spawn(tether_agent::run(
+        agent_config(&relay, dir.path(), Some(&token))?,
+        async move {
+            let _ = agent_stopped.await;
+        },
+    ));
+    cluster_until(&relay, |c| c["connectivityStatus"] == "Connected").await?;
+    assert_ne!(
+        stored_identity(dir.path())?["notAfter"].as_str(),
+        Some(not_after_text.as_str())
+    );
+    let (status, _) = relay.user_get("prod", "/version").await?;
+    assert_eq!(status, StatusCode::OK);
+    drop(stop_agent);
+    tokio::time::timeout(DEADLINE, agent).await???;
     relay.stop().await?;
     Ok(())
 }
