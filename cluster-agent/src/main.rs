@@ -6,8 +6,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use tether_agent::{AgentError, Config, EntraConfig, GuardConfig, Secret};
+use tether_tunnel::process::{LogFormat, init_tracing, shutdown_signal};
 use tether_tunnel::proxy::ProxyConfig;
 
 /// Exit status for a configuration that cannot be used (EX_USAGE).
@@ -98,14 +99,8 @@ struct Args {
     #[arg(long, env = "TETHER_DRAIN_TIMEOUT", default_value_t = 20)]
     drain_timeout: u64,
     /// Log format.
-    #[arg(long, env = "TETHER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    #[arg(long, env = "TETHER_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
 }
 
 fn main() -> ExitCode {
@@ -220,41 +215,4 @@ fn config_from(args: Args) -> anyhow::Result<Config> {
 
 fn env_value(name: &str) -> Option<String> {
     std::env::var(name).ok()
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut terminate) => {
-                tokio::select! {
-                    _ = interrupt => {}
-                    _ = terminate.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = interrupt.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = interrupt.await;
-    }
-    tracing::info!("shutdown signal received");
 }

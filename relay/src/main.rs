@@ -6,14 +6,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use tether_tunnel::parse_duration;
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
+use tether_tunnel::process::{LogFormat, init_tracing, shutdown_signal};
 
 /// The Tether relay: agents dial in, kubectl requests go out over their tunnels.
 #[derive(Debug, Parser)]
@@ -88,12 +83,7 @@ struct Args {
     #[arg(long, env = "TETHER_RELAY_ENTRA_AUTHORITY_CA")]
     entra_authority_ca: Option<PathBuf>,
     /// Log format.
-    #[arg(
-        long,
-        env = "TETHER_RELAY_LOG_FORMAT",
-        value_enum,
-        default_value = "text"
-    )]
+    #[arg(long, env = "TETHER_RELAY_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
 }
 
@@ -128,40 +118,6 @@ impl Args {
         }
         config
     }
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
-    }
-    tracing::info!("shutdown signal received");
 }
 
 /// Why the relay stopped: configuration problems exit 64 (EX_USAGE), the rest 1.

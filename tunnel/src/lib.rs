@@ -21,6 +21,7 @@
 mod conn;
 pub mod control;
 mod duration;
+pub mod process;
 pub mod proxy;
 mod secret;
 pub mod tls;
