@@ -213,7 +213,7 @@ pub async fn run(
                 {
                     Ended::Shutdown => return Ok(()),
                     Ended::Disconnected(reason) => {
-                        let delay = reconnect.next_delay();
+                        let delay = reconnect.lost(state.reconnect_window.take());
                         tracing::warn!(%reason, retry_in = ?delay, "disconnected from the relay");
                         delay
                     }
@@ -430,6 +430,9 @@ enum Ended {
     Disconnected(String),
 }
 
+/// How long a tunnel that got GOAWAY waits for the relay's `draining` message before reconnecting.
+const DRAINING_WAIT: Duration = Duration::from_secs(2);
+
 /// Serves one tunnel until it ends, its control channel ends, or shutdown is asked for (then GOAWAY, drain,
 /// close).
 async fn serve(
@@ -446,7 +449,12 @@ async fn serve(
         tokio::select! {
             incoming = conn.accept() => match incoming {
                 Some(incoming) => handle_incoming(incoming, &conn, upstream, streams),
-                None => break false,
+                None => {
+                    // GOAWAY. A relay that is going away says on the control channel when to come back
+                    // (`draining`), right after; give that message a moment to arrive.
+                    let _ = tokio::time::timeout(DRAINING_WAIT, &mut control).await;
+                    break false;
+                }
             },
             // Reap finished streams so the set does not grow.
             Some(_) = streams.join_next(), if !streams.is_empty() => {}

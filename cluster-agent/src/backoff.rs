@@ -1,9 +1,21 @@
-//! Reconnect pacing: exponential backoff with full jitter, reset after a stable connection.
+//! Reconnect pacing: exponential backoff with full jitter, reset after a stable connection, and a gentler
+//! schedule right after a tunnel that was up is lost.
+//!
+//! Why the last part: when a relay restarts under thousands of agents, every agent's first attempts fail while
+//! the relay is down, and plain exponential backoff pushes a few unlucky agents' ceilings to 16–30 s — they come
+//! back half a minute after everyone else. So for [`Backoff::recovery`] after losing a tunnel the ceiling stops
+//! at [`Backoff::recovery_cap`]; and when the relay said how long the fleet should take to come back
+//! (`draining`, see [`tether_tunnel::control::Draining`]), the first attempt is spread uniformly over that window
+//! and retries never wait longer than it. A tunnel that keeps flapping gets one such period per
+//! [`Backoff::stable`], then the ordinary growth.
 
 use std::time::Duration;
 
 use rand::RngExt;
 use tokio::time::Instant;
+
+/// The longest reconnect window an agent accepts from a relay (a larger one is cut to this).
+pub const MAX_RECONNECT_WINDOW: Duration = Duration::from_secs(300);
 
 /// Reconnect backoff policy. The sleep before retry number `n` (from 0) is uniform in
 /// `[0, min(cap, base·2^n)]` ("full jitter"); the counter goes back to 0 once a tunnel stayed up for `stable`.
@@ -15,6 +27,10 @@ pub struct Backoff {
     pub cap: Duration,
     /// A tunnel up at least this long resets the attempt counter (default 60 s).
     pub stable: Duration,
+    /// How long after losing a tunnel the ceiling stays at most `recovery_cap` (default 60 s).
+    pub recovery: Duration,
+    /// The largest ceiling during recovery (default 5 s).
+    pub recovery_cap: Duration,
 }
 
 impl Default for Backoff {
@@ -23,6 +39,8 @@ impl Default for Backoff {
             base: Duration::from_millis(500),
             cap: Duration::from_secs(30),
             stable: Duration::from_secs(60),
+            recovery: Duration::from_secs(60),
+            recovery_cap: Duration::from_secs(5),
         }
     }
 }
@@ -38,17 +56,32 @@ impl Backoff {
 
     /// A full-jitter delay for retry number `attempt`, drawn from `rng`.
     pub fn delay(&self, attempt: u32, rng: &mut impl rand::Rng) -> Duration {
-        let ceiling = u64::try_from(self.ceiling(attempt).as_nanos()).unwrap_or(u64::MAX);
-        Duration::from_nanos(rng.random_range(0..=ceiling))
+        uniform(self.ceiling(attempt), rng)
     }
 }
 
-/// Reconnect bookkeeping for one agent: the attempt counter and when the current tunnel came up.
+/// Uniform in `[0, ceiling]`.
+fn uniform(ceiling: Duration, rng: &mut impl rand::Rng) -> Duration {
+    let ceiling = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
+    Duration::from_nanos(rng.random_range(0..=ceiling))
+}
+
+/// The period after a lost tunnel.
+#[derive(Debug, Clone, Copy)]
+struct Recovery {
+    started: Instant,
+    /// The relay's reconnect window, if it sent one.
+    window: Option<Duration>,
+}
+
+/// Reconnect bookkeeping for one agent: the attempt counter, when the current tunnel came up, and the recovery
+/// period after a lost tunnel.
 #[derive(Debug)]
 pub struct Reconnect {
     policy: Backoff,
     attempt: u32,
     connected_at: Option<Instant>,
+    recovery: Option<Recovery>,
 }
 
 impl Reconnect {
@@ -58,6 +91,7 @@ impl Reconnect {
             policy,
             attempt: 0,
             connected_at: None,
+            recovery: None,
         }
     }
 
@@ -71,17 +105,63 @@ impl Reconnect {
         self.connected_at = Some(Instant::now());
     }
 
-    /// Records a failed attempt or a lost tunnel and returns how long to wait before the next attempt. A tunnel
-    /// that was up for the stable period resets the counter first.
+    /// Records that the tunnel that was up is lost and returns how long to wait before the first attempt.
+    /// `window` is the relay's reconnect window from its `draining` message, if it sent one (clamped to
+    /// [`MAX_RECONNECT_WINDOW`]): the first attempt is then uniform within it.
+    pub fn lost(&mut self, window: Option<Duration>) -> Duration {
+        let now = Instant::now();
+        let stable = self
+            .connected_at
+            .take()
+            .is_some_and(|since| now.duration_since(since) >= self.policy.stable);
+        if stable {
+            self.attempt = 0;
+        }
+        let window = window.map(|w| w.min(MAX_RECONNECT_WINDOW));
+        // One recovery period per `stable`: a tunnel that flaps falls back to the ordinary growth.
+        let fresh = self
+            .recovery
+            .is_none_or(|r| stable || now.duration_since(r.started) >= self.policy.stable);
+        if fresh || window.is_some() {
+            self.recovery = Some(Recovery {
+                started: now,
+                window,
+            });
+        }
+        match window {
+            Some(w) => {
+                self.attempt = self.attempt.saturating_add(1);
+                uniform(w, &mut rand::rng())
+            }
+            None => self.next_delay(),
+        }
+    }
+
+    /// Records a failed attempt and returns how long to wait before the next one.
     pub fn next_delay(&mut self) -> Duration {
+        // A connection that ended without `lost` being called (e.g. refused right after the handshake) still
+        // counts as up for the reset rule.
         if let Some(since) = self.connected_at.take()
             && since.elapsed() >= self.policy.stable
         {
             self.attempt = 0;
         }
-        let delay = self.policy.delay(self.attempt, &mut rand::rng());
+        let ceiling = self.ceiling_now();
         self.attempt = self.attempt.saturating_add(1);
-        delay
+        uniform(ceiling, &mut rand::rng())
+    }
+
+    /// The ceiling for the next retry: the policy's, held down during recovery (but never below the relay's
+    /// window, so retries stay spread over it).
+    fn ceiling_now(&self) -> Duration {
+        let ceiling = self.policy.ceiling(self.attempt);
+        match self.recovery {
+            Some(r) if r.started.elapsed() < self.policy.recovery => {
+                let held = ceiling.min(self.policy.recovery_cap);
+                r.window.map_or(held, |w| held.max(w))
+            }
+            _ => ceiling,
+        }
     }
 }
 
@@ -145,5 +225,76 @@ mod tests {
         let d = r.next_delay();
         assert!(d <= policy.base);
         assert_eq!(r.attempt(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_a_lost_tunnel_the_ceiling_is_held_for_the_recovery_period() {
+        let policy = Backoff::default();
+        let mut r = Reconnect::new(policy);
+        r.connected();
+        tokio::time::advance(policy.stable).await;
+        assert!(r.lost(None) <= policy.base);
+        // The relay stays down: the ceiling grows 1, 2, 4 s and then stops at the recovery cap…
+        for _ in 0..20 {
+            assert!(r.next_delay() <= policy.recovery_cap);
+        }
+        assert!(r.ceiling_now() == policy.recovery_cap);
+        // …until the recovery period is over: then the ordinary ceiling (30 s) applies.
+        tokio::time::advance(policy.recovery).await;
+        assert_eq!(r.ceiling_now(), policy.cap);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_relays_window_spreads_the_first_attempt_and_bounds_the_retries() {
+        let policy = Backoff::default();
+        let window = Duration::from_secs(10);
+        let mut firsts = Vec::new();
+        for _ in 0..400 {
+            let mut r = Reconnect::new(policy);
+            r.connected();
+            let d = r.lost(Some(window));
+            assert!(d <= window);
+            firsts.push(d);
+            // Retries while the relay is still down stay spread over the window, not held to the 5 s cap.
+            assert_eq!(r.ceiling_now(), window);
+        }
+        // Uniform over the window: every quarter of it gets some of the agents.
+        for q in 0..4u32 {
+            let (lo, hi) = (window * q / 4, window * (q + 1) / 4);
+            assert!(firsts.iter().any(|d| *d >= lo && *d <= hi), "quarter {q}");
+        }
+        // A relay cannot park agents for longer than the agent's own bound.
+        let mut r = Reconnect::new(policy);
+        assert!(r.lost(Some(Duration::from_secs(86_400))) <= MAX_RECONNECT_WINDOW);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_flapping_tunnel_gets_one_recovery_period_per_stable_interval() {
+        let policy = Backoff::default();
+        let mut r = Reconnect::new(policy);
+        r.connected();
+        let _ = r.lost(None);
+        // Up for a second, lost again, many times: the counter keeps growing…
+        for _ in 0..8 {
+            r.connected();
+            tokio::time::advance(Duration::from_secs(1)).await;
+            let _ = r.lost(None);
+        }
+        assert_eq!(r.attempt(), 9);
+        // …held at the recovery cap while the first period lasts, then the ordinary growth: no new period.
+        assert_eq!(r.ceiling_now(), policy.recovery_cap);
+        tokio::time::advance(policy.recovery).await;
+        assert_eq!(r.ceiling_now(), policy.cap);
+        // A minute after the first period began, a loss may start one new period, which the next flap does
+        // not renew.
+        r.connected();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let _ = r.lost(None);
+        r.connected();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let _ = r.lost(None);
+        assert_eq!(r.ceiling_now(), policy.recovery_cap);
+        tokio::time::advance(policy.recovery).await;
+        assert_eq!(r.ceiling_now(), policy.cap);
     }
 }

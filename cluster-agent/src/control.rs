@@ -38,6 +38,8 @@ const RENEW_BACKOFF: Backoff = Backoff {
     base: Duration::from_secs(1),
     cap: Duration::from_secs(300),
     stable: Duration::MAX,
+    recovery: Duration::ZERO,
+    recovery_cap: Duration::from_secs(300),
 };
 
 /// What the control channel needs and keeps across tunnels.
@@ -58,6 +60,8 @@ pub(crate) struct State {
     pub(crate) directory: Arc<RelayDirectory>,
     /// Where guard snapshots go; `None` when no guard is configured.
     pub(crate) snapshots: Option<SnapshotSink>,
+    /// The reconnect window from the relay's last `draining` message; taken when the tunnel ends.
+    pub(crate) reconnect_window: Option<Duration>,
     renewal: Renewal,
 }
 
@@ -82,6 +86,7 @@ impl State {
             started: Instant::now(),
             connections: 0,
             latest_agent_version: None,
+            reconnect_window: None,
             directory: Arc::default(),
             snapshots: None,
             renewal: Renewal {
@@ -265,6 +270,11 @@ async fn run_inner(
                     ),
                 },
                 Ok(Some(Message::Groups(groups))) => state.directory.answer(groups),
+                Ok(Some(Message::Draining(draining))) => {
+                    let window = Duration::from_millis(draining.reconnect_within_ms);
+                    tracing::info!(reconnect_within = ?window, "the relay is going away");
+                    state.reconnect_window = Some(window);
+                }
                 Ok(Some(other)) => tracing::debug!(?other, "ignoring a control message"),
                 Ok(None) => return Ok(()),
                 Err(e) => return Err(failed("failed", e)),

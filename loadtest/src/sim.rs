@@ -18,6 +18,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use rand::RngExt as _;
 use serde_json::{Value, json};
+use tether_agent::backoff::{Backoff, Reconnect};
 use tether_tunnel::ws::{self, ConnectError};
 use tether_tunnel::{Connection, OpenOptions, Priority, Role, SessionConfig, code, kind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -185,21 +186,26 @@ async fn read_message<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> anyhow::Res
     Ok(serde_json::from_slice(&buf)?)
 }
 
+/// How long a tunnel that got GOAWAY waits for the relay's `draining` message (the agent's wait).
+const DRAINING_WAIT: Duration = Duration::from_secs(2);
+
 /// Holds a connected tunnel until it closes or `stop` is cancelled: refuses streams the relay opens, speaks
-/// the control channel (heartbeats at the relay's interval, `default_heartbeat` until it names one).
+/// the control channel (heartbeats at the relay's interval, `default_heartbeat` until it names one). Returns
+/// the reconnect window of the relay's `draining` message, if it sent one.
 pub async fn hold(
     conn: &Connection,
     default_heartbeat: Duration,
     stats: &SimStats,
     stop: &CancellationToken,
-) {
+) -> Option<Duration> {
+    let draining = std::sync::Mutex::new(None);
     let refuser = async {
         while let Some(incoming) = conn.accept().await {
             incoming.refuse(code::UNSUPPORTED_KIND, "simulated agent serves no streams");
         }
     };
     let control = async {
-        if control_channel(conn, default_heartbeat, stats)
+        if control_channel(conn, default_heartbeat, stats, &draining)
             .await
             .is_err()
         {
@@ -207,18 +213,24 @@ pub async fn hold(
             std::future::pending::<()>().await;
         }
     };
+    tokio::pin!(control);
     tokio::select! {
         _ = conn.closed() => {}
-        () = refuser => {}
-        () = control => {}
+        () = refuser => {
+            // GOAWAY: as the agent does, give the relay's `draining` message a moment to arrive.
+            let _ = tokio::time::timeout(DRAINING_WAIT, &mut control).await;
+        }
+        () = &mut control => {}
         () = stop.cancelled() => conn.close(code::NO_ERROR, "load test over"),
     }
+    draining.lock().ok().and_then(|window| *window)
 }
 
 async fn control_channel(
     conn: &Connection,
     default_heartbeat: Duration,
     stats: &SimStats,
+    draining: &std::sync::Mutex<Option<Duration>>,
 ) -> anyhow::Result<()> {
     let stream = conn.open(OpenOptions {
         kind: kind::CONTROL,
@@ -266,8 +278,16 @@ async fn control_channel(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
     let reader = async {
-        // Drain whatever the relay sends (certificates, snapshots); end when the stream ends.
-        while read_message(&mut rd).await.is_ok() {}
+        // Drain whatever the relay sends (certificates, snapshots); keep `draining`'s window, as the agent
+        // does; end when the stream ends.
+        while let Ok(msg) = read_message(&mut rd).await {
+            if msg["type"] == "draining"
+                && let Some(ms) = msg["reconnectWithinMs"].as_u64()
+                && let Ok(mut slot) = draining.lock()
+            {
+                *slot = Some(Duration::from_millis(ms));
+            }
+        }
     };
     tokio::pin!(reader);
     loop {
@@ -280,43 +300,6 @@ async fn control_channel(
             }
             () = &mut reader => anyhow::bail!("control stream ended"),
         }
-    }
-}
-
-/// Reconnect pacing, the same policy as `tether_agent::Backoff`: the sleep before retry `n` is uniform in
-/// `[0, min(cap, base·2^n)]`; the counter resets when a tunnel stayed up for `stable`.
-#[derive(Debug, Clone, Copy)]
-pub struct Backoff {
-    /// First ceiling.
-    pub base: Duration,
-    /// Largest ceiling.
-    pub cap: Duration,
-    /// Uptime that resets the counter.
-    pub stable: Duration,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Self {
-            base: Duration::from_millis(500),
-            cap: Duration::from_secs(30),
-            stable: Duration::from_secs(60),
-        }
-    }
-}
-
-impl Backoff {
-    /// The ceiling for retry `attempt`.
-    pub fn ceiling(&self, attempt: u32) -> Duration {
-        let factor = 1u32.checked_shl(attempt.min(31)).unwrap_or(u32::MAX);
-        self.base
-            .checked_mul(factor)
-            .map_or(self.cap, |d| d.min(self.cap))
-    }
-
-    fn delay(&self, attempt: u32) -> Duration {
-        let ceiling = u64::try_from(self.ceiling(attempt).as_nanos()).unwrap_or(u64::MAX);
-        Duration::from_nanos(rand::rng().random_range(0..=ceiling))
     }
 }
 
@@ -414,10 +397,11 @@ impl Fleet {
     }
 }
 
-/// One simulated agent until `stop`: connect, hold, and on loss reconnect with the backoff.
+/// One simulated agent until `stop`: connect, hold, and on loss reconnect as the agent does
+/// ([`tether_agent::backoff::Reconnect`], the relay's `draining` window included).
 async fn run(agent: Arc<SimAgent>, fleet: Arc<FleetShared>) {
     let stats = &fleet.stats;
-    let mut attempt = 0u32;
+    let mut reconnect = Reconnect::new(fleet.backoff);
     let mut first_permit = match &fleet.initial_gate {
         Some(gate) => tokio::select! {
             p = gate.clone().acquire_owned() => p.ok(),
@@ -432,9 +416,9 @@ async fn run(agent: Arc<SimAgent>, fleet: Arc<FleetShared>) {
             () = fleet.stop.cancelled() => return,
         };
         drop(first_permit.take());
-        match result {
+        let delay = match result {
             Ok(Ok(conn)) => {
-                let up = Instant::now();
+                reconnect.connected();
                 stats.connects.fetch_add(1, Ordering::Relaxed);
                 stats.connected.fetch_add(1, Ordering::Relaxed);
                 if let Ok(slot) = fleet.accepts.read()
@@ -442,15 +426,13 @@ async fn run(agent: Arc<SimAgent>, fleet: Arc<FleetShared>) {
                 {
                     t.add(1);
                 }
-                hold(&conn, fleet.default_heartbeat, stats, &fleet.stop).await;
+                let window = hold(&conn, fleet.default_heartbeat, stats, &fleet.stop).await;
                 stats.connected.fetch_sub(1, Ordering::Relaxed);
                 if fleet.stop.is_cancelled() {
                     return;
                 }
                 stats.disconnects.fetch_add(1, Ordering::Relaxed);
-                if up.elapsed() >= fleet.backoff.stable {
-                    attempt = 0;
-                }
+                reconnect.lost(window)
             }
             Ok(Err(ConnectError::Rejected { status, .. }))
                 if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN =>
@@ -462,11 +444,15 @@ async fn run(agent: Arc<SimAgent>, fleet: Arc<FleetShared>) {
                 });
                 return;
             }
-            Ok(Err(e)) => stats.note_error(&e),
-            Err(_) => stats.note_error(&ConnectError::TimedOut),
-        }
-        let delay = fleet.backoff.delay(attempt);
-        attempt = attempt.saturating_add(1);
+            Ok(Err(e)) => {
+                stats.note_error(&e);
+                reconnect.next_delay()
+            }
+            Err(_) => {
+                stats.note_error(&ConnectError::TimedOut);
+                reconnect.next_delay()
+            }
+        };
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
             () = fleet.stop.cancelled() => return,
@@ -523,17 +509,5 @@ mod tests {
         let mut huge: &[u8] = &(MAX_CONTROL_MESSAGE as u32 + 1).to_be_bytes();
         assert!(read_message(&mut huge).await.is_err());
         Ok(())
-    }
-
-    #[test]
-    fn backoff_matches_the_agent_policy() {
-        let b = Backoff::default();
-        assert_eq!(b.ceiling(0), Duration::from_millis(500));
-        assert_eq!(b.ceiling(1), Duration::from_secs(1));
-        assert_eq!(b.ceiling(6), Duration::from_secs(30));
-        assert_eq!(b.ceiling(u32::MAX), Duration::from_secs(30));
-        for attempt in 0..8 {
-            assert!(b.delay(attempt) <= b.ceiling(attempt));
-        }
     }
 }

@@ -229,10 +229,19 @@ async fn accept_streams(
             Err(e) => tracing::debug!(cluster, error = %e, "control stream failed to open"),
         }
     }
-    if let Some(task) = control_task {
-        task.abort();
+    if let Some(mut task) = control_task {
+        // A tunnel going away lets its control channel say goodbye (`draining`, bounded in `control::serve`).
+        if tokio::time::timeout(CONTROL_GOODBYE, &mut task)
+            .await
+            .is_err()
+        {
+            task.abort();
+        }
     }
 }
+
+/// How long a control channel may outlive its tunnel's stream acceptor (it needs at most two seconds).
+const CONTROL_GOODBYE: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Owns one agent tunnel from registration to removal.
 async fn run_tunnel(

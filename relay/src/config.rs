@@ -89,6 +89,10 @@ pub struct Limits {
     pub max_control_body_bytes: usize,
     /// On shutdown, how long in-flight requests and tunnels get to finish before they are cut.
     pub shutdown_grace: Duration,
+    /// Tunnels per second the relay expects to accept right after a restart. On shutdown each agent is told
+    /// (`draining`) to come back within `tunnels / reconnect_rate` seconds (at least 1 s), at a uniformly
+    /// random moment, so a fleet does not reconnect all at once.
+    pub reconnect_rate: u32,
     /// How often heartbeats and health reports gathered in memory are written to the store, all clusters in
     /// one transaction.
     pub last_seen_interval: Duration,
@@ -104,6 +108,7 @@ impl Default for Limits {
             h2_max_concurrent_streams: 250,
             max_control_body_bytes: 64 * 1024,
             shutdown_grace: Duration::from_secs(10),
+            reconnect_rate: 1_000,
             last_seen_interval: Duration::from_secs(5),
         }
     }
@@ -196,10 +201,15 @@ impl Config {
             return Err(ConfigError::UnsupportedDatabase(url.clone()));
         }
         let l = &self.limits;
-        let checks: [(&'static str, bool, &'static str); 6] = [
+        let checks: [(&'static str, bool, &'static str); 7] = [
             (
                 "max_connections",
                 l.max_connections == 0,
+                "must be at least 1",
+            ),
+            (
+                "reconnect_rate",
+                l.reconnect_rate == 0,
                 "must be at least 1",
             ),
             (

@@ -63,6 +63,17 @@ fn clean(s: &str) -> String {
         .collect()
 }
 
+/// How long the relay tries to hand an agent its `draining` message when going away.
+const DRAINING_SEND: Duration = Duration::from_secs(1);
+
+/// How a control channel ended without error.
+enum End {
+    /// The agent closed it.
+    AgentClosed,
+    /// The tunnel got GOAWAY.
+    Draining,
+}
+
 /// Serves the control stream until it ends. Never fails: problems are logged, the stream reset.
 pub(crate) async fn serve(mut channel: Channel, stream: Stream) {
     let control = stream.control();
@@ -71,15 +82,40 @@ pub(crate) async fn serve(mut channel: Channel, stream: Stream) {
     let draining = channel.draining.clone();
     let result = tokio::select! {
         result = run(&mut channel, &mut reader, &mut wr) => result,
-        () = draining.cancelled() => {
-            // The agent takes the end of its control channel as the signal to reconnect.
-            tracing::debug!(cluster = %channel.cluster, "control channel ended: the tunnel is going away");
+        // `run` notices GOAWAY between messages; this cuts a channel stuck writing to an agent that stopped
+        // reading.
+        () = async { draining.cancelled().await; tokio::time::sleep(DRAINING_SEND).await } => {
             control.reset(code::SHUTDOWN);
             return;
         }
     };
     match result {
-        Ok(()) => {
+        Ok(End::Draining) => {
+            // The agent takes the end of its control channel as the signal to reconnect; a relay shutting
+            // down first says within what window, so its agents do not all come back at the same moment.
+            let Some(window) = channel.shared.reconnect_window() else {
+                tracing::debug!(cluster = %channel.cluster, "control channel ended: the tunnel is going away");
+                control.reset(code::SHUTDOWN);
+                return;
+            };
+            let message = Message::Draining(wire::Draining {
+                reconnect_within_ms: u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
+            });
+            let sent = tokio::time::timeout(DRAINING_SEND, async {
+                wire::send(&mut wr, &message).await?;
+                wr.shutdown().await?;
+                // Dropping the stream before the agent ends its side would reset it, and a reset can overtake
+                // the message; the agent ends its side as soon as it has read it.
+                while reader.recv().await?.is_some() {}
+                Ok::<_, ControlError>(())
+            })
+            .await;
+            if !matches!(sent, Ok(Ok(()))) {
+                control.reset(code::SHUTDOWN);
+            }
+            tracing::debug!(cluster = %channel.cluster, reconnect_within = ?window, "control channel ended: relay shutting down");
+        }
+        Ok(End::AgentClosed) => {
             let _ = wr.shutdown().await;
             tracing::debug!(cluster = %channel.cluster, "control channel ended by the agent");
         }
@@ -107,13 +143,14 @@ async fn run<R, W>(
     channel: &mut Channel,
     reader: &mut Reader<R>,
     wr: &mut W,
-) -> Result<(), ChannelError>
+) -> Result<End, ChannelError>
 where
     R: tokio::io::AsyncRead + Unpin,
     W: tokio::io::AsyncWrite + Unpin,
 {
     let shared = channel.shared.clone();
     let cluster = channel.cluster.clone();
+    let draining = channel.draining.clone();
     // Subscribed before hello, so no change between the first snapshot and the loop is missed.
     let mut changes = shared.guard.subscribe(&cluster);
     let mut hub_open = true;
@@ -127,9 +164,11 @@ where
         }
         let retry_at = state.retry_at;
         tokio::select! {
+            biased;
+            () = draining.cancelled() => return Ok(End::Draining),
             message = reader.recv() => match message? {
                 Some(message) => handle(channel, &mut state, message, wr).await?,
-                None => return Ok(()),
+                None => return Ok(End::AgentClosed),
             },
             changed = changes.changed(), if hub_open && state.welcomed => match changed {
                 Ok(()) => state.snapshot_due = true,
@@ -344,7 +383,8 @@ where
         | Message::Certificate(_)
         | Message::Error(_)
         | Message::GuardSnapshot(_)
-        | Message::Groups(_) => {
+        | Message::Groups(_)
+        | Message::Draining(_) => {
             tracing::debug!(
                 cluster,
                 "ignoring a relay-to-agent message sent by the agent"

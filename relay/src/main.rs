@@ -47,6 +47,10 @@ struct Args {
     /// wait. Size it for the number of clusters plus the users' connections.
     #[arg(long, env = "TETHER_RELAY_MAX_CONNECTIONS", default_value_t = 50_000)]
     max_connections: usize,
+    /// Tunnels per second this relay can accept after a restart. On shutdown every agent is told to come back
+    /// within TUNNELS / RATE seconds (at least 1 s), at a random moment, so they do not all reconnect at once.
+    #[arg(long, env = "TETHER_RELAY_RECONNECT_RATE", default_value_t = 1_000)]
+    reconnect_rate: u32,
     /// Database URL (default sqlite://DATA_DIR/relay.db).
     #[arg(long, env = "TETHER_RELAY_DATABASE_URL")]
     database_url: Option<String>,
@@ -98,6 +102,7 @@ impl Args {
         config.admin_token_file = self.admin_token_file.clone();
         config.open_timeout = self.open_timeout;
         config.limits.max_connections = self.max_connections;
+        config.limits.reconnect_rate = self.reconnect_rate;
         config.database_url = self.database_url.clone();
         config.heartbeat_interval = self.heartbeat_interval;
         config.offline_threshold = self.offline_threshold;

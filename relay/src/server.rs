@@ -4,7 +4,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode};
@@ -48,6 +48,8 @@ pub(crate) struct Shared {
     /// Validates Entra-style tokens before they enter a tunnel, when configured.
     pub(crate) entra: Option<Arc<tether_guard::Authenticator>>,
     shutting_down: AtomicBool,
+    /// Set on shutdown: the window, in milliseconds, within which agents are told to come back (0: none).
+    reconnect_window_ms: AtomicU64,
 }
 
 impl Shared {
@@ -69,6 +71,15 @@ impl Shared {
             guard: GuardHub::default(),
             entra,
             shutting_down: AtomicBool::new(false),
+            reconnect_window_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// The reconnect window set on shutdown, if any.
+    pub(crate) fn reconnect_window(&self) -> Option<Duration> {
+        match self.reconnect_window_ms.load(Ordering::Acquire) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
         }
     }
 
@@ -87,6 +98,13 @@ pub(crate) struct ConnCtx {
     /// The client certificate the peer presented, already verified against the agent CA (expiry aside). Only
     /// the tunnel endpoint looks at it.
     pub(crate) client_cert: Option<Arc<CertificateDer<'static>>>,
+}
+
+/// The window within which `tunnels` agents should come back to a relay accepting `rate` tunnels per second:
+/// `tunnels / rate` seconds, at least one second.
+fn reconnect_window(tunnels: usize, rate: u32) -> Duration {
+    let ms = (tunnels as u64).saturating_mul(1000) / u64::from(rate.max(1));
+    Duration::from_millis(ms.max(1000))
 }
 
 /// Accepts connections until `shutdown` resolves, then shuts down gracefully.
@@ -147,7 +165,14 @@ pub(crate) async fn serve(
     tracing::info!("relay shutting down");
 
     shared.shutting_down.store(true, Ordering::Release);
-    for tunnel in shared.registry.all() {
+    let tunnels = shared.registry.all();
+    let window = reconnect_window(tunnels.len(), limits.reconnect_rate);
+    tracing::info!(tunnels = tunnels.len(), reconnect_within = ?window, "telling agents to reconnect");
+    shared.reconnect_window_ms.store(
+        u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
+        Ordering::Release,
+    );
+    for tunnel in tunnels {
         tunnel.go_away(code::SHUTDOWN, "relay shutting down");
     }
     graceful.cancel();
@@ -375,4 +400,21 @@ pub(crate) async fn read_json<T: DeserializeOwned>(
     let bytes = read_body(shared, body).await?;
     serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reconnect_window_is_tunnels_over_rate_and_at_least_a_second() {
+        assert_eq!(reconnect_window(10_000, 1_000), Duration::from_secs(10));
+        assert_eq!(reconnect_window(2_500, 1_000), Duration::from_millis(2_500));
+        assert_eq!(reconnect_window(3, 1_000), Duration::from_secs(1));
+        assert_eq!(reconnect_window(0, 1_000), Duration::from_secs(1));
+        assert_eq!(
+            reconnect_window(usize::MAX, 1),
+            Duration::from_millis(u64::MAX)
+        );
+    }
 }

@@ -20,8 +20,8 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{Value, json};
 use tether_tunnel::control::{
-    self, Certificate, ControlError, Health, Heartbeat, Hello, Message, Metadata, Reader, Renew,
-    Welcome,
+    self, Certificate, ControlError, Draining, Health, Heartbeat, Hello, Message, Metadata, Reader,
+    Renew, Welcome,
 };
 use tether_tunnel::{Connection, OpenOptions, Priority, Stream, TunnelError, code, kind, ws};
 use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
@@ -799,20 +799,42 @@ async fn export_and_import_move_a_cluster_to_another_relay() -> anyhow::Result<(
 }
 
 #[tokio::test]
-async fn shutdown_ends_control_channels_so_tunnels_close_gracefully() -> anyhow::Result<()> {
+async fn shutdown_tells_each_agent_when_to_come_back_then_closes_gracefully() -> anyhow::Result<()>
+{
     let dir = tempfile::tempdir()?;
     let mut config = tether_relay::Config::new(dir.path().to_path_buf());
     // Long enough that a control channel holding the tunnel open would show as a timeout below.
     config.limits.shutdown_grace = Duration::from_secs(120);
+    // Two tunnels at one tunnel per second: come back within two seconds.
+    config.limits.reconnect_rate = 1;
     let relay = TestRelay::start_with(config).await?;
-    let identity = relay.admin()?.onboarded("edge").await?;
-    let mut agent = Agent::connect(&relay, &identity, "0.1.0").await?;
-    within("the relay to stop", relay.stop()).await??;
-    assert!(matches!(
-        within("the control channel to end", agent.reader.recv()).await?,
-        Err(ControlError::Io(_))
-    ));
-    let info = within("the tunnel to close", agent.conn.closed()).await?;
-    assert!(info.error.is_none(), "not a graceful close: {info:?}");
+    let admin = relay.admin()?;
+    let mut agents = Vec::new();
+    for name in ["edge", "core"] {
+        let identity = admin.onboarded(name).await?;
+        agents.push(Agent::connect(&relay, &identity, "0.1.0").await?);
+    }
+    // Read while the relay stops, as agents do (a relay that gives up on an agent that does not read resets
+    // the channel, which discards what that agent had not read).
+    let stopping = tokio::spawn(relay.stop());
+    for mut agent in agents {
+        let draining = agent.recv().await?;
+        assert_eq!(
+            draining,
+            Message::Draining(Draining {
+                reconnect_within_ms: 2_000
+            })
+        );
+        // Then the channel ends cleanly, and the tunnel with it.
+        assert!(matches!(
+            within("the control channel to end", agent.reader.recv()).await?,
+            Ok(None)
+        ));
+        drop(agent.reader);
+        drop(agent.writer);
+        let info = within("the tunnel to close", agent.conn.closed()).await?;
+        assert!(info.error.is_none(), "not a graceful close: {info:?}");
+    }
+    within("the relay to stop", stopping).await???;
     Ok(())
 }

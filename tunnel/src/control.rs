@@ -48,6 +48,9 @@ pub enum Message {
     ResolveGroups(ResolveGroups),
     /// relay → agent, the answer to a `resolveGroups` with the same `requestId`.
     Groups(Groups),
+    /// relay → agent, sent as the relay goes away (shutdown, restart), just before the channel ends: when to
+    /// come back, so a fleet of agents does not reconnect all at once.
+    Draining(Draining),
     /// A message whose type this version does not know. Receivers ignore it; it is never sent (sending it
     /// writes `{"type":"unknown"}`).
     #[serde(other)]
@@ -180,6 +183,16 @@ pub struct Groups {
     /// Why there are no groups (unknown user, directory unavailable), for people.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+/// Payload of [`Message::Draining`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct Draining {
+    /// The agent picks its first reconnect attempt uniformly at random within this many milliseconds (the
+    /// relay's tunnel count divided by the accept rate it expects after a restart). Agents clamp it to a
+    /// bound of their own.
+    pub reconnect_within_ms: u64,
 }
 
 /// Why a control message could not be sent or received.
@@ -388,6 +401,9 @@ mod tests {
                 request_id: 2,
                 groups: None,
                 error: Some("unknown user".into()),
+            }),
+            Message::Draining(Draining {
+                reconnect_within_ms: 10_000,
             }),
         ]
     }

@@ -10,7 +10,9 @@ use tokio::time::Instant;
 use crate::cli::{ReconnectArgs, StopSignal};
 use crate::report::{Figure, Report, RunResult, TargetCheck};
 use crate::scenario::Env;
-use crate::sim::{self, Backoff, Fleet, SimStats};
+use tether_agent::backoff::Backoff;
+
+use crate::sim::{self, Fleet, SimStats};
 use crate::stats::{Timeline, peak_and_mean};
 use crate::tether::RelayProcess;
 

@@ -8,7 +8,9 @@ use std::time::Duration;
 use crate::cli::TunnelsArgs;
 use crate::report::{Figure, Report, RunResult, TargetCheck};
 use crate::scenario::{Env, stop_upstream};
-use crate::sim::{self, Backoff, Fleet, SimStats};
+use tether_agent::backoff::Backoff;
+
+use crate::sim::{self, Fleet, SimStats};
 use crate::stats::Timeline;
 use crate::tether::{AgentOptions, AgentProcess};
 
