@@ -46,7 +46,7 @@ fuzz_target!(|data: &[u8]| {
             }
             6 => {
                 if let Some(&id) = streams.get(usize::from(op >> 3) % streams.len().max(1)) {
-                    let _ = session.read(id, usize::from(op) * 16);
+                    let _ = session.read(now, id, usize::from(op) * 16);
                     let _ = session.write(id, &[op; 300]);
                     if op & 0x40 != 0 {
                         let _ = session.finish(id);

@@ -46,7 +46,7 @@ fn run(streams: usize, total: usize) -> anyhow::Result<()> {
         }
         pump(&mut client, &mut server, now);
         for id in &ids {
-            while let ReadResult::Data(d) = server.read(*id, usize::MAX)? {
+            while let ReadResult::Data(d) = server.read(now, *id, usize::MAX)? {
                 read += d.len();
             }
         }

@@ -46,9 +46,9 @@
 //! assert!(matches!(agent.poll_event(), Some(Event::StreamOpened { id: opened, .. }) if opened == id));
 //! agent.accept_stream(id, Bytes::new()).unwrap();
 //! assert_eq!(agent.poll_event(), Some(Event::Readable { id }));
-//! let ReadResult::Data(request) = agent.read(id, 4096).unwrap() else { panic!() };
+//! let ReadResult::Data(request) = agent.read(now, id, 4096).unwrap() else { panic!() };
 //! assert!(request.starts_with(b"GET /version"));
-//! assert_eq!(agent.read(id, 4096).unwrap(), ReadResult::Finished);
+//! assert_eq!(agent.read(now, id, 4096).unwrap(), ReadResult::Finished);
 //! ```
 
 mod frame;
@@ -60,7 +60,7 @@ pub use frame::{
 };
 pub use session::{
     Config, ConnectionError, Event, OpenError, Priority, ReadResult, Role, Session, Stats,
-    StreamError, StreamState,
+    StreamError, StreamState, TUNE_PERIOD,
 };
 
 /// Magic bytes at the start of every HELLO frame ("TTHR").

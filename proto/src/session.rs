@@ -36,8 +36,13 @@ pub enum Priority {
 pub struct Config {
     /// Which end this is.
     pub role: Role,
-    /// Receive window granted to each stream (default 256 KiB).
+    /// Receive window granted to each stream at first (default 256 KiB).
     pub initial_stream_window: u32,
+    /// Largest receive window a stream's window grows to (default 4 MiB). A stream whose reader drains half
+    /// its window within two round trips (at least [`TUNE_PERIOD`]) is held back by the window rather than by
+    /// its reader, so its window doubles, up to this; a slow or stalled reader keeps the initial window. The
+    /// growth of all streams together stays within half of `connection_window`.
+    pub max_stream_window: u32,
     /// Receive window for the whole connection (default 16 MiB).
     pub connection_window: u32,
     /// Largest frame payload accepted (default 64 KiB).
@@ -62,6 +67,7 @@ impl Config {
         Self {
             role,
             initial_stream_window: 256 * 1024,
+            max_stream_window: 4 * 1024 * 1024,
             connection_window: 16 * 1024 * 1024,
             max_frame_size: 64 * 1024,
             max_concurrent_streams: 1024,
@@ -325,6 +331,10 @@ const TOMBSTONES: usize = 256;
 /// Soft limit of one control batch; the rest goes in the next chunk (still before any data).
 const CONTROL_BATCH: usize = 64 * 1024;
 /// Received payloads smaller than this are copied (and coalesced) rather than kept as slices of the input.
+/// The shortest "two round trips" window auto-tuning uses (see [`Config::max_stream_window`]): on a fast
+/// link, a reader must still drain half its window within this long to earn a larger one.
+pub const TUNE_PERIOD: Duration = Duration::from_millis(1);
+
 const MIN_ZERO_COPY: usize = 512;
 /// A received payload is kept as a slice only if it is at least 1/`PIN_RATIO` of the input chunk it came in,
 /// so that buffered slices never pin more than `PIN_RATIO` times their size.
@@ -397,6 +407,11 @@ struct Stream {
     recv_buffered: usize,
     /// Credit the peer still has for this stream.
     recv_window: u32,
+    /// The stream's receive window: credit is granted back once half of it is read (auto-tuned, see
+    /// [`Config::max_stream_window`]).
+    recv_target: u32,
+    /// When credit was last granted (or the stream opened).
+    last_grant: Instant,
     /// Read by the application but not yet granted back.
     recv_unacked: u32,
     recv_half: RecvHalf,
@@ -428,6 +443,8 @@ impl Stream {
             recv_tail: BytesMut::new(),
             recv_buffered: 0,
             recv_window,
+            recv_target: recv_window,
+            last_grant: now,
             recv_unacked: 0,
             recv_half: RecvHalf::Open,
             readable_notified: false,
@@ -551,6 +568,9 @@ pub struct Session {
     conn_recv_window: u32,
     /// Read (or discarded) but not yet granted back to the peer.
     conn_recv_unacked: u32,
+    /// How far auto-tuning grew the windows of live streams beyond the initial one, together. Kept at most half
+    /// the connection window, so streams that grew and then stalled cannot take all of it.
+    grown: u32,
     /// Set when we sent GOAWAY: the last peer stream we process.
     local_goaway: Option<StreamId>,
     /// Set when the peer sent a graceful GOAWAY.
@@ -616,6 +636,9 @@ impl Session {
             .max_frame_size
             .clamp(MIN_MAX_FRAME_SIZE, MAX_FRAME_SIZE_LIMIT);
         config.initial_stream_window = config.initial_stream_window.clamp(1, MAX_WINDOW);
+        config.max_stream_window = config
+            .max_stream_window
+            .clamp(config.initial_stream_window, MAX_WINDOW);
         config.connection_window = config.connection_window.clamp(1, MAX_WINDOW);
         config.send_buffer = config.send_buffer.max(1);
         let settings = Settings {
@@ -654,6 +677,7 @@ impl Session {
             peer_count: 0,
             conn_send_window: 0,
             conn_recv_unacked: 0,
+            grown: 0,
             local_goaway: None,
             peer_goaway: None,
             last_recv: now,
@@ -1562,12 +1586,23 @@ impl Session {
         Ok(())
     }
 
-    /// Takes up to `max` received bytes from the stream; grants the peer credit as the application reads.
+    /// Takes up to `max` received bytes from the stream; grants the peer credit as the application reads
+    /// (more credit to a reader fast enough that the window holds it back: [`Config::max_stream_window`]).
     ///
     /// After [`ReadResult::Finished`] further reads keep returning it, also for a while after the stream is
     /// forgotten.
-    pub fn read(&mut self, id: StreamId, max: usize) -> Result<ReadResult, StreamError> {
-        let threshold = (self.config.initial_stream_window / 2).max(1);
+    pub fn read(
+        &mut self,
+        now: Instant,
+        id: StreamId,
+        max: usize,
+    ) -> Result<ReadResult, StreamError> {
+        let max_window = self.config.max_stream_window;
+        let fast = self
+            .srtt
+            .map_or(TUNE_PERIOD, |rtt| (rtt * 2).max(TUNE_PERIOD));
+        let budget = (self.config.connection_window / 2).saturating_sub(self.grown);
+        let mut grew = 0;
         let s = match self.live(id) {
             Err(StreamError::Finished) => return Ok(ReadResult::Finished),
             other => other?,
@@ -1603,12 +1638,22 @@ impl Session {
             }
             // No credit after FIN: the peer sends nothing more on this stream.
             s.recv_unacked = s.recv_unacked.saturating_add(len_u32(data.len()));
-            if s.recv_unacked >= threshold {
-                grant = Some(s.recv_unacked);
-                s.recv_window = s.recv_window.saturating_add(s.recv_unacked);
+            if s.recv_unacked >= (s.recv_target / 2).max(1) {
+                let mut increment = s.recv_unacked;
+                // Half the window read within two round trips: the window, not the reader, is the limit.
+                if s.recv_target < max_window && now.saturating_duration_since(s.last_grant) < fast
+                {
+                    grew = s.recv_target.min(max_window - s.recv_target).min(budget);
+                    s.recv_target += grew;
+                    increment = increment.saturating_add(grew);
+                }
+                s.last_grant = now;
+                grant = Some(increment);
+                s.recv_window = s.recv_window.saturating_add(increment);
                 s.recv_unacked = 0;
             }
         }
+        self.grown += grew;
         if let Some(increment) = grant {
             self.control.push_back(Frame::WindowUpdate {
                 stream: id,
@@ -1712,6 +1757,10 @@ impl Session {
     /// Forgets a stream, returning its unread data's connection credit to the peer.
     fn remove_stream(&mut self, id: u32, tomb: Tomb) -> Option<Stream> {
         let s = self.streams.remove(&id)?;
+        self.grown = self.grown.saturating_sub(
+            s.recv_target
+                .saturating_sub(self.config.initial_stream_window),
+        );
         if s.local {
             self.local_count = self.local_count.saturating_sub(1);
         } else {
@@ -1800,6 +1849,7 @@ impl Session {
             });
         }
         self.streams.clear();
+        self.grown = 0;
         self.deadlines.clear();
         self.ready_control.clear();
         self.ready_normal.clear();

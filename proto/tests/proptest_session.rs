@@ -181,8 +181,9 @@ impl Harness {
         // What the opener reads was sent by the acceptor, and vice versa.
         let dir = usize::from(by_opener);
         let Some(id) = self.streams[i].id else { return };
+        let now = self.pair.now;
         loop {
-            match self.side(client).read(id, max) {
+            match self.side(client).read(now, id, max) {
                 Ok(ReadResult::Data(d)) => {
                     assert!(d.len() <= max && !d.is_empty());
                     self.streams[i].received[dir].extend_from_slice(&d);

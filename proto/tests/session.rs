@@ -152,13 +152,16 @@ fn open_accept_data_fin_both_ways() {
     assert_eq!(pair.client.session.stream_state(id), None);
     assert_eq!(pair.server.session.stream_state(id), None);
     assert_eq!(pair.client.session.stats().open_streams, 0);
-    assert_eq!(pair.client.session.read(id, 10), Ok(ReadResult::Finished));
+    assert_eq!(
+        pair.client.session.read(pair.now, id, 10),
+        Ok(ReadResult::Finished)
+    );
     assert_eq!(
         pair.client.session.write(id, b"x"),
         Err(StreamError::Finished)
     );
     assert_eq!(
-        pair.client.session.read(StreamId(99), 10),
+        pair.client.session.read(pair.now, StreamId(99), 10),
         Err(StreamError::UnknownStream(StreamId(99)))
     );
 }
@@ -436,7 +439,7 @@ fn one_mib_with_small_windows_and_random_chunking() {
         }
         pair.advance(Duration::from_millis(1));
         loop {
-            match pair.server.session.read(id, 1500).expect("read") {
+            match pair.server.session.read(pair.now, id, 1500).expect("read") {
                 ReadResult::Data(d) => {
                     max_buffered_frame = max_buffered_frame.max(d.len());
                     got.extend_from_slice(&d);
@@ -614,7 +617,7 @@ fn reset_by_peer_is_reported_and_remembered() {
         Err(StreamError::Reset(code::CANCEL))
     );
     assert_eq!(
-        pair.client.session.read(id, 10),
+        pair.client.session.read(pair.now, id, 10),
         Err(StreamError::Reset(code::CANCEL))
     );
     assert_eq!(pair.server.session.stats().open_streams, 0);
@@ -788,7 +791,10 @@ fn go_away_drains_then_closes() {
         Some(Event::Closed { .. })
     ));
     assert_eq!(pair.client.read_all(id), (b"last response".to_vec(), true));
-    assert_eq!(pair.client.session.read(id, 1), Ok(ReadResult::Finished));
+    assert_eq!(
+        pair.client.session.read(pair.now, id, 1),
+        Ok(ReadResult::Finished)
+    );
     assert_eq!(pair.client.session.stats().open_streams, 0);
 }
 
@@ -893,7 +899,7 @@ fn close_is_immediate() {
         }))
     );
     assert_eq!(
-        pair.server.session.read(id, 1),
+        pair.server.session.read(pair.now, id, 1),
         Err(StreamError::ConnectionClosed)
     );
     let now = pair.now;
@@ -1016,7 +1022,7 @@ fn received_payloads_share_the_input_buffer() {
     let wire = wire.freeze();
     let range = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
     raw.feed_bytes(wire);
-    let Ok(ReadResult::Data(d)) = raw.session.read(StreamId(1), 4096) else {
+    let Ok(ReadResult::Data(d)) = raw.session.read(raw.now, StreamId(1), 4096) else {
         panic!("no data")
     };
     assert_eq!(d.len(), 1000);
@@ -1064,7 +1070,7 @@ fn tiny_frames_are_coalesced_not_pinned() {
     raw.feed_bytes(big);
     assert!(raw.closed().is_none());
     let mut segments = Vec::new();
-    while let Ok(ReadResult::Data(d)) = raw.session.read(StreamId(1), usize::MAX) {
+    while let Ok(ReadResult::Data(d)) = raw.session.read(raw.now, StreamId(1), usize::MAX) {
         segments.push(d);
     }
     assert_eq!(segments.iter().map(Bytes::len).sum::<usize>(), 11_000);
@@ -1093,4 +1099,134 @@ fn chunked_input_one_byte_at_a_time() {
     send_all(&mut pair, true, id, &pattern(5, 70_000), true);
     pair.run();
     assert_eq!(pair.server.read_all(id), (pattern(5, 70_000), true));
+}
+
+/// Sends `total` bytes on a new stream while the server reads everything after each step of `step` virtual time;
+/// returns the WINDOW_UPDATE increments the server granted for the stream and the most bytes ever written but
+/// not read (held by the server, or still in the client's send buffer).
+fn transfer_with_reader(
+    total: usize,
+    step: Duration,
+    stall_after: Option<usize>,
+) -> (Vec<u32>, usize) {
+    let mut pair = Pair::connected();
+    let id = pair.open_accepted(Priority::Normal);
+    let chunk = vec![7u8; 64 * 1024];
+    let (mut sent, mut read, mut most_unread) = (0usize, 0usize, 0usize);
+    for _ in 0..100_000 {
+        if sent >= total {
+            break;
+        }
+        let n = pair
+            .client
+            .session
+            .write(id, &chunk[..chunk.len().min(total - sent)])
+            .expect("write");
+        sent += n;
+        pair.advance(step);
+        let stalled = stall_after.is_some_and(|at| read >= at);
+        most_unread = most_unread.max(sent - read);
+        if !stalled {
+            let (got, _) = pair.server.read_all(id);
+            read += got.len();
+        } else if n == 0 {
+            break;
+        }
+    }
+    let increments = pair
+        .server
+        .sent_frames()
+        .into_iter()
+        .filter_map(|f| match f {
+            Frame::WindowUpdate { stream, increment } if stream == id => Some(increment),
+            _ => None,
+        })
+        .collect();
+    (increments, most_unread)
+}
+
+#[test]
+fn a_fast_readers_window_grows_to_the_maximum() {
+    let defaults = config(Role::Server);
+    // Each step is far shorter than the tuning period: the reader keeps up with anything.
+    let (increments, _) = transfer_with_reader(64 << 20, Duration::from_micros(10), None);
+    let largest = increments.iter().copied().max().unwrap_or(0);
+    // A grant that doubles the window carries the growth on top of what was read.
+    assert!(
+        largest > defaults.initial_stream_window,
+        "no growth: {increments:?}"
+    );
+    let granted: u64 = increments.iter().map(|&i| u64::from(i)).sum();
+    // Credit never exceeds what was read plus the largest window.
+    assert!(granted <= (64 << 20) + u64::from(defaults.max_stream_window));
+}
+
+#[test]
+fn a_slow_reader_keeps_the_initial_window() {
+    let defaults = config(Role::Server);
+    // Each step is longer than the tuning period: half a window is never read that fast.
+    let (increments, _) = transfer_with_reader(8 << 20, Duration::from_millis(5), None);
+    assert!(!increments.is_empty());
+    for i in &increments {
+        // Only what was read comes back: half the window, give or take one read.
+        assert!(*i <= defaults.initial_stream_window, "grew: {increments:?}");
+    }
+}
+
+#[test]
+fn a_reader_that_stalls_after_growing_holds_at_most_the_maximum_window() {
+    let defaults = config(Role::Server);
+    let (_, most_unread) =
+        transfer_with_reader(256 << 20, Duration::from_micros(10), Some(32 << 20));
+    // The stream's largest window at the server, plus the client's own send buffer.
+    assert!(
+        most_unread <= defaults.max_stream_window as usize + defaults.send_buffer,
+        "{most_unread} bytes held for a stalled reader"
+    );
+    assert!(most_unread > defaults.initial_stream_window as usize);
+}
+
+#[test]
+fn streams_that_grew_and_stalled_leave_room_for_the_others() {
+    let mut pair = Pair::connected();
+    let chunk = vec![7u8; 64 * 1024];
+    // Six streams, each read fast until its window could have grown to the largest, then never read again.
+    let mut stalled = Vec::new();
+    for _ in 0..6 {
+        let id = pair.open_accepted(Priority::Normal);
+        let mut read = 0;
+        while read < 16 << 20 {
+            let _ = pair.client.session.write(id, &chunk).expect("write");
+            pair.advance(Duration::from_micros(10));
+            read += pair.server.read_all(id).0.len();
+        }
+        stalled.push(id);
+    }
+    // They keep being written to until the client can send no more on any of them.
+    for _ in 0..1000 {
+        let mut took = 0;
+        for id in &stalled {
+            took += pair.client.session.write(*id, &chunk).expect("write");
+        }
+        pair.advance(Duration::from_micros(10));
+        if took == 0 {
+            break;
+        }
+    }
+    // A new stream still gets through: the grown windows took at most half the connection window.
+    let id = pair.open_accepted(Priority::Normal);
+    let data = pattern(9, 1 << 20);
+    let mut got = Vec::new();
+    let mut off = 0;
+    for _ in 0..10_000 {
+        if got.len() == data.len() {
+            break;
+        }
+        if off < data.len() {
+            off += pair.client.session.write(id, &data[off..]).expect("write");
+        }
+        pair.advance(Duration::from_micros(10));
+        got.extend_from_slice(&pair.server.read_all(id).0);
+    }
+    assert!(got == data, "the new stream was stuck behind the stalled ones");
 }

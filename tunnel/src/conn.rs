@@ -817,7 +817,7 @@ impl AsyncRead for Stream {
         if let Some(e) = &slot.failed {
             return Poll::Ready(Err(e.clone().into()));
         }
-        match st.session.read(id, buf.remaining()) {
+        match st.session.read(now(), id, buf.remaining()) {
             Ok(ReadResult::Data(data)) => {
                 buf.put_slice(&data);
                 // Reading grants the peer credit: the session may have a window update to send.

@@ -36,6 +36,8 @@ impl Rng {
 
 pub struct Side {
     pub session: Session,
+    /// The time of the last input delivered to this side.
+    pub now: Instant,
     /// Events not yet looked at by the test.
     pub events: VecDeque<Event>,
     /// Bytes on their way to this side, with their arrival time.
@@ -46,9 +48,10 @@ pub struct Side {
 }
 
 impl Side {
-    fn new(session: Session) -> Self {
+    fn new(session: Session, now: Instant) -> Self {
         Side {
             session,
+            now,
             events: VecDeque::new(),
             inflight: VecDeque::new(),
             transport_closed: false,
@@ -84,7 +87,7 @@ impl Side {
     pub fn read_all(&mut self, id: StreamId) -> (Vec<u8>, bool) {
         let mut out = Vec::new();
         loop {
-            match self.session.read(id, usize::MAX).expect("read") {
+            match self.session.read(self.now, id, usize::MAX).expect("read") {
                 ReadResult::Data(d) => out.extend_from_slice(&d),
                 ReadResult::Finished => return (out, true),
                 ReadResult::Blocked => return (out, false),
@@ -126,8 +129,8 @@ impl Pair {
         let now = Instant::now();
         Pair {
             now,
-            client: Side::new(Session::new(client, now)),
-            server: Side::new(Session::new(server, now)),
+            client: Side::new(Session::new(client, now), now),
+            server: Side::new(Session::new(server, now), now),
             delay: Duration::ZERO,
             split: None,
         }
@@ -207,11 +210,15 @@ impl Pair {
                     continue;
                 }
                 match &mut self.split {
-                    None => to.session.handle_input(now, chunk),
+                    None => {
+                        to.now = now;
+                        to.session.handle_input(now, chunk)
+                    }
                     Some((rng, max)) => {
                         let mut chunk = chunk;
                         while !chunk.is_empty() {
                             let n = rng.range(1, *max).min(chunk.len());
+                            to.now = now;
                             to.session.handle_input(now, chunk.split_to(n));
                         }
                     }
