@@ -38,7 +38,7 @@ pub struct Config {
     pub role: Role,
     /// Receive window granted to each stream at first (default 256 KiB).
     pub initial_stream_window: u32,
-    /// Largest receive window a stream's window grows to (default 4 MiB). A stream whose reader drains half
+    /// Largest receive window a stream's window grows to (default 1 MiB). A stream whose reader drains half
     /// its window within two round trips (at least [`TUNE_PERIOD`]) is held back by the window rather than by
     /// its reader, so its window doubles, up to this; a slow or stalled reader keeps the initial window. The
     /// growth of all streams together stays within half of `connection_window`.
@@ -67,7 +67,7 @@ impl Config {
         Self {
             role,
             initial_stream_window: 256 * 1024,
-            max_stream_window: 4 * 1024 * 1024,
+            max_stream_window: 1024 * 1024,
             connection_window: 16 * 1024 * 1024,
             max_frame_size: 64 * 1024,
             max_concurrent_streams: 1024,
