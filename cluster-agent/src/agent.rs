@@ -17,7 +17,7 @@ use time::OffsetDateTime;
 use tokio::task::JoinSet;
 
 use crate::auth_proxy::{AuthProxy, AuthProxyError};
-use crate::backoff::Reconnect;
+use crate::backoff::{DRAINING_WAIT, Reconnect};
 use crate::config::{Config, ConfigError};
 use crate::control;
 use crate::directory::RelayDirectory;
@@ -429,9 +429,6 @@ enum Ended {
     Shutdown,
     Disconnected(String),
 }
-
-/// How long a tunnel that got GOAWAY waits for the relay's `draining` message before reconnecting.
-const DRAINING_WAIT: Duration = Duration::from_secs(2);
 
 /// Serves one tunnel until it ends, its control channel ends, or shutdown is asked for (then GOAWAY, drain,
 /// close).

@@ -14,6 +14,9 @@ use std::time::Duration;
 use rand::RngExt;
 use tokio::time::Instant;
 
+/// How long a tunnel that got GOAWAY waits for the relay's `draining` message before reconnecting.
+pub const DRAINING_WAIT: Duration = Duration::from_secs(2);
+
 /// The longest reconnect window an agent accepts from a relay (a larger one is cut to this).
 pub const MAX_RECONNECT_WINDOW: Duration = Duration::from_secs(300);
 
@@ -139,13 +142,6 @@ impl Reconnect {
 
     /// Records a failed attempt and returns how long to wait before the next one.
     pub fn next_delay(&mut self) -> Duration {
-        // A connection that ended without `lost` being called (e.g. refused right after the handshake) still
-        // counts as up for the reset rule.
-        if let Some(since) = self.connected_at.take()
-            && since.elapsed() >= self.policy.stable
-        {
-            self.attempt = 0;
-        }
         let ceiling = self.ceiling_now();
         self.attempt = self.attempt.saturating_add(1);
         uniform(ceiling, &mut rand::rng())
@@ -215,14 +211,14 @@ mod tests {
         // Up, but not for the stable period: the counter keeps growing.
         r.connected();
         tokio::time::advance(policy.stable - Duration::from_millis(1)).await;
-        let d = r.next_delay();
+        let d = r.lost(None);
         assert!(d <= policy.ceiling(4));
         assert_eq!(r.attempt(), 5);
 
         // Up for the stable period: back to attempt 0, whose ceiling is the base.
         r.connected();
         tokio::time::advance(policy.stable).await;
-        let d = r.next_delay();
+        let d = r.lost(None);
         assert!(d <= policy.base);
         assert_eq!(r.attempt(), 1);
     }

@@ -17,11 +17,10 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use rand::RngExt as _;
-use serde_json::{Value, json};
-use tether_agent::backoff::{Backoff, Reconnect};
+use tether_agent::backoff::{Backoff, DRAINING_WAIT, Reconnect};
+use tether_tunnel::control::{self, Message};
 use tether_tunnel::ws::{self, ConnectError};
 use tether_tunnel::{Connection, OpenOptions, Priority, Role, SessionConfig, code, kind};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -30,9 +29,6 @@ use tokio_util::sync::CancellationToken;
 use crate::certs;
 use crate::stats::Timeline;
 use crate::tether::RelayProcess;
-
-/// Largest control message accepted (as the protocol says).
-const MAX_CONTROL_MESSAGE: usize = 1024 * 1024;
 
 /// How a simulated agent proves who it is.
 #[derive(Clone)]
@@ -167,28 +163,6 @@ impl SimStats {
     }
 }
 
-fn encode(msg: &Value) -> Vec<u8> {
-    let body = msg.to_string().into_bytes();
-    let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&u32::try_from(body.len()).unwrap_or(u32::MAX).to_be_bytes());
-    out.extend_from_slice(&body);
-    out
-}
-
-async fn read_message<R: tokio::io::AsyncRead + Unpin>(r: &mut R) -> anyhow::Result<Value> {
-    let len = r.read_u32().await? as usize;
-    anyhow::ensure!(
-        len <= MAX_CONTROL_MESSAGE,
-        "control message of {len} bytes is too large"
-    );
-    let mut buf = vec![0; len];
-    r.read_exact(&mut buf).await?;
-    Ok(serde_json::from_slice(&buf)?)
-}
-
-/// How long a tunnel that got GOAWAY waits for the relay's `draining` message (the agent's wait).
-const DRAINING_WAIT: Duration = Duration::from_secs(2);
-
 /// Holds a connected tunnel until it closes or `stop` is cancelled: refuses streams the relay opens, speaks
 /// the control channel (heartbeats at the relay's interval, `default_heartbeat` until it names one). Returns
 /// the reconnect window of the relay's `draining` message, if it sent one.
@@ -239,39 +213,46 @@ async fn control_channel(
         metadata: Bytes::new(),
     })?;
     let answer = stream.control();
-    let (mut rd, mut wr) = tokio::io::split(stream);
-    let version = env!("CARGO_PKG_VERSION");
-    wr.write_all(&encode(&json!({"type": "hello", "agentVersion": version})))
-        .await?;
+    let (rd, mut wr) = tokio::io::split(stream);
+    let mut reader = control::Reader::new(rd);
+    let version = env!("CARGO_PKG_VERSION").to_owned();
+    let hello = control::Hello {
+        agent_version: version.clone(),
+    };
+    control::send(&mut wr, &Message::Hello(hello)).await?;
     if answer.accepted().await.is_err() {
         stats.control_refused.fetch_add(1, Ordering::Relaxed);
         anyhow::bail!("control stream refused");
     }
     stats.control_accepted.fetch_add(1, Ordering::Relaxed);
     let mut interval = default_heartbeat;
-    if let Ok(Ok(msg)) = tokio::time::timeout(Duration::from_secs(30), read_message(&mut rd)).await
-        && msg["type"] == "welcome"
-        && let Some(secs) = msg["heartbeatIntervalSeconds"].as_f64()
-        && secs > 0.0
+    if let Ok(Ok(Some(Message::Welcome(welcome)))) =
+        tokio::time::timeout(Duration::from_secs(30), reader.recv()).await
+        && welcome.heartbeat_interval_seconds > 0
     {
-        interval = Duration::from_secs_f64(secs);
+        interval = Duration::from_secs(welcome.heartbeat_interval_seconds);
     }
     // As the agent does: metadata and health at once, then a heartbeat and a health report every interval.
     let started = Instant::now();
     let health = |conn: &Connection| {
-        encode(&json!({
-            "type": "health", "agentVersion": version,
-            "uptimeSeconds": started.elapsed().as_secs(), "memoryBytes": 0, "cpuSeconds": 0.0,
-            "reconnects": 0, "tunnelRttMillis": conn.rtt().map_or(0, |d| d.as_millis() as u64)
-        }))
+        Message::Health(control::Health {
+            agent_version: version.clone(),
+            uptime_seconds: started.elapsed().as_secs(),
+            tunnel_rtt_millis: conn.rtt().map(|d| d.as_secs_f64() * 1000.0),
+            ..control::Health::default()
+        })
     };
-    wr.write_all(&encode(&json!({
-        "type": "metadata", "kubernetesVersion": "v1.33.0", "nodeCount": 1, "totalCpuMillis": 2000,
-        "totalMemoryBytes": 4_294_967_296u64, "distribution": "loadtest", "infrastructure": "loopback",
-        "agentVersion": version
-    })))
-    .await?;
-    wr.write_all(&health(conn)).await?;
+    let metadata = control::Metadata {
+        kubernetes_version: "v1.33.0".to_owned(),
+        node_count: 1,
+        total_cpu_millis: 2000,
+        total_memory_bytes: 4 << 30,
+        distribution: "loadtest".to_owned(),
+        infrastructure: "loopback".to_owned(),
+        agent_version: version.clone(),
+    };
+    control::send(&mut wr, &Message::Metadata(metadata)).await?;
+    control::send(&mut wr, &health(conn)).await?;
     // Agents started together should not beat together: start at a random phase.
     let phase = interval.mul_f64(rand::rng().random_range(0.0..1.0));
     let mut tick = tokio::time::interval_at(Instant::now() + phase, interval);
@@ -280,12 +261,11 @@ async fn control_channel(
     let reader = async {
         // Drain whatever the relay sends (certificates, snapshots); keep `draining`'s window, as the agent
         // does; end when the stream ends.
-        while let Ok(msg) = read_message(&mut rd).await {
-            if msg["type"] == "draining"
-                && let Some(ms) = msg["reconnectWithinMs"].as_u64()
+        while let Ok(Some(message)) = reader.recv().await {
+            if let Message::Draining(d) = message
                 && let Ok(mut slot) = draining.lock()
             {
-                *slot = Some(Duration::from_millis(ms));
+                *slot = Some(Duration::from_millis(d.reconnect_within_ms));
             }
         }
     };
@@ -294,8 +274,8 @@ async fn control_channel(
         tokio::select! {
             _ = tick.tick() => {
                 seq += 1;
-                wr.write_all(&encode(&json!({"type": "heartbeat", "seq": seq}))).await?;
-                wr.write_all(&health(conn)).await?;
+                control::send(&mut wr, &Message::Heartbeat(control::Heartbeat { seq })).await?;
+                control::send(&mut wr, &health(conn)).await?;
                 stats.heartbeats.fetch_add(1, Ordering::Relaxed);
             }
             () = &mut reader => anyhow::bail!("control stream ended"),
@@ -485,29 +465,4 @@ pub async fn onboard_many(
         .try_collect()
         .await?;
     Ok(agents)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn control_messages_are_length_prefixed_json() -> anyhow::Result<()> {
-        let bytes = encode(&json!({"type": "heartbeat", "seq": 1}));
-        let len = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
-        assert_eq!(len, bytes.len() - 4);
-        let v: Value = serde_json::from_slice(&bytes[4..])?;
-        assert_eq!(v["type"], "heartbeat");
-        Ok(())
-    }
-
-    #[tokio::test]
-    async fn control_messages_round_trip_and_oversize_is_refused() -> anyhow::Result<()> {
-        let mut input: &[u8] = &encode(&json!({"type": "welcome", "heartbeatIntervalSeconds": 30}));
-        let v = read_message(&mut input).await?;
-        assert_eq!(v["heartbeatIntervalSeconds"], 30);
-        let mut huge: &[u8] = &(MAX_CONTROL_MESSAGE as u32 + 1).to_be_bytes();
-        assert!(read_message(&mut huge).await.is_err());
-        Ok(())
-    }
 }
