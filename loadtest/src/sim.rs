@@ -4,10 +4,11 @@
 //! Onboarding sends a CSR: a relay that issues client certificates answers with one (the tunnel then
 //! authenticates with mTLS); an older relay ignores the CSR and answers with a bearer credential. Both work.
 //!
-//! The control channel (a stream of kind CONTROL; messages are a u32 big-endian length then JSON) is spoken
-//! here independently of `tether_tunnel`'s own codec, as the agent speaks it: `hello`, then after the relay's
-//! `welcome` a `metadata` and a `health`, then a `heartbeat` and a `health` every interval the welcome names. When the relay refuses the control stream (a relay
-//! without one), the tunnel is held with protocol keepalives only, and [`SimStats::control_refused`] says so.
+//! The control channel (a stream of kind CONTROL, `tether_tunnel::control`'s messages) is spoken as the agent
+//! speaks it: `hello`, then after the relay's `welcome` a `metadata` and a `health`, then a `heartbeat` and a
+//! `health` every interval the welcome names; a relay's `draining` window is kept for the reconnect. When the
+//! relay refuses the control stream (a relay without one), the tunnel is held with protocol keepalives only, and
+//! [`SimStats::control_refused`] says so.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
