@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use tether_tunnel::parse_duration;
+use tether_runtime::parse_duration;
 
 use crate::config::ConfigError;
 

@@ -10,7 +10,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
-use tether_tunnel::Secret;
+use tether_runtime::Secret;
 
 use crate::config::ResolvedConfig;
 
@@ -111,7 +111,7 @@ impl RelayClient {
         ca_pem: Option<&[u8]>,
         token: Secret,
     ) -> Result<Self, ClientError> {
-        let tls = tether_tunnel::tls::client_config(ca_pem, &[])
+        let tls = tether_runtime::tls::client_config(ca_pem, &[])
             .map_err(|e| ClientError::Tls(e.to_string()))?;
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config((*tls).clone())
@@ -235,7 +235,7 @@ impl RelayClient {
         self.call(Method::DELETE, &path, None).await.map(|_| ())
     }
 
-    /// Creates a custom role definition from its JSON (any form `tether_guard::rbac::RoleDefinition::from_json`
+    /// Creates a custom role definition from its JSON (any form `tether_auth::rbac::RoleDefinition::from_json`
     /// accepts: this one, `az role definition`'s, or ARM's).
     pub async fn define_role(&self, definition: &Value) -> Result<Value, ClientError> {
         self.call(

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use tether_tunnel::Secret;
+use tether_runtime::Secret;
 
 use crate::args::GlobalArgs;
 

@@ -88,7 +88,7 @@ pub fn init_tracing(verbose: bool) {
 
 /// Runs one `tether` command.
 pub async fn run(cli: Cli) -> Result<(), CliError> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     match cli.command {
         Command::Up(args) => up::run_foreground(args).await.map_err(CliError::from),
         Command::Cluster { command } => {

@@ -20,9 +20,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tether_runtime::Secret;
 use tether_testkit::dev_issuer::{DEV_AUDIENCE, DEV_TENANT, DevIssuer};
 use tether_testkit::{SampleApiserver, SampleOptions, certs};
-use tether_tunnel::Secret;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -199,7 +199,7 @@ struct GuardRuntime {
     guard: Arc<tether_guard::Guard>,
     addr: SocketAddr,
     server: tether_guard::ServerConfig,
-    push_token: tether_tunnel::Secret,
+    push_token: tether_runtime::Secret,
     dir: PathBuf,
     issuer_authority: String,
     issuer_ca: Vec<u8>,
@@ -252,7 +252,7 @@ impl GuardRuntime {
         let server = tether_guard::ServerConfig {
             tls,
             limits: tether_guard::Limits::default(),
-            snapshot_push_token: Some(tether_tunnel::Secret::new(push_token.clone())),
+            snapshot_push_token: Some(tether_runtime::Secret::new(push_token.clone())),
         };
         let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
             .await
@@ -267,7 +267,7 @@ impl GuardRuntime {
             )?,
             addr,
             server,
-            push_token: tether_tunnel::Secret::new(push_token),
+            push_token: tether_runtime::Secret::new(push_token),
             dir: dir.to_path_buf(),
             issuer_authority: issuer.authority().to_string(),
             issuer_ca: issuer.ca_pem().as_bytes().to_vec(),
@@ -286,15 +286,13 @@ impl GuardRuntime {
         audience: &str,
     ) -> Result<Arc<tether_guard::Guard>, UpError> {
         let err = |e: &dyn std::fmt::Display| UpError::Guard(e.to_string());
-        let mut token = tether_guard::TokenConfig::new(
-            vec![DEV_TENANT.to_string()],
-            vec![audience.to_string()],
-        );
+        let mut token =
+            tether_auth::TokenConfig::new(vec![DEV_TENANT.to_string()], vec![audience.to_string()]);
         token.v2_authority = authority.to_string();
         let fetch =
-            tether_guard::jwks::HttpsFetcher::new(Some(authority_ca)).map_err(|e| err(&e))?;
+            tether_auth::jwks::HttpsFetcher::new(Some(authority_ca)).map_err(|e| err(&e))?;
         let authenticator =
-            tether_guard::Authenticator::new(token, Arc::new(fetch)).map_err(|e| err(&e))?;
+            tether_auth::Authenticator::new(token, Arc::new(fetch)).map_err(|e| err(&e))?;
         let store =
             tether_guard::SnapshotStore::open(dir.join("snapshot.json")).map_err(|e| err(&e))?;
         let audit =

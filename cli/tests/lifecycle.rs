@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::{Env, eventually, names, onboarding_token};
 use serde_json::Value;
 use tether_cli::up::UpError;
-use tether_tunnel::Secret;
+use tether_runtime::Secret;
 
 /// Generous: the machine running the tests may be slow and busy.
 const WAIT: Duration = Duration::from_secs(60);

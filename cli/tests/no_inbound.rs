@@ -38,7 +38,7 @@ async fn kubectl_reaches_a_cluster_that_accepts_no_inbound_connection() -> anyho
         println!("SKIPPED: cannot make network namespaces here: {reason}");
         return Ok(());
     }
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let agent_bin = common::sibling_binary("tether-agent")?;
     let sample_bin = common::sibling_binary("tether-sample-apiserver")?;
     let netns = Netns::create("tth", HOST_IP, CLUSTER_IP)?;

@@ -21,7 +21,7 @@ async fn post_onboard(
     cluster: &str,
     token: &str,
 ) -> anyhow::Result<(StatusCode, String)> {
-    let tls = tether_tunnel::tls::client_config(Some(env.up.ca_pem.as_bytes()), &[])?;
+    let tls = tether_runtime::tls::client_config(Some(env.up.ca_pem.as_bytes()), &[])?;
     let connector = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config((*tls).clone())
         .https_only()

@@ -320,7 +320,7 @@ impl Fixture {
                 return Ok(None);
             }
         };
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         let agent_bin = common::sibling_binary("tether-agent")?;
         let sample_bin = common::sibling_binary("tether-sample-apiserver")?;
         let netns = Netns::create(tag, host_ip, cluster_ip)?;

@@ -10,14 +10,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
+use tether_runtime::tls;
 use tether_tunnel::proxy::ProxyConfig;
 use tether_tunnel::ws::{self, ConnectError};
-use tether_tunnel::{Connection, Incoming, Role, SessionConfig, code, kind, tls};
+use tether_tunnel::{Connection, Incoming, Role, SessionConfig, code, kind};
 use time::OffsetDateTime;
 use tokio::task::JoinSet;
 
 use crate::auth_proxy::{AuthProxy, AuthProxyError};
-use crate::backoff::{DRAINING_WAIT, Reconnect};
 use crate::config::{Config, ConfigError};
 use crate::control;
 use crate::directory::RelayDirectory;
@@ -26,6 +26,7 @@ use crate::guard_push;
 use crate::identity::{self, Identity, IdentityError};
 use crate::metadata;
 use crate::onboard::{OnboardError, Onboarding};
+use tether_api::reconnect::{DRAINING_WAIT, Reconnect};
 
 /// The Kubernetes `Status` reason with which the relay refuses an expired identity.
 pub const IDENTITY_EXPIRED_REASON: &str = "IdentityExpired";
@@ -110,7 +111,7 @@ pub async fn run(
     let directory = Arc::new(RelayDirectory::default());
     let upstream = match &config.entra {
         Some(entra) => {
-            let resolver: Arc<dyn tether_guard::token::GroupResolver> = directory.clone();
+            let resolver: Arc<dyn tether_auth::token::GroupResolver> = directory.clone();
             let proxy = AuthProxy::new(entra, Some(resolver))?;
             Upstream::with_auth_proxy(&kube_config, proxy)?
         }

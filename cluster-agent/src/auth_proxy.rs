@@ -1,7 +1,7 @@
 //! The in-cluster authentication proxy (the role of Arc's kube-aad-proxy): the cluster never trusts the relay
 //! blindly.
 //!
-//! For each forwarded request whose bearer token is Entra-style ([`tether_guard::token::is_entra_style`]: a JWT
+//! For each forwarded request whose bearer token is Entra-style ([`tether_auth::token::is_entra_style`]: a JWT
 //! whose `iss` lies under a configured authority), the token is validated again here with guard's
 //! [`Authenticator`] (signature against the issuer's published keys, tenant, audience, lifetime, algorithm
 //! allow-list; group overage resolved through the relay's directory). A refused token is answered with 401 and
@@ -17,9 +17,9 @@
 use std::sync::Arc;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use tether_guard::jwks::HttpsFetcher;
-use tether_guard::token::{EXTRA_OID, EXTRA_TID, GroupResolver, is_entra_style};
-use tether_guard::{Authenticator, Identity, TokenError};
+use tether_auth::jwks::HttpsFetcher;
+use tether_auth::token::{EXTRA_OID, EXTRA_TID, GroupResolver, is_entra_style};
+use tether_auth::{Authenticator, Identity, TokenError};
 
 use crate::config::EntraConfig;
 
@@ -41,10 +41,10 @@ const WEBSOCKET_BEARER_PREFIX: &str = "base64url.bearer.authorization.k8s.io.";
 pub enum AuthProxyError {
     /// The Entra settings are unusable.
     #[error("invalid Entra settings: {0}")]
-    Config(#[source] tether_guard::token::ConfigError),
+    Config(#[source] tether_auth::token::ConfigError),
     /// The authority CA file could not be read or used.
     #[error("cannot use the Entra authority CA: {0}")]
-    AuthorityCa(#[source] tether_tunnel::tls::TlsError),
+    AuthorityCa(#[source] tether_runtime::tls::TlsError),
 }
 
 /// What the proxy makes of a request's credentials.
@@ -73,7 +73,7 @@ impl AuthProxy {
         let ca = entra
             .authority_ca
             .as_deref()
-            .map(tether_tunnel::tls::read_file)
+            .map(tether_runtime::tls::read_file)
             .transpose()
             .map_err(AuthProxyError::AuthorityCa)?;
         let fetcher = HttpsFetcher::new(ca.as_deref()).map_err(AuthProxyError::AuthorityCa)?;
@@ -198,9 +198,9 @@ mod tests {
 
     use base64::Engine as _;
     use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-    use tether_guard::TokenConfig;
-    use tether_guard::jwks::{Fetch, FetchError, FetchFuture};
-    use tether_guard::token::PrincipalKind;
+    use tether_auth::TokenConfig;
+    use tether_auth::jwks::{Fetch, FetchError, FetchFuture};
+    use tether_auth::token::PrincipalKind;
 
     use super::*;
 

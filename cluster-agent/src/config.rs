@@ -3,11 +3,11 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tether_tunnel::Secret;
+use tether_runtime::Secret;
 use tether_tunnel::proxy::ProxyConfig;
 
-use crate::backoff::Backoff;
 use crate::identity;
+use tether_api::reconnect::Backoff;
 
 /// Everything the agent needs to run. Build with [`Config::new`], adjust fields, then [`Config::validate`].
 #[derive(Debug, Clone)]
@@ -69,9 +69,9 @@ pub struct EntraConfig {
 
 impl EntraConfig {
     /// The guard crate's token settings for this configuration.
-    pub fn token_config(&self) -> tether_guard::TokenConfig {
+    pub fn token_config(&self) -> tether_auth::TokenConfig {
         let mut config =
-            tether_guard::TokenConfig::new(self.tenants.clone(), self.audiences.clone());
+            tether_auth::TokenConfig::new(self.tenants.clone(), self.audiences.clone());
         if let Some(authority) = &self.authority {
             config.v2_authority = authority.trim_end_matches('/').to_owned();
         }

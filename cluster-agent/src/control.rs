@@ -14,18 +14,18 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rand::RngExt as _;
-use tether_tunnel::control::{self, Heartbeat, Hello, Message, Metadata, Reader, Renew};
+use tether_api::control::{self, Heartbeat, Hello, Message, Metadata, Reader, Renew};
 use tether_tunnel::{Connection, OpenOptions, Priority, kind};
 use time::OffsetDateTime;
 use tokio::io::WriteHalf;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::backoff::Backoff;
 use crate::directory::RelayDirectory;
 use crate::guard_push::SnapshotSink;
 use crate::health;
 use crate::identity::{self, Identity, KeyRequest};
+use tether_api::reconnect::Backoff;
 
 /// How long the relay has to accept the control stream and answer `hello`.
 const WELCOME_TIMEOUT: Duration = Duration::from_secs(30);
@@ -265,7 +265,7 @@ async fn run_inner(
                 Ok(Some(Message::GuardSnapshot(snapshot))) => match &state.snapshots {
                     Some(sink) => sink.offer(&snapshot.snapshot),
                     None => tracing::debug!(
-                        version = ?snapshot.snapshot.get("version"),
+                        version = snapshot.snapshot.version,
                         "no guard configured (--guard-url); ignoring a guard snapshot"
                     ),
                 },

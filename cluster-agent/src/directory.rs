@@ -12,8 +12,8 @@ use std::pin::Pin;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tether_guard::token::GroupResolver;
-use tether_tunnel::control::{Groups, Message, ResolveGroups};
+use tether_api::control::{Groups, Message, ResolveGroups};
+use tether_auth::token::GroupResolver;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 

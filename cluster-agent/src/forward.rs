@@ -34,7 +34,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use kube::client::ConfigExt as _;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
-use tether_guard::Identity;
+use tether_auth::Identity;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tower::ServiceExt as _;
 

@@ -17,6 +17,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
+use tether_auth::Snapshot;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -39,12 +40,9 @@ pub(crate) struct SnapshotSink {
 }
 
 impl SnapshotSink {
-    /// Queues `snapshot` (the guard `Snapshot` JSON the relay sent) unless a newer one is already pending.
-    pub(crate) fn offer(&self, snapshot: &Value) {
-        let Some(version) = snapshot.get("version").and_then(Value::as_u64) else {
-            tracing::warn!("ignoring a guard snapshot from the relay without a numeric version");
-            return;
-        };
+    /// Queues `snapshot` (the guard snapshot the relay sent) unless a newer one is already pending.
+    pub(crate) fn offer(&self, snapshot: &Snapshot) {
+        let version = snapshot.version;
         let body = match serde_json::to_vec(snapshot) {
             Ok(body) => Bytes::from(body),
             Err(e) => {
@@ -92,14 +90,14 @@ impl Drop for SnapshotPusher {
 /// the guard CA cannot be read or used.
 pub(crate) fn spawn(
     config: &GuardConfig,
-) -> Result<(SnapshotSink, SnapshotPusher), tether_tunnel::tls::TlsError> {
+) -> Result<(SnapshotSink, SnapshotPusher), tether_runtime::tls::TlsError> {
     let ca = config
         .ca
         .as_deref()
-        .map(tether_tunnel::tls::read_file)
+        .map(tether_runtime::tls::read_file)
         .transpose()?;
     // hyper-rustls sets ALPN itself.
-    let tls = tether_tunnel::tls::client_config(ca.as_deref(), &[])?;
+    let tls = tether_runtime::tls::client_config(ca.as_deref(), &[])?;
     let connector = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(Arc::unwrap_or_clone(tls))
         .https_only()
@@ -282,21 +280,22 @@ mod tests {
         let sink = SnapshotSink {
             pending: Arc::new(tx),
         };
-        sink.offer(&serde_json::json!({"version": 3}));
+        let v = |version| Snapshot {
+            version,
+            ..Snapshot::default()
+        };
+        sink.offer(&v(3));
         assert_eq!(sink.pending_version(), 3);
         assert!(rx.has_changed().unwrap());
         rx.borrow_and_update();
 
-        sink.offer(&serde_json::json!({"version": 2}));
+        sink.offer(&v(2));
         assert_eq!(sink.pending_version(), 3);
         assert!(!rx.has_changed().unwrap());
-        // Without a version it is not a snapshot.
-        sink.offer(&serde_json::json!({"assignments": []}));
-        assert!(!rx.has_changed().unwrap());
         // The same version again (the relay re-sends at each hello) is pushed again: guard may have lost it.
-        sink.offer(&serde_json::json!({"version": 3}));
+        sink.offer(&v(3));
         assert!(rx.has_changed().unwrap());
-        sink.offer(&serde_json::json!({"version": 5, "assignments": []}));
+        sink.offer(&v(5));
         assert_eq!(sink.pending_version(), 5);
         let body = rx.borrow_and_update().clone().unwrap().body;
         let json: Value = serde_json::from_slice(&body).unwrap();

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use tether_tunnel::control::Health;
+use tether_api::control::Health;
 use tokio::time::Instant;
 
 /// Clock ticks per second in `/proc/self/stat`.

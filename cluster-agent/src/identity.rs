@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair, PublicKeyData};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use tether_tunnel::Secret;
+use tether_runtime::Secret;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 

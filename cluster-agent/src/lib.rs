@@ -6,10 +6,10 @@
 //! [`tether_tunnel::ws::connect_with_proxy`], through an HTTP CONNECT proxy when configured), and serves every
 //! logical stream the relay opens as one HTTP/1.1 exchange with its own apiserver ([`forward`]).
 //!
-//! Next to the streams, each tunnel carries one control channel ([`tether_tunnel::control`]): heartbeats,
+//! Next to the streams, each tunnel carries one control channel ([`tether_api::control`]): heartbeats,
 //! cluster metadata read with the agent's own kube credentials ([`metadata`], a watch on nodes), the agent's
 //! health, and the in-band renewal of its certificate at about two thirds of its lifetime. It reconnects
-//! with full-jitter exponential backoff ([`Backoff`]) and, on shutdown, sends GOAWAY and lets open streams
+//! with full-jitter exponential backoff ([`tether_api::reconnect::Backoff`]) and, on shutdown, sends GOAWAY and lets open streams
 //! finish before closing.
 //!
 //! With `--entra-tenant`/`--entra-audience` it is also the in-cluster authentication proxy ([`auth_proxy`]):
@@ -28,7 +28,6 @@
 
 mod agent;
 pub mod auth_proxy;
-pub mod backoff;
 mod config;
 mod control;
 mod directory;
@@ -40,9 +39,9 @@ pub mod metadata;
 mod onboard;
 
 pub use agent::{AgentError, IDENTITY_EXPIRED_REASON, run};
-pub use backoff::Backoff;
 pub use config::{Config, ConfigError, EntraConfig, GuardConfig};
-pub use tether_tunnel::Secret;
+pub use tether_api::reconnect::Backoff;
+pub use tether_runtime::Secret;
 
 /// An error and its causes on one line, for logs and Status messages.
 pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {

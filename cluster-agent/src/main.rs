@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use tether_agent::{AgentError, Config, EntraConfig, GuardConfig, Secret};
-use tether_tunnel::process::{LogFormat, init_tracing, shutdown_signal};
+use tether_runtime::process::{LogFormat, init_tracing, shutdown_signal};
 use tether_tunnel::proxy::ProxyConfig;
 
 /// Exit status for a configuration that cannot be used (EX_USAGE).
@@ -128,7 +128,7 @@ fn main() -> ExitCode {
         eprintln!("tether-agent: invalid configuration: {e}");
         return ExitCode::from(EXIT_USAGE);
     }
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
 
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,

@@ -16,7 +16,7 @@ use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::WatchStreamExt as _;
 use kube::runtime::watcher;
-use tether_tunnel::control::Metadata;
+use tether_api::control::Metadata;
 use tokio::sync::watch;
 
 /// Quiet time after a node event before the summary is recomputed.

@@ -12,7 +12,7 @@ use http::{Request, StatusCode, header};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
-use tether_tunnel::Secret;
+use tether_runtime::Secret;
 use tether_tunnel::proxy::{self, ProxyConfig};
 
 /// Largest onboarding response body read.

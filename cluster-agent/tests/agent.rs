@@ -367,7 +367,7 @@ async fn upgrade_over_the_tunnel_is_a_byte_pipe_with_half_close() -> Result<()> 
 
 #[tokio::test]
 async fn onboarding_waits_for_a_relay_that_is_not_up_yet() -> Result<()> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let api = TestApiserver::start().await?;
     let dir = tempfile::tempdir()?;
     common::write_kubeconfig(dir.path(), &api.url(), &api.ca.pem(), None)?;

@@ -57,7 +57,7 @@ async fn body_json(resp: http::Response<Incoming>) -> Result<serde_json::Value> 
 }
 
 async fn setup() -> Result<(TestApiserver, Upstream, tempfile::TempDir)> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let api = TestApiserver::start().await?;
     let dir = tempfile::tempdir()?;
     // The agent's own kubeconfig user has a token and a client certificate: forwarding must use neither.
@@ -297,7 +297,7 @@ async fn stream_serving_ends_after_the_upgraded_pipe_ends() -> Result<()> {
 
 #[tokio::test]
 async fn unreachable_apiserver_is_a_502_status() -> Result<()> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let port = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
         listener.local_addr()?.port()
@@ -317,7 +317,7 @@ async fn unreachable_apiserver_is_a_502_status() -> Result<()> {
 
 #[tokio::test]
 async fn apiserver_connect_timeout_is_a_504_status() -> Result<()> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     // Accepts TCP but never answers the TLS handshake.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();
@@ -340,7 +340,7 @@ async fn apiserver_connect_timeout_is_a_504_status() -> Result<()> {
 
 #[tokio::test]
 async fn untrusted_apiserver_certificate_is_a_502() -> Result<()> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let api = TestApiserver::start().await?;
     // Trusts another CA than the one that issued the apiserver's certificate.
     let mut config = kube::Config::new(api.url().parse()?);
@@ -354,7 +354,7 @@ async fn untrusted_apiserver_certificate_is_a_502() -> Result<()> {
 
 #[tokio::test]
 async fn the_authentication_proxy_needs_credentials_of_the_agents_own() -> Result<()> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let api = TestApiserver::start().await?;
     let dir = tempfile::tempdir()?;
     let entra = tether_agent::EntraConfig {

@@ -46,7 +46,7 @@ async fn kubectl_through_relay_and_agent() -> Result<()> {
         eprintln!("kubectl not installed; skipping");
         return Ok(());
     }
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let dir = tempfile::tempdir()?;
     let api = SampleApiserver::start(SampleOptions::new(dir.path().join("api"))).await?;
     let relay = RelayProcess::start(&dir.path().join("relay"), "127.0.0.1:0".parse()?).await?;

@@ -14,8 +14,8 @@ use common::proxy::ConnectProxy;
 use common::relay::{RenewMode, pem_fingerprint};
 use http::StatusCode;
 use http_body_util::BodyExt;
+use tether_api::control::Message;
 use tether_tunnel::code;
-use tether_tunnel::control::Message;
 use tether_tunnel::proxy::ProxyConfig;
 
 /// The certificate fingerprint in the agent's identity.json.

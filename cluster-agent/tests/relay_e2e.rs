@@ -33,7 +33,7 @@ fn agent_config(relay: &RelayProcess, dir: &Path, token: Option<&str>) -> Result
 
 #[tokio::test]
 async fn onboard_serve_restart_and_delete_with_the_real_relay() -> Result<()> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let dir = tempfile::tempdir()?;
     let api = TestApiserver::start().await?;
     common::write_kubeconfig(dir.path(), &api.url(), &api.ca.pem(), None)?;
@@ -117,7 +117,7 @@ fn stored_identity(dir: &Path) -> Result<serde_json::Value> {
 
 #[tokio::test]
 async fn metadata_health_renewal_and_expiry_with_the_real_relay() -> Result<()> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let dir = tempfile::tempdir()?;
     let api = TestApiserver::start().await?;
     api.set_version("v1.32.4-eks-1234567");

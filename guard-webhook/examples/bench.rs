@@ -14,11 +14,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context as _;
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use tether_guard::jwks::{Fetch, FetchError, FetchFuture};
-use tether_guard::rbac::{
+use tether_auth::jwks::{Fetch, FetchError, FetchFuture};
+use tether_auth::rbac::{
     self, AccessRequest, DenyAssignment, ResourceAttributes, RoleAssignment, Scope, Snapshot,
 };
-use tether_guard::{Authenticator, Guard, GuardOptions, SnapshotStore, TokenConfig};
+use tether_auth::{Authenticator, TokenConfig};
+use tether_guard::{Guard, GuardOptions, SnapshotStore};
 
 const TENANT: &str = "72f988bf-86f1-41af-91ab-2d7cd011db47";
 const VERBS: [(&str, &str, &str); 8] = [

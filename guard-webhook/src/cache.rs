@@ -9,7 +9,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
-use crate::rbac::{Decision, Prepared};
+use tether_auth::rbac::{Decision, Prepared};
 
 /// A stable, short hash of a group set (sorted, de-duplicated), for cache keys and audit lines.
 pub fn hash_groups(sorted_groups: &[String]) -> String {
@@ -148,7 +148,7 @@ impl DecisionCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rbac::Principal;
+    use tether_auth::rbac::Principal;
 
     fn prepared(oid: &str, groups: &[&str], ns: Option<&str>) -> Prepared {
         Prepared {

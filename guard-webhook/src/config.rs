@@ -7,14 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use tether_tunnel::Secret;
+use tether_runtime::Secret;
 
 use crate::audit::AuditSink;
 use crate::engine::{Guard, GuardOptions};
-use crate::jwks::HttpsFetcher;
 use crate::server::{Limits, ServerConfig, server_tls};
 use crate::snapshot::SnapshotStore;
-use crate::token::{
+use tether_auth::jwks::HttpsFetcher;
+use tether_auth::token::{
     Algorithm, Authenticator, DEFAULT_V1_AUTHORITY, DEFAULT_V2_AUTHORITY, TokenConfig,
 };
 
@@ -69,7 +69,7 @@ pub struct Config {
     #[arg(long, env = "TETHER_GUARD_AUTHORITY_CA")]
     pub authority_ca: Option<PathBuf>,
     /// Tokens longer than this many bytes are refused unparsed.
-    #[arg(long, env = "TETHER_GUARD_MAX_TOKEN_BYTES", default_value_t = crate::token::DEFAULT_MAX_TOKEN_BYTES)]
+    #[arg(long, env = "TETHER_GUARD_MAX_TOKEN_BYTES", default_value_t = tether_auth::token::DEFAULT_MAX_TOKEN_BYTES)]
     pub max_token_bytes: usize,
     /// Where the last-known-good RBAC snapshot is kept.
     #[arg(long, env = "TETHER_GUARD_SNAPSHOT_FILE")]

@@ -10,9 +10,9 @@ use tokio::time::Instant;
 use crate::audit::{AuditRecord, AuditSink};
 use crate::cache::{CacheKey, DecisionCache, hash_groups};
 use crate::metrics::Metrics;
-use crate::rbac::{self, AccessRequest, Decision};
 use crate::snapshot::SnapshotStore;
-use crate::token::{Authenticator, Identity, TokenError};
+use tether_auth::rbac::{self, AccessRequest, Decision};
+use tether_auth::token::{Authenticator, Identity, TokenError};
 
 /// Settings of a [`Guard`] beyond its parts.
 #[derive(Clone, Debug)]
@@ -187,7 +187,7 @@ impl Guard {
             .or_else(|| {
                 request
                     .extra
-                    .get(crate::token::EXTRA_OID)
+                    .get(tether_auth::token::EXTRA_OID)
                     .and_then(|v| v.first().cloned())
             });
         self.audit.record(&AuditRecord {

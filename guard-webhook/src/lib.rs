@@ -1,11 +1,8 @@
 //! Tether guard: the Kubernetes authentication and authorization webhooks that let Entra (Azure AD) identities and
 //! Azure-RBAC-style role assignments decide what a person may do in a cluster.
 //!
-//! - [`token`]: Entra-style JWT validation (v1 and v2 issuers, tenant, audience, lifetime, algorithm allow-list,
-//!   key-type checks) as pure functions, and [`token::Authenticator`] that adds the signing keys from
-//!   [`jwks`] (OIDC discovery, JWKS cache, rate-limited refetch, last-known-good) and group-overage resolution.
-//! - [`rbac`]: SubjectAccessReview → Azure data actions, role definitions (the four Azure Arc built-ins and custom
-//!   roles from JSON), role and deny assignments, and `decide(&Snapshot, &AccessRequest) -> Decision`, all pure.
+//! Token validation and the RBAC model are `tether-auth`'s (shared with the relay and the agent); this crate is the
+//! webhook server around them:
 //! - [`cache`]: the decision cache (keyed by object id, group-set hash, actions and scope; emptied on a new
 //!   snapshot version). [`snapshot`]: the snapshot store (persisted atomically, last-known-good, newer versions
 //!   only) and the pluggable [`snapshot::SnapshotSource`].
@@ -14,7 +11,7 @@
 //!   `/healthz`) with client-certificate authentication of the apiserver; [`review`]: the webhook wire formats.
 //!
 //! What it does not do: it does not talk to Azure or Microsoft Graph (group overages go through a
-//! [`token::GroupResolver`] the caller provides), does not store role assignments (the relay does, and pushes
+//! `tether_auth::token::GroupResolver` the caller provides), does not store role assignments (the relay does, and pushes
 //! snapshots), does not issue tokens, and does not implement Kubernetes RBAC (it answers "no opinion" for
 //! `system:` and non-Entra users so the apiserver's other authorizers decide).
 
@@ -22,16 +19,11 @@ pub mod audit;
 pub mod cache;
 pub mod config;
 pub mod engine;
-pub mod jwks;
 pub mod metrics;
-pub mod rbac;
 pub mod review;
 pub mod server;
 pub mod snapshot;
-pub mod token;
 
 pub use engine::{Guard, GuardOptions};
-pub use rbac::{AccessRequest, Decision, Snapshot, decide};
 pub use server::{Limits, ServerConfig, run, server_tls};
 pub use snapshot::SnapshotStore;
-pub use token::{Authenticator, Identity, TokenConfig, TokenError};

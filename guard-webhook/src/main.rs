@@ -17,7 +17,7 @@ async fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let config = match Config::try_parse() {
         Ok(c) => c,
         Err(e) if e.use_stderr() => {

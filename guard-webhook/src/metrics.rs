@@ -33,7 +33,7 @@ pub struct WebhookLabels {
 /// Labels of a refused token.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RefusalLabels {
-    /// [`crate::token::TokenError::label`].
+    /// [`tether_auth::token::TokenError::label`].
     pub reason: &'static str,
 }
 

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::rbac::{AccessRequest, Decision, NonResourceAttributes, ResourceAttributes};
-use crate::token::Identity;
+use tether_auth::rbac::{AccessRequest, Decision, NonResourceAttributes, ResourceAttributes};
+use tether_auth::token::Identity;
 
 /// The TokenReview API versions served.
 pub const TOKEN_REVIEW_VERSIONS: [&str; 2] =

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::rbac::{RbacError, Snapshot};
+use tether_auth::rbac::{RbacError, Snapshot};
 
 /// Why a snapshot could not be loaded, checked or saved.
 #[derive(Debug, thiserror::Error)]
@@ -214,8 +214,8 @@ pub async fn run_source(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rbac::{RoleAssignment, Scope};
     use std::collections::VecDeque;
+    use tether_auth::rbac::{RoleAssignment, Scope};
 
     fn snap(version: u64) -> Snapshot {
         Snapshot {

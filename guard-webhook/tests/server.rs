@@ -7,12 +7,13 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{Value, json};
 use support::{AUDIENCE, Idp, TENANT};
+use tether_auth::Authenticator;
+use tether_auth::jwks::HttpsFetcher;
 use tether_guard::audit::AuditSink;
-use tether_guard::jwks::HttpsFetcher;
 use tether_guard::server::{Limits, ServerConfig, server_tls};
-use tether_guard::{Authenticator, Guard, GuardOptions, SnapshotStore};
+use tether_guard::{Guard, GuardOptions, SnapshotStore};
+use tether_runtime::Secret;
 use tether_testkit::certs::{Ca, CertifiedPem};
-use tether_tunnel::Secret;
 use tokio::sync::oneshot;
 
 const PUSH_TOKEN: &str = "push-token-0123456789abcdef";
@@ -33,7 +34,7 @@ struct Harness {
 
 impl Harness {
     async fn start(authenticator: Option<Arc<Authenticator>>) -> anyhow::Result<Harness> {
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         let ca = Ca::new("guard test ca")?;
         let server = ca.issue_server(&["127.0.0.1".to_owned()])?;
         let apiserver = ca.issue_client("kube-apiserver", &[])?;
@@ -198,7 +199,7 @@ async fn token_reviews_in_both_versions_and_no_token_in_the_audit_log() -> anyho
     if !support::pyjwt_available() {
         return Ok(());
     }
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let idp = Idp::start().await?;
     let minted = support::mint(&idp)?;
     idp.set_keys(vec![minted.key("k1")]);

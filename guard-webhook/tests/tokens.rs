@@ -11,9 +11,9 @@ use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use serde_json::Value;
 use support::{Idp, Minted, TENANT};
-use tether_guard::jwks::HttpsFetcher;
-use tether_guard::token::{Algorithm, PrincipalKind, StaticGroups};
-use tether_guard::{Authenticator, TokenConfig, TokenError};
+use tether_auth::jwks::HttpsFetcher;
+use tether_auth::token::{Algorithm, PrincipalKind, StaticGroups};
+use tether_auth::{Authenticator, TokenConfig, TokenError};
 
 struct Setup {
     idp: Idp,
@@ -24,7 +24,7 @@ async fn setup() -> anyhow::Result<Option<Setup>> {
     if !support::pyjwt_available() {
         return Ok(None);
     }
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let idp = Idp::start().await?;
     let minted = support::mint(&idp)?;
     idp.set_keys(vec![minted.key("k1"), minted.key("e1")]);

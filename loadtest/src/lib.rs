@@ -35,7 +35,7 @@ use scenario::Env;
 
 /// Runs the scenario `cli` names, writes its report(s) under `--out`, and returns them.
 pub async fn run(cli: Cli) -> anyhow::Result<Vec<Report>> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     if let Command::Upstream(args) = &cli.command {
         scenario::serve_upstream(args).await?;
         return Ok(Vec::new());

@@ -4,7 +4,7 @@
 //! Onboarding sends a CSR: a relay that issues client certificates answers with one (the tunnel then
 //! authenticates with mTLS); an older relay ignores the CSR and answers with a bearer credential. Both work.
 //!
-//! The control channel (a stream of kind CONTROL, `tether_tunnel::control`'s messages) is spoken as the agent
+//! The control channel (a stream of kind CONTROL, `tether_api::control`'s messages) is spoken as the agent
 //! speaks it: `hello`, then after the relay's `welcome` a `metadata` and a `health`, then a `heartbeat` and a
 //! `health` every interval the welcome names; a relay's `draining` window is kept for the reconnect. When the
 //! relay refuses the control stream (a relay without one), the tunnel is held with protocol keepalives only, and
@@ -18,8 +18,8 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use rand::RngExt as _;
-use tether_agent::backoff::{Backoff, DRAINING_WAIT, Reconnect};
-use tether_tunnel::control::{self, Message};
+use tether_api::control::{self, Message};
+use tether_api::reconnect::{Backoff, DRAINING_WAIT, Reconnect};
 use tether_tunnel::ws::{self, ConnectError};
 use tether_tunnel::{Connection, OpenOptions, Priority, Role, SessionConfig, code, kind};
 use tokio::sync::Semaphore;
@@ -379,7 +379,7 @@ impl Fleet {
 }
 
 /// One simulated agent until `stop`: connect, hold, and on loss reconnect as the agent does
-/// ([`tether_agent::backoff::Reconnect`], the relay's `draining` window included).
+/// ([`tether_api::reconnect::Reconnect`], the relay's `draining` window included).
 async fn run(agent: Arc<SimAgent>, fleet: Arc<FleetShared>) {
     let stats = &fleet.stats;
     let mut reconnect = Reconnect::new(fleet.backoff);

@@ -4,7 +4,7 @@ use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use http::HeaderMap;
 use http::header::AUTHORIZATION;
-use tether_tunnel::Secret;
+use tether_runtime::Secret;
 
 /// 32 random bytes from the thread's CSPRNG, base64url without padding (43 characters).
 pub(crate) fn generate_token() -> Secret {

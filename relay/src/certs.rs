@@ -81,9 +81,9 @@ pub(crate) fn load(
 ) -> Result<TlsIdentity, RelayError> {
     if let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) {
         let cert_pem =
-            tether_tunnel::tls::read_file(cert).map_err(|e| RelayError::Tls(e.to_string()))?;
+            tether_runtime::tls::read_file(cert).map_err(|e| RelayError::Tls(e.to_string()))?;
         let key_pem =
-            tether_tunnel::tls::read_file(key).map_err(|e| RelayError::Tls(e.to_string()))?;
+            tether_runtime::tls::read_file(key).map_err(|e| RelayError::Tls(e.to_string()))?;
         let server_config = server_config(&cert_pem, &key_pem, client_verifier)
             .map_err(|e| RelayError::Tls(format!("{} / {}: {e}", cert.display(), key.display())))?;
         return Ok(TlsIdentity {
@@ -246,7 +246,7 @@ mod tests {
 
     #[test]
     fn generates_once_and_reuses() {
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         let dir = tempfile::tempdir().expect("tempdir");
         let first = load(&config(dir.path())).expect("generate");
         let ca = first.ca_pem.expect("generated CA");
@@ -272,7 +272,7 @@ mod tests {
 
     #[test]
     fn new_hostnames_reissue_the_server_cert_from_the_same_ca() {
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         let dir = tempfile::tempdir().expect("tempdir");
         let first = load(&config(dir.path())).expect("generate");
         let server = std::fs::read(dir.path().join(SERVER_CERT)).expect("server cert written");

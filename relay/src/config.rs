@@ -44,7 +44,7 @@ pub struct Config {
 ///
 /// A bearer token that is a JWT whose `iss` lies under one of the configured authorities
 /// (`{authority}/…/v2.0` or `https://sts.windows.net/…/`) must validate (signature, tenant, audience,
-/// lifetime: `tether_guard::token::Authenticator`), else the request is refused with 401. Other tokens
+/// lifetime: `tether_auth::token::Authenticator`), else the request is refused with 401. Other tokens
 /// (Kubernetes service-account tokens, opaque tokens) pass through to the cluster unchanged.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EntraConfig {
@@ -61,9 +61,9 @@ pub struct EntraConfig {
 
 impl EntraConfig {
     /// The guard crate's token settings for this configuration.
-    pub fn token_config(&self) -> tether_guard::TokenConfig {
+    pub fn token_config(&self) -> tether_auth::TokenConfig {
         let mut config =
-            tether_guard::TokenConfig::new(self.tenants.clone(), self.audiences.clone());
+            tether_auth::TokenConfig::new(self.tenants.clone(), self.audiences.clone());
         if let Some(authority) = &self.authority {
             config.v2_authority = authority.trim_end_matches('/').to_owned();
         }

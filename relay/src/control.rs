@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use std::time::Duration;
 
-use tether_tunnel::control::{
+use tether_api::control::{
     self as wire, Certificate, ControlError, ErrorMessage, Groups, Message, Reader, Welcome,
 };
 use tether_tunnel::{Stream, code};
@@ -224,13 +224,7 @@ where
     }
     let version = state.version;
     let (assignments, denies) = (state.assignments.len(), state.deny_assignments.len());
-    let message = match rbac::snapshot_message(&rbac::snapshot(state)) {
-        Ok(message) => message,
-        Err(e) => {
-            tracing::warn!(cluster, error = %e.message, "cannot build the guard snapshot");
-            return Ok(true);
-        }
-    };
+    let message = rbac::snapshot_message(&rbac::snapshot(state));
     match wire::send(wr, &message).await {
         Ok(()) => {
             *last_sent = Some(version);

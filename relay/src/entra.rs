@@ -15,9 +15,9 @@ use std::sync::Arc;
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use http::HeaderMap;
-use tether_guard::jwks::HttpsFetcher;
-use tether_guard::token::GroupResolver;
-use tether_guard::{Authenticator, TokenConfig};
+use tether_auth::jwks::HttpsFetcher;
+use tether_auth::token::GroupResolver;
+use tether_auth::{Authenticator, TokenConfig};
 
 use crate::auth;
 use crate::config::{ConfigError, EntraConfig};

@@ -357,7 +357,7 @@ mod tests {
 
     #[test]
     fn issues_the_clusters_name_not_the_csrs() -> anyhow::Result<()> {
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         let dir = tempfile::tempdir()?;
         let ca = AgentCa::load_or_generate(dir.path())?;
         let (_key, csr) = csr("prod")?;
@@ -398,7 +398,7 @@ mod tests {
 
     #[test]
     fn a_tampered_or_garbage_csr_is_refused() -> anyhow::Result<()> {
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         let dir = tempfile::tempdir()?;
         let ca = AgentCa::load_or_generate(dir.path())?;
         let validity = std::time::Duration::from_secs(60);
@@ -431,7 +431,7 @@ mod tests {
 
     #[test]
     fn the_ca_is_generated_once_with_a_private_key() -> anyhow::Result<()> {
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         let dir = tempfile::tempdir()?;
         let first = AgentCa::load_or_generate(dir.path())?;
         let second = AgentCa::load_or_generate(dir.path())?;
@@ -456,7 +456,7 @@ mod tests {
 
     #[test]
     fn the_verifier_accepts_expired_chains_but_not_foreign_ones() -> anyhow::Result<()> {
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         let dir = tempfile::tempdir()?;
         let ca = AgentCa::load_or_generate(dir.path())?;
         let verifier = ca.verifier()?;

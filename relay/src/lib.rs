@@ -11,7 +11,7 @@
 //!   connectivity status, filters, export/import), guard's role definitions, role assignments and deny
 //!   assignments per cluster, and the group directory; and `GET /healthz`.
 //!
-//! Each cluster's role and deny assignments form a guard snapshot (`tether_guard::Snapshot`) with a version
+//! Each cluster's role and deny assignments form a guard snapshot (`tether_auth::Snapshot`) with a version
 //! raised on every change; the relay pushes it over the cluster's control channel at `hello` and whenever it
 //! changes, and answers the agent's `resolveGroups` from the directory.
 //!
@@ -48,7 +48,7 @@ use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
 
-use tether_tunnel::Secret;
+use tether_runtime::Secret;
 use tokio::net::TcpListener;
 
 pub use config::{Config, ConfigError, EntraConfig, Limits};
@@ -63,7 +63,7 @@ pub struct Relay {
     admin_token: Secret,
     tls: certs::TlsIdentity,
     agent_ca: identity::AgentCa,
-    entra: Option<Arc<tether_guard::Authenticator>>,
+    entra: Option<Arc<tether_auth::Authenticator>>,
 }
 
 impl std::fmt::Debug for Relay {
@@ -90,7 +90,7 @@ impl Relay {
     pub async fn with_store(config: Config, store: Arc<dyn Store>) -> Result<Relay, RelayError> {
         config.validate()?;
         create_private_dir(&config.data_dir)?;
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         let agent_ca = identity::AgentCa::load_or_generate(&config.data_dir)?;
         let tls = certs::load(&config, agent_ca.verifier()?)?;
         let admin_token = load_admin_token(&config)?;

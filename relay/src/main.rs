@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use tether_tunnel::parse_duration;
-use tether_tunnel::process::{LogFormat, init_tracing, shutdown_signal};
+use tether_runtime::parse_duration;
+use tether_runtime::process::{LogFormat, init_tracing, shutdown_signal};
 
 /// The Tether relay: agents dial in, kubectl requests go out over their tunnels.
 #[derive(Debug, Parser)]
@@ -162,7 +162,7 @@ async fn run(args: Args, config: tether_relay::Config) -> Result<(), Failure> {
 fn main() -> ExitCode {
     let args = Args::parse();
     init_tracing(args.log_format);
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let config = args.config();
     if let Err(e) = config.validate() {
         eprintln!("tether-relay: invalid configuration: {e}");

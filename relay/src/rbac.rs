@@ -14,10 +14,10 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tether_guard::rbac::{
+use tether_api::control::{self, ControlError, GuardSnapshot, Message};
+use tether_auth::rbac::{
     self, DenyAssignment, EVERYONE, RoleAssignment, RoleDefinition, Scope, Snapshot,
 };
-use tether_tunnel::control::{self, ControlError, GuardSnapshot, Message};
 use time::OffsetDateTime;
 use tokio::sync::watch;
 
@@ -106,15 +106,15 @@ pub(crate) fn snapshot(state: GuardState) -> Snapshot {
 }
 
 /// The control message carrying `snapshot`.
-pub(crate) fn snapshot_message(snapshot: &Snapshot) -> Result<Message, ApiError> {
-    let snapshot = serde_json::to_value(snapshot)
-        .map_err(|e| ApiError::internal(format!("cannot serialize a guard snapshot: {e}")))?;
-    Ok(Message::GuardSnapshot(GuardSnapshot { snapshot }))
+pub(crate) fn snapshot_message(snapshot: &Snapshot) -> Message {
+    Message::GuardSnapshot(GuardSnapshot {
+        snapshot: snapshot.clone(),
+    })
 }
 
 /// Refuses a change after which `snapshot` would no longer fit in one control message.
 fn check_size(cluster: &str, snapshot: &Snapshot) -> Result<(), ApiError> {
-    match control::encode(&snapshot_message(snapshot)?) {
+    match control::encode(&snapshot_message(snapshot)) {
         Ok(_) => Ok(()),
         Err(ControlError::TooLarge(len)) => Err(ApiError::conflict(format!(
             "cluster {cluster}'s guard snapshot would be {len} bytes, more than one control message carries ({} \

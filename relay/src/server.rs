@@ -46,7 +46,7 @@ pub(crate) struct Shared {
     /// Wakes control channels when their cluster's guard snapshot changed.
     pub(crate) guard: GuardHub,
     /// Validates Entra-style tokens before they enter a tunnel, when configured.
-    pub(crate) entra: Option<Arc<tether_guard::Authenticator>>,
+    pub(crate) entra: Option<Arc<tether_auth::Authenticator>>,
     shutting_down: AtomicBool,
     /// Set on shutdown: the window, in milliseconds, within which agents are told to come back (0: none).
     reconnect_window_ms: AtomicU64,
@@ -58,7 +58,7 @@ impl Shared {
         store: Arc<dyn Store>,
         admin_token_hash: TokenHash,
         agent_ca: AgentCa,
-        entra: Option<Arc<tether_guard::Authenticator>>,
+        entra: Option<Arc<tether_auth::Authenticator>>,
     ) -> Self {
         Self {
             config,

@@ -24,8 +24,8 @@ use http_body_util::Full;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{Value, json};
-use tether_guard::Snapshot;
-use tether_tunnel::control::{self, Groups, Hello, Message, Reader, ResolveGroups};
+use tether_api::control::{self, Groups, Hello, Message, Reader, ResolveGroups};
+use tether_auth::Snapshot;
 use tether_tunnel::{Connection, OpenOptions, Priority, Stream, kind};
 use tokio::io::{ReadHalf, WriteHalf};
 
@@ -164,7 +164,7 @@ impl Agent {
     async fn snapshot(&mut self) -> anyhow::Result<Snapshot> {
         match self.recv().await? {
             Message::GuardSnapshot(g) => {
-                let snapshot: Snapshot = serde_json::from_value(g.snapshot)?;
+                let snapshot: Snapshot = g.snapshot;
                 snapshot
                     .validate()
                     .map_err(|e| anyhow!("guard would refuse the snapshot: {e}"))?;
@@ -588,7 +588,7 @@ async fn a_connected_agent_gets_its_own_snapshot_at_hello_and_after_every_change
     assert_eq!(s.assignments[0].role_id, VIEWER);
     assert_eq!(
         s.assignments[0].scope,
-        tether_guard::rbac::Scope::Namespace("dev".into())
+        tether_auth::rbac::Scope::Namespace("dev".into())
     );
     assert!(s.roles.is_empty(), "built-ins are not listed");
 
@@ -1009,7 +1009,7 @@ impl Idp {
         let key = rcgen::KeyPair::generate()?;
         let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])?
             .signed_by(&key, &issuer)?;
-        let tls = tether_tunnel::tls::server_config(
+        let tls = tether_runtime::tls::server_config(
             cert.pem().as_bytes(),
             key.serialize_pem().as_bytes(),
         )?;

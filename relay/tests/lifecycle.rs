@@ -19,7 +19,7 @@ use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{Value, json};
-use tether_tunnel::control::{
+use tether_api::control::{
     self, Certificate, ControlError, Draining, Health, Heartbeat, Hello, Message, Metadata, Reader,
     Renew, Welcome,
 };

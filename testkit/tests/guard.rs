@@ -11,8 +11,9 @@ use std::sync::Arc;
 use anyhow::{Context as _, ensure};
 use http::{Method, StatusCode};
 use support::Client;
-use tether_guard::rbac::{DenyAssignment, RoleAssignment, Scope};
-use tether_guard::{Guard, GuardOptions, Snapshot, SnapshotStore};
+use tether_auth::Snapshot;
+use tether_auth::rbac::{DenyAssignment, RoleAssignment, Scope};
+use tether_guard::{Guard, GuardOptions, SnapshotStore};
 use tether_testkit::dev_issuer::{DEV_AUDIENCE, DEV_TENANT, DevIssuer, TokenRequest};
 use tether_testkit::kubectl::Kubectl;
 use tether_testkit::{RbacRule, SampleApiserver, SampleOptions, Subject, certs, webhook};
@@ -45,13 +46,13 @@ impl Fixture {
         let serving = guard_ca.issue_server(&["127.0.0.1".to_string()])?;
         let client_ca = certs::Ca::new("apiserver client ca")?;
         let client = client_ca.issue_client("kube-apiserver", &[])?;
-        let mut token = tether_guard::TokenConfig::new(
+        let mut token = tether_auth::TokenConfig::new(
             vec![DEV_TENANT.to_string()],
             vec![DEV_AUDIENCE.to_string()],
         );
         token.v2_authority = issuer.authority().to_string();
-        let fetch = tether_guard::jwks::HttpsFetcher::new(Some(issuer.ca_pem().as_bytes()))?;
-        let authenticator = tether_guard::Authenticator::new(token, Arc::new(fetch))?;
+        let fetch = tether_auth::jwks::HttpsFetcher::new(Some(issuer.ca_pem().as_bytes()))?;
+        let authenticator = tether_auth::Authenticator::new(token, Arc::new(fetch))?;
         let guard = Arc::new(Guard::new(
             Some(Arc::new(authenticator)),
             Arc::new(SnapshotStore::in_memory(Snapshot::default())),
@@ -127,7 +128,7 @@ impl Fixture {
                     "Microsoft.Kubernetes/connectedClusters/configmaps/delete".into(),
                 ],
                 not_data_actions: Vec::new(),
-                principals: vec![tether_guard::rbac::EVERYONE.into()],
+                principals: vec![tether_auth::rbac::EVERYONE.into()],
                 exclude_principals: Vec::new(),
                 scope: Scope::Namespace("prod".into()),
             }],

@@ -154,7 +154,7 @@ fn pct(sorted: &[Duration], p: f64) -> u128 {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     println!("{BEATS} heartbeats every {EVERY:?}; one-way delay in µs (p50 / p99 / max)");
     let runs = [
         ("idle tunnel, control lane", false, Priority::Control),

@@ -19,17 +19,10 @@
 //! reconnect (the agent does).
 
 mod conn;
-pub mod control;
-mod duration;
-pub mod process;
 pub mod proxy;
-mod secret;
-pub mod tls;
 pub mod ws;
 
 pub use conn::{CloseInfo, Connection, Incoming, OpenOptions, Stream, StreamControl, TunnelError};
-pub use duration::parse_duration;
-pub use secret::Secret;
 pub use tether_proto::{ConnectionError, Priority, Role, Stats, code, kind};
 
 /// Session configuration, re-exported so callers can tune limits without depending on proto directly.

@@ -30,7 +30,7 @@ use base64::Engine as _;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::Secret;
+use tether_runtime::Secret;
 
 /// The largest proxy response header read for a CONNECT; a longer one is an error.
 pub const MAX_RESPONSE_HEADER: usize = 8 * 1024;

@@ -5,8 +5,9 @@ mod common;
 use anyhow::Context as _;
 use common::{ServerOptions, open_options, pki, round_trip, spawn_echo_server, tls_server, within};
 use http::{HeaderMap, HeaderValue, StatusCode};
+use tether_runtime::tls;
 use tether_tunnel::ws::{self, ConnectError};
-use tether_tunnel::{Role, SessionConfig, tls};
+use tether_tunnel::{Role, SessionConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 

@@ -23,7 +23,7 @@ impl Env {
 
     /// A quickstart with options adjusted by `adjust` (short lifecycle settings, tags, …).
     pub async fn start_with(adjust: impl FnOnce(&mut UpOptions)) -> anyhow::Result<Env> {
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         let dir = tempfile::tempdir()?;
         let mut options = UpOptions::for_tests(&dir.path().join("up"));
         adjust(&mut options);

@@ -12,7 +12,7 @@ use http_body_util::Empty;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tether_agent::{AgentError, Backoff, Config, Secret};
-use tether_tunnel::control::Message;
+use tether_api::control::Message;
 use tether_tunnel::{Connection, OpenOptions, Priority, TunnelError, kind};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -29,7 +29,7 @@ pub struct Env {
 }
 
 pub async fn env(onboarding_token: Option<&str>) -> Result<Env> {
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let api = TestApiserver::start().await?;
     let relay = FakeRelay::start(
         "127.0.0.1:0".parse()?,

@@ -78,7 +78,7 @@ impl RelayProcess {
         bearer: &str,
         body: Option<serde_json::Value>,
     ) -> Result<(StatusCode, Bytes)> {
-        let tls = tether_tunnel::tls::client_config(Some(self.ca_pem.as_bytes()), &[])?;
+        let tls = tether_runtime::tls::client_config(Some(self.ca_pem.as_bytes()), &[])?;
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config((*tls).clone())
             .https_only()

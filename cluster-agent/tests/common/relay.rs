@@ -18,7 +18,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::pki_types::CertificateDer;
 use sha2::{Digest, Sha256};
-use tether_tunnel::control::{self, Message, Welcome};
+use tether_api::control::{self, Message, Welcome};
 use tether_tunnel::{Connection, Role, SessionConfig, code, kind, ws};
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc};
@@ -61,7 +61,7 @@ pub struct RelayState {
     /// Every control stream accepted, to reset from tests.
     pub control_streams: Mutex<Vec<tether_tunnel::StreamControl>>,
     /// The guard snapshot sent right after each `welcome`, as the real relay does at `hello`.
-    pub guard_snapshot: Mutex<Option<serde_json::Value>>,
+    pub guard_snapshot: Mutex<Option<tether_auth::Snapshot>>,
     /// The directory `resolveGroups` is answered from: user oid → group ids (unknown users get an error).
     pub directory: Mutex<HashMap<String, Vec<String>>>,
     /// How many `resolveGroups` the agents asked.
@@ -249,6 +249,8 @@ impl FakeRelay {
 
     /// Sets the snapshot sent after each `hello` and sends it to the agents connected now.
     pub fn set_guard_snapshot(&self, snapshot: serde_json::Value) -> usize {
+        let snapshot: tether_auth::Snapshot =
+            serde_json::from_value(snapshot).expect("a test snapshot in guard's JSON form");
         if let Ok(mut s) = self.state.guard_snapshot.lock() {
             *s = Some(snapshot.clone());
         }

@@ -230,8 +230,8 @@ pub fn mint(idp: &Idp) -> anyhow::Result<Minted> {
 }
 
 /// A token configuration trusting the local IdP.
-pub fn token_config(idp: &Idp) -> tether_guard::TokenConfig {
-    let mut c = tether_guard::TokenConfig::new(vec![TENANT.to_owned()], vec![AUDIENCE.to_owned()]);
+pub fn token_config(idp: &Idp) -> tether_auth::TokenConfig {
+    let mut c = tether_auth::TokenConfig::new(vec![TENANT.to_owned()], vec![AUDIENCE.to_owned()]);
     c.v2_authority = idp.v2_authority();
     c.v1_authority = idp.v1_authority();
     c

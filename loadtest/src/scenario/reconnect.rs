@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use crate::cli::{ReconnectArgs, StopSignal};
 use crate::report::{Figure, Report, RunResult, TargetCheck};
 use crate::scenario::Env;
-use tether_agent::backoff::Backoff;
+use tether_api::reconnect::Backoff;
 
 use crate::sim::{self, Fleet, SimStats};
 use crate::stats::{Timeline, peak_and_mean};

@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::cli::TunnelsArgs;
 use crate::report::{Figure, Report, RunResult, TargetCheck};
 use crate::scenario::{Env, stop_upstream};
-use tether_agent::backoff::Backoff;
+use tether_api::reconnect::Backoff;
 
 use crate::sim::{self, Fleet, SimStats};
 use crate::stats::Timeline;

@@ -16,7 +16,7 @@ use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
-use tether_guard::rbac::RoleDefinition;
+use tether_auth::rbac::RoleDefinition;
 use time::OffsetDateTime;
 
 pub use sqlite::SqliteStore;

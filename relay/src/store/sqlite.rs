@@ -13,7 +13,7 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteRow, SqliteSynchronous,
 };
-use tether_guard::rbac::{RoleDefinition, builtin_roles};
+use tether_auth::rbac::{RoleDefinition, builtin_roles};
 use time::OffsetDateTime;
 
 use super::{

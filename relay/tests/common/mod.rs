@@ -13,7 +13,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::Value;
 use tether_relay::{Config, Relay, RelayError};
-use tether_tunnel::Secret;
+use tether_runtime::Secret;
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -38,7 +38,7 @@ impl TestRelay {
 
     /// Starts a relay with `config`.
     pub async fn start_with(config: Config) -> anyhow::Result<Self> {
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         // RUST_LOG=debug shows the relay's logs for a failing test.
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -144,7 +144,7 @@ pub struct Client {
 
 impl Client {
     pub fn new(addr: SocketAddr, ca_pem: &[u8], server_name: &str) -> anyhow::Result<Self> {
-        let tls = tether_tunnel::tls::client_config(Some(ca_pem), &[b"h2", b"http/1.1"])?;
+        let tls = tether_runtime::tls::client_config(Some(ca_pem), &[b"h2", b"http/1.1"])?;
         Self::with_config(addr, tls, server_name)
     }
 

@@ -246,7 +246,7 @@ pub(crate) async fn tls_server(
     accepted: mpsc::UnboundedSender<Connection>,
 ) -> anyhow::Result<u16> {
     let config =
-        tether_tunnel::tls::server_config(pki.cert_pem.as_bytes(), pki.key_pem.as_bytes())?;
+        tether_runtime::tls::server_config(pki.cert_pem.as_bytes(), pki.key_pem.as_bytes())?;
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&config));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();

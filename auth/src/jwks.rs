@@ -58,9 +58,9 @@ impl std::fmt::Debug for HttpsFetcher {
 
 impl HttpsFetcher {
     /// A fetcher trusting the CA certificates in `ca_pem` (PEM), or the public web roots when `None`.
-    pub fn new(ca_pem: Option<&[u8]>) -> Result<Self, tether_tunnel::tls::TlsError> {
+    pub fn new(ca_pem: Option<&[u8]>) -> Result<Self, tether_runtime::tls::TlsError> {
         // hyper-rustls sets ALPN itself (and panics when it is preset).
-        let tls = tether_tunnel::tls::client_config(ca_pem, &[])?;
+        let tls = tether_runtime::tls::client_config(ca_pem, &[])?;
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(Arc::unwrap_or_clone(tls))
             .https_only()

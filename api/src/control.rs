@@ -1,12 +1,12 @@
 //! The control channel: typed messages between agent and relay on one stream of kind
-//! [`crate::kind::CONTROL`] per tunnel.
+//! `tether_proto::kind::CONTROL` per tunnel.
 //!
 //! Framing: each message is a `u32` big-endian length, then that many bytes of UTF-8 JSON, at most
 //! [`MAX_MESSAGE_LEN`] bytes. Every message is a JSON object with a `"type"` field; a type this version does not
 //! know decodes to [`Message::Unknown`], which receivers ignore (forward compatibility). A message longer than
 //! the cap is an error for the receiver, which then resets the stream.
 //!
-//! [`send`] and [`recv`] work over any `AsyncWrite`/`AsyncRead` (a tunnel [`crate::Stream`], one half of
+//! [`send`] and [`recv`] work over any `AsyncWrite`/`AsyncRead` (a tunnel `Stream`, one half of
 //! `tokio::io::split`, or an in-memory duplex in tests). [`recv`] is not cancel-safe (a message cut short by a
 //! dropped future leaves the stream mid-frame); use a [`Reader`] where the receive sits in a `select!`.
 //!
@@ -151,12 +151,11 @@ pub struct ErrorMessage {
 
 /// Payload of [`Message::GuardSnapshot`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
+#[serde(rename_all = "camelCase")]
 pub struct GuardSnapshot {
-    /// The snapshot in `tether_guard::rbac::Snapshot`'s JSON form (`version`, `roles`, `assignments`,
-    /// `denyAssignments`), for this cluster only. Kept as JSON here so this crate does not depend on guard; the
-    /// agent passes it on to guard as it is (`PUT /snapshot`), which validates it.
-    pub snapshot: serde_json::Value,
+    /// The cluster's snapshot (`version`, `roles`, `assignments`, `denyAssignments`), for this cluster only. The
+    /// agent hands it to guard (`PUT /snapshot`), which validates it again.
+    pub snapshot: tether_auth::Snapshot,
 }
 
 /// Payload of [`Message::ResolveGroups`].
@@ -385,7 +384,10 @@ mod tests {
                 message: "nope".into(),
             }),
             Message::GuardSnapshot(GuardSnapshot {
-                snapshot: serde_json::json!({"version": 3, "assignments": []}),
+                snapshot: tether_auth::Snapshot {
+                    version: 3,
+                    ..Default::default()
+                },
             }),
             Message::ResolveGroups(ResolveGroups {
                 request_id: 1,
@@ -491,7 +493,10 @@ mod tests {
         assert_eq!(
             m,
             Message::GuardSnapshot(GuardSnapshot {
-                snapshot: serde_json::json!({"version": 2})
+                snapshot: tether_auth::Snapshot {
+                    version: 2,
+                    ..Default::default()
+                }
             })
         );
         Ok(())

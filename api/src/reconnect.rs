@@ -5,7 +5,7 @@
 //! the relay is down, and plain exponential backoff pushes a few unlucky agents' ceilings to 16–30 s — they come
 //! back half a minute after everyone else. So for [`Backoff::recovery`] after losing a tunnel the ceiling stops
 //! at [`Backoff::recovery_cap`]; and when the relay said how long the fleet should take to come back
-//! (`draining`, see [`tether_tunnel::control::Draining`]), the first attempt is spread uniformly over that window
+//! (`draining`, see [`crate::control::Draining`]), the first attempt is spread uniformly over that window
 //! and retries never wait longer than it. A tunnel that keeps flapping gets one such period per
 //! [`Backoff::stable`], then the ordinary growth.
 

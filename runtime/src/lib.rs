@@ -1,0 +1,14 @@
+//! What every Tether program does the same way, so each `main` only wires: one duration syntax
+//! ([`parse_duration`]), one type for secrets ([`Secret`], whose `Debug` prints `***`), one logging setup and one
+//! stop signal ([`process`]), and one way to build TLS configurations with the one crypto provider, aws-lc-rs
+//! ([`tls`]).
+//!
+//! What it does not do: know about tunnels, HTTP, Kubernetes or any one program's configuration.
+
+mod duration;
+pub mod process;
+mod secret;
+pub mod tls;
+
+pub use duration::parse_duration;
+pub use secret::Secret;
