@@ -378,6 +378,20 @@ pub struct DenyAssignment {
 }
 
 impl DenyAssignment {
+    /// Whether this deny's scope covers the request: a cluster-scoped deny covers everything; a namespace-scoped
+    /// deny covers requests in its namespace **and** requests across all namespaces (a cluster-wide list or
+    /// watch would otherwise return the denied namespace's objects; guard denies such a request rather than
+    /// filtering the response, which only the apiserver could do).
+    pub fn covers_request(&self, req: &Prepared) -> bool {
+        match &self.scope {
+            Scope::Cluster => true,
+            Scope::Namespace(ns) => match &req.namespace {
+                Some(n) => n == ns,
+                None => req.spans_namespaces,
+            },
+        }
+    }
+
     fn applies_to(&self, principal: &Principal) -> bool {
         let is = |id: &String| id == &principal.oid || principal.groups.binary_search(id).is_ok();
         let included = self
@@ -573,6 +587,10 @@ pub struct Prepared {
     pub actions: Vec<String>,
     /// Where: the namespace, `None` for cluster-scoped requests.
     pub namespace: Option<String>,
+    /// Whether a request without a namespace reaches into every namespace (list, watch or deletecollection of a
+    /// resource that may be namespaced, as `kubectl get secrets -A` does); namespace-scoped deny assignments
+    /// apply to such requests.
+    pub spans_namespaces: bool,
 }
 
 impl Prepared {
@@ -596,6 +614,20 @@ pub fn verb_action(verb: &str) -> Option<&'static str> {
         "use" => "use/action",
         "impersonate" => "impersonate/action",
         "*" => "*",
+        _ => return None,
+    })
+}
+
+/// The action of a subresource that is not its resource's read/write: what lets a caller run code in, talk to,
+/// or take credentials from a workload. `pods/exec/action` is Azure's published data action; the others follow
+/// its form (Azure folds them into the resource; see docs/GUARD.md). `None`: authorized as the resource.
+pub fn subresource_action(resource: &str, subresource: &str) -> Option<&'static str> {
+    Some(match (resource, subresource) {
+        ("pods", "exec") => "exec/action",
+        ("pods", "attach") => "attach/action",
+        ("pods", "portforward") => "portforward/action",
+        ("pods" | "services" | "nodes", "proxy") => "proxy/action",
+        ("serviceaccounts", "token") => "token/action",
         _ => return None,
     })
 }
@@ -648,9 +680,11 @@ pub fn data_actions(
         }
         action.push('/');
         action.push_str(&r.resource);
-        if r.resource == "pods" && r.subresource == "exec" {
-            // Azure's one subresource action; other subresources are authorized as their resource.
-            action.push_str("/exec/action");
+        if let Some(sub) = subresource_action(&r.resource, &r.subresource) {
+            // Whatever the verb: WebSocket exec/attach/port-forward arrive as `get` on clusters up to 1.34, and
+            // a proxy request carries the proxied HTTP method as its verb.
+            action.push('/');
+            action.push_str(sub);
         } else {
             action.push('/');
             action.push_str(suffix);
@@ -689,6 +723,43 @@ fn truncate(s: &str, max: usize) -> String {
     s.chars().take(max).collect()
 }
 
+/// Built-in resources that are cluster-scoped, so a request for them without a namespace does not reach into
+/// namespaces. Anything else (custom resources included) is assumed to be possibly namespaced.
+fn is_cluster_scoped(group: &str, resource: &str) -> bool {
+    const CLUSTER_SCOPED: &[(&str, &str)] = &[
+        ("", "namespaces"),
+        ("", "nodes"),
+        ("", "persistentvolumes"),
+        ("", "componentstatuses"),
+        ("rbac.authorization.k8s.io", "clusterroles"),
+        ("rbac.authorization.k8s.io", "clusterrolebindings"),
+        ("storage.k8s.io", "storageclasses"),
+        ("storage.k8s.io", "csidrivers"),
+        ("storage.k8s.io", "csinodes"),
+        ("storage.k8s.io", "volumeattachments"),
+        ("apiextensions.k8s.io", "customresourcedefinitions"),
+        ("apiregistration.k8s.io", "apiservices"),
+        ("scheduling.k8s.io", "priorityclasses"),
+        ("node.k8s.io", "runtimeclasses"),
+        ("networking.k8s.io", "ingressclasses"),
+        ("certificates.k8s.io", "certificatesigningrequests"),
+        (
+            "admissionregistration.k8s.io",
+            "mutatingwebhookconfigurations",
+        ),
+        (
+            "admissionregistration.k8s.io",
+            "validatingwebhookconfigurations",
+        ),
+        ("flowcontrol.apiserver.k8s.io", "flowschemas"),
+        (
+            "flowcontrol.apiserver.k8s.io",
+            "prioritylevelconfigurations",
+        ),
+    ];
+    CLUSTER_SCOPED.contains(&(group, resource))
+}
+
 /// Reduces a request to a [`Prepared`] one, or answers it at once: no opinion for `system:` and non-Entra users,
 /// a denial when it maps to no data action (pure).
 pub fn prepare(req: &AccessRequest) -> Result<Prepared, Decision> {
@@ -717,6 +788,11 @@ pub fn prepare(req: &AccessRequest) -> Result<Prepared, Decision> {
         .as_ref()
         .map(|r| r.namespace.clone())
         .filter(|ns| !ns.is_empty());
+    let spans_namespaces = namespace.is_none()
+        && req.resource.as_ref().is_some_and(|r| {
+            matches!(r.verb.as_str(), "list" | "watch" | "deletecollection" | "*")
+                && !is_cluster_scoped(&r.group, &r.resource)
+        });
     Ok(Prepared {
         principal: Principal {
             oid: oid.clone(),
@@ -724,6 +800,7 @@ pub fn prepare(req: &AccessRequest) -> Result<Prepared, Decision> {
         },
         actions,
         namespace,
+        spans_namespaces,
     })
 }
 
@@ -731,13 +808,18 @@ pub fn prepare(req: &AccessRequest) -> Result<Prepared, Decision> {
 pub fn evaluate(snapshot: &Snapshot, req: &Prepared) -> Decision {
     let ns = req.namespace.as_deref();
     for d in &snapshot.deny_assignments {
-        if d.scope.applies_to(ns)
+        if d.covers_request(req)
             && d.applies_to(&req.principal)
             && let Some(a) = req.actions.iter().find(|a| d.denies(a))
         {
             let name = if d.name.is_empty() { &d.id } else { &d.name };
+            let across = if ns.is_none() && d.scope != Scope::Cluster {
+                " (a request across all namespaces includes it)"
+            } else {
+                ""
+            };
             return Decision::deny(format!(
-                "tether guard: {a} is denied by deny assignment {name:?} at {}",
+                "tether guard: {a} is denied by deny assignment {name:?} at {}{across}",
                 d.scope
             ));
         }
@@ -776,6 +858,76 @@ pub fn evaluate(snapshot: &Snapshot, req: &Prepared) -> Decision {
         })
         .collect();
     Decision::allow(format!("tether guard: allowed by {}", why.join(", ")))
+}
+
+/// What guard protects whatever the snapshot says (its own configuration, not the relay's).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Protection {
+    /// The namespace the Tether agent runs in (its service account, its Secrets, its pods). Only principals with
+    /// a cluster-scope assignment of a role granting `Microsoft.Kubernetes/connectedClusters/*` (Cluster Admin)
+    /// may read Secrets there or do anything but read: create tokens for its service accounts, exec/attach/
+    /// port-forward/proxy into its pods, create pods (which could mount its service account), change its
+    /// workloads or bindings. Requests across all namespaces that include it (`get secrets -A`) count too.
+    pub agent_namespace: Option<String>,
+}
+
+/// [`evaluate`] under a [`Protection`]: a protected request by a principal that is not a cluster administrator
+/// is denied before the snapshot is consulted (pure).
+pub fn evaluate_protected(
+    snapshot: &Snapshot,
+    req: &Prepared,
+    protection: &Protection,
+) -> Decision {
+    if let Some(ns) = protection
+        .agent_namespace
+        .as_deref()
+        .filter(|n| !n.is_empty())
+        && let Some(d) = protect_agent(snapshot, req, ns)
+    {
+        return d;
+    }
+    evaluate(snapshot, req)
+}
+
+fn protect_agent(snapshot: &Snapshot, req: &Prepared, ns: &str) -> Option<Decision> {
+    let in_scope = match &req.namespace {
+        Some(n) => n == ns,
+        None => req.spans_namespaces,
+    };
+    if !in_scope {
+        return None;
+    }
+    let secrets = format!("{CONNECTED_CLUSTERS}/secrets/*");
+    let reads = format!("{CONNECTED_CLUSTERS}/*/read");
+    let action = req
+        .actions
+        .iter()
+        .find(|a| overlaps(&secrets, a) || !covers(&reads, a))?;
+    let everything = format!("{CONNECTED_CLUSTERS}/*");
+    let cluster_admin = snapshot.assignments.iter().any(|asg| {
+        asg.scope == Scope::Cluster
+            && (asg.principal_id == req.principal.oid
+                || req
+                    .principal
+                    .groups
+                    .binary_search(&asg.principal_id)
+                    .is_ok())
+            && snapshot
+                .role(&asg.role_id)
+                .is_some_and(|r| r.grants(&everything))
+    });
+    if cluster_admin {
+        return None;
+    }
+    let across = if req.namespace.is_none() {
+        " (a request across all namespaces includes it)"
+    } else {
+        ""
+    };
+    Some(Decision::deny(format!(
+        "tether guard: {action} in namespace {ns:?}{across} is reserved to cluster administrators: it holds \
+         the Tether agent's credentials"
+    )))
 }
 
 /// Decides a request against a snapshot (pure): [`prepare`] then [`evaluate`].
@@ -913,7 +1065,13 @@ mod tests {
             ("create", "", "pods", "exec", "pods/exec/action"),
             ("get", "", "pods", "exec", "pods/exec/action"),
             ("get", "", "pods", "log", "pods/read"),
-            ("create", "", "pods", "portforward", "pods/write"),
+            (
+                "create",
+                "",
+                "pods",
+                "portforward",
+                "pods/portforward/action",
+            ),
             (
                 "get",
                 "stable.example.com",
@@ -1280,5 +1438,207 @@ mod tests {
         let mut broken = snap.clone();
         broken.assignments[0].role_id = "missing".to_owned();
         assert!(broken.validate().is_err());
+    }
+
+    // --- Attacks on the policy (issue 10): each failed before the fix it names. ---
+
+    fn deny(id: &str, actions: &[&str], ns: &str) -> DenyAssignment {
+        DenyAssignment {
+            id: id.to_owned(),
+            name: id.to_owned(),
+            data_actions: actions.iter().map(|a| format!("{CC}/{a}")).collect(),
+            not_data_actions: vec![],
+            principals: vec![EVERYONE.to_owned()],
+            exclude_principals: vec![],
+            scope: Scope::Namespace(ns.to_owned()),
+        }
+    }
+
+    #[test]
+    fn namespace_deny_covers_requests_across_all_namespaces() {
+        // `kubectl get secrets -A` is `list secrets` with no namespace: it returns prod's secrets too.
+        let snap = Snapshot {
+            version: 1,
+            assignments: vec![assign("a1", "Writer", ALICE, Scope::Cluster)],
+            deny_assignments: vec![deny("no-prod-secrets", &["secrets/*"], "prod")],
+            ..Default::default()
+        };
+        let alice = |r| req("alice@x", Some(ALICE), &[], r);
+        for verb in ["list", "watch", "deletecollection", "*"] {
+            let d = decide(&snap, &alice(res(verb, "", "secrets", "", "")));
+            assert_eq!((d.allowed, d.denied), (false, true), "{verb}: {d:?}");
+            assert!(d.reason.contains("all namespaces"), "{}", d.reason);
+        }
+        let d = decide(&snap, &alice(res("*", "*", "*", "", "")));
+        assert!(
+            d.denied,
+            "a wildcard cluster-wide request spans prod: {d:?}"
+        );
+        // Other namespaces, other resources and cluster-scoped resources are untouched.
+        assert!(decide(&snap, &alice(res("list", "", "secrets", "", "dev"))).allowed);
+        assert!(decide(&snap, &alice(res("list", "", "pods", "", ""))).allowed);
+        let snap = Snapshot {
+            deny_assignments: vec![deny("no-prod-anything", &["*"], "prod")],
+            assignments: vec![assign("a1", "Cluster Admin", ALICE, Scope::Cluster)],
+            ..snap
+        };
+        assert!(decide(&snap, &alice(res("list", "", "nodes", "", ""))).allowed);
+        assert!(decide(&snap, &alice(res("list", "", "namespaces", "", ""))).allowed);
+        assert!(decide(&snap, &alice(res("get", "", "nodes", "", ""))).allowed);
+        let d = decide(
+            &snap,
+            &alice(res("list", "stable.example.com", "crontabs", "", "")),
+        );
+        assert!(d.denied, "custom resources may be namespaced: {d:?}");
+    }
+
+    #[test]
+    fn subresources_map_to_their_own_actions_whatever_the_verb() {
+        // WebSocket exec/attach/port-forward arrive as `get` on clusters up to 1.34; proxy carries the HTTP verb.
+        let table: &[(&str, &str, &str, &str)] = &[
+            ("get", "pods", "exec", "pods/exec/action"),
+            ("create", "pods", "exec", "pods/exec/action"),
+            ("get", "pods", "attach", "pods/attach/action"),
+            ("create", "pods", "attach", "pods/attach/action"),
+            ("get", "pods", "portforward", "pods/portforward/action"),
+            ("create", "pods", "portforward", "pods/portforward/action"),
+            ("get", "pods", "proxy", "pods/proxy/action"),
+            ("delete", "pods", "proxy", "pods/proxy/action"),
+            ("get", "services", "proxy", "services/proxy/action"),
+            ("get", "nodes", "proxy", "nodes/proxy/action"),
+            (
+                "create",
+                "serviceaccounts",
+                "token",
+                "serviceaccounts/token/action",
+            ),
+            ("get", "pods", "log", "pods/read"),
+            ("patch", "pods", "status", "pods/write"),
+            ("update", "deployments", "scale", "deployments/write"),
+        ];
+        for (verb, resource, sub, want) in table {
+            assert_eq!(
+                action(verb, "", resource, sub),
+                Ok(format!("{CC}/{want}")),
+                "{verb} {resource}/{sub}"
+            );
+        }
+    }
+
+    #[test]
+    fn viewer_cannot_attach_port_forward_exec_or_proxy() {
+        let snap = Snapshot {
+            version: 1,
+            assignments: vec![
+                assign("v", "Viewer", ALICE, Scope::Cluster),
+                assign("w", "Writer", "bob", Scope::Cluster),
+            ],
+            ..Default::default()
+        };
+        let alice = |r| req("alice@x", Some(ALICE), &[], r);
+        let bob = |r| req("bob@x", Some("bob"), &[], r);
+        for (verb, resource, sub) in [
+            ("get", "pods", "attach"),
+            ("create", "pods", "attach"),
+            ("get", "pods", "portforward"),
+            ("create", "pods", "portforward"),
+            ("get", "pods", "exec"),
+            ("create", "pods", "exec"),
+            ("get", "pods", "proxy"),
+            ("get", "services", "proxy"),
+            ("create", "serviceaccounts", "token"),
+        ] {
+            let d = decide(&snap, &alice(res(verb, "", resource, sub, "dev")));
+            assert!(!d.allowed, "Viewer {verb} {resource}/{sub}: {d:?}");
+            // Writer's `pods/*`, `services/*` and `serviceaccounts/*` (Microsoft's definition) grant them.
+            let d = decide(&snap, &bob(res(verb, "", resource, sub, "dev")));
+            assert!(d.allowed, "Writer {verb} {resource}/{sub}: {d:?}");
+        }
+        assert!(decide(&snap, &alice(res("get", "", "pods", "log", "dev"))).allowed);
+        assert!(!decide(&snap, &bob(res("get", "", "nodes", "proxy", ""))).allowed);
+    }
+
+    #[test]
+    fn non_admins_cannot_obtain_the_agents_credentials() {
+        let snap = Snapshot {
+            version: 1,
+            assignments: vec![
+                assign("w", "Writer", "alice", Scope::Cluster),
+                assign("a", "Admin", "ann", Scope::Cluster),
+                assign("c", "Cluster Admin", TEAM, Scope::Cluster),
+                assign(
+                    "wn",
+                    "Writer",
+                    "nina",
+                    Scope::Namespace("tether-system".to_owned()),
+                ),
+            ],
+            ..Default::default()
+        };
+        let protection = Protection {
+            agent_namespace: Some("tether-system".to_owned()),
+        };
+        let check = |user: &str, groups: &[&str], r: ResourceAttributes| match prepare(&req(
+            user,
+            Some(user),
+            groups,
+            r,
+        )) {
+            Ok(p) => evaluate_protected(&snap, &p, &protection),
+            Err(d) => d,
+        };
+        let ns = "tether-system";
+        let attacks = [
+            res("get", "", "secrets", "", ns),
+            res("list", "", "secrets", "", ns),
+            res("list", "", "secrets", "", ""),
+            res("watch", "", "secrets", "", ""),
+            res("create", "", "serviceaccounts", "token", ns),
+            res("get", "", "pods", "exec", ns),
+            res("create", "", "pods", "exec", ns),
+            res("create", "", "pods", "attach", ns),
+            res("create", "", "pods", "portforward", ns),
+            res("create", "", "pods", "", ns),
+            res("patch", "apps", "deployments", "", ns),
+            res("impersonate", "", "serviceaccounts", "", ns),
+            res(
+                "create",
+                "rbac.authorization.k8s.io",
+                "rolebindings",
+                "",
+                ns,
+            ),
+        ];
+        for who in ["alice", "ann", "nina"] {
+            for a in &attacks {
+                let d = check(who, &[], a.clone());
+                assert_eq!((d.allowed, d.denied), (false, true), "{who} {a:?}: {d:?}");
+            }
+        }
+        assert!(
+            check(
+                "alice",
+                &[],
+                res("create", "", "serviceaccounts", "token", "dev")
+            )
+            .allowed,
+            "other namespaces keep Microsoft's Writer definition"
+        );
+        // Reads stay open; other namespaces are untouched; cluster admins keep everything.
+        assert!(check("alice", &[], res("list", "", "pods", "", ns)).allowed);
+        assert!(check("alice", &[], res("list", "", "pods", "", "")).allowed);
+        assert!(check("alice", &[], res("get", "", "secrets", "", "dev")).allowed);
+        assert!(check("alice", &[], res("create", "", "pods", "exec", "dev")).allowed);
+        for a in &attacks {
+            assert!(check("carol", &[TEAM], a.clone()).allowed, "{a:?}");
+        }
+        // Without the protection a Writer gets the agent's secrets (what this closes).
+        let p = prepare(&req(
+            "alice",
+            Some("alice"),
+            &[],
+            res("get", "", "secrets", "", ns),
+        ));
+        assert!(p.is_ok_and(|p| evaluate_protected(&snap, &p, &Protection::default()).allowed));
     }
 }

@@ -28,6 +28,7 @@ pub struct CacheKey {
     groups_hash: String,
     actions: Vec<String>,
     namespace: Option<String>,
+    spans_namespaces: bool,
 }
 
 impl CacheKey {
@@ -38,6 +39,7 @@ impl CacheKey {
             groups_hash: hash_groups(&req.principal.groups),
             actions: req.actions.clone(),
             namespace: req.namespace.clone(),
+            spans_namespaces: req.spans_namespaces,
         }
     }
 }
@@ -158,6 +160,7 @@ mod tests {
             },
             actions: vec!["a/read".to_owned()],
             namespace: ns.map(str::to_owned),
+            spans_namespaces: false,
         }
     }
 

@@ -83,6 +83,15 @@ pub struct Config {
     /// Audit log file (one JSON line per decision); `-` for standard output.
     #[arg(long, env = "TETHER_GUARD_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,
+    /// The namespace the Tether agent runs in: only Cluster Admins may read its Secrets or do anything but read
+    /// there (tokens for its service account, exec/attach/port-forward/proxy into its pods, new pods, edits).
+    /// Empty turns the protection off.
+    #[arg(
+        long,
+        env = "TETHER_GUARD_AGENT_NAMESPACE",
+        default_value = "tether-system"
+    )]
+    pub agent_namespace: String,
 }
 
 /// A configuration that cannot be used (the program exits 64).
@@ -180,6 +189,10 @@ impl Config {
             GuardOptions {
                 cache_ttl: Duration::from_secs(self.cache_ttl_seconds),
                 audit,
+                protection: tether_auth::rbac::Protection {
+                    agent_namespace: Some(self.agent_namespace.trim().to_owned())
+                        .filter(|ns| !ns.is_empty()),
+                },
                 ..GuardOptions::default()
             },
         );

@@ -23,6 +23,8 @@ pub struct GuardOptions {
     pub cache_max_entries: usize,
     /// Where audit lines go.
     pub audit: AuditSink,
+    /// What guard protects whatever the snapshot says (the agent's namespace).
+    pub protection: rbac::Protection,
 }
 
 impl Default for GuardOptions {
@@ -31,6 +33,7 @@ impl Default for GuardOptions {
             cache_ttl: Duration::from_secs(60),
             cache_max_entries: 100_000,
             audit: AuditSink::Off,
+            protection: rbac::Protection::default(),
         }
     }
 }
@@ -43,6 +46,7 @@ pub struct Guard {
     cache: DecisionCache,
     metrics: Metrics,
     audit: AuditSink,
+    protection: rbac::Protection,
 }
 
 /// A fresh request id: 16 hex characters.
@@ -80,6 +84,7 @@ impl Guard {
             cache: DecisionCache::new(options.cache_ttl, options.cache_max_entries),
             metrics,
             audit: options.audit,
+            protection: options.protection,
         }
     }
 
@@ -170,7 +175,7 @@ impl Guard {
                 match self.cache.get(snapshot.version, &key) {
                     Some(d) => (d, "cache", Some(p)),
                     None => {
-                        let d = rbac::evaluate(&snapshot, &p);
+                        let d = rbac::evaluate_protected(&snapshot, &p, &self.protection);
                         self.cache.insert(snapshot.version, key, d.clone());
                         (d, "evaluation", Some(p))
                     }
@@ -231,5 +236,89 @@ impl Guard {
             source: "error",
             latency_us: 0,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+    use tether_auth::rbac::{
+        DenyAssignment, EVERYONE, Protection, ResourceAttributes, RoleAssignment, Scope, Snapshot,
+    };
+
+    const WRITER: &str = "5b999177-9696-4545-85c7-50de3797e5a1";
+
+    fn request(verb: &str, resource: &str, ns: &str) -> AccessRequest {
+        AccessRequest {
+            user: "alice@x".to_owned(),
+            extra: BTreeMap::from([("oid".to_owned(), vec!["alice".to_owned()])]),
+            resource: Some(ResourceAttributes {
+                namespace: ns.to_owned(),
+                verb: verb.to_owned(),
+                resource: resource.to_owned(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn guard(protection: Protection) -> Guard {
+        let snapshot = Snapshot {
+            version: 1,
+            assignments: vec![RoleAssignment {
+                id: "w".to_owned(),
+                role_id: WRITER.to_owned(),
+                principal_id: "alice".to_owned(),
+                scope: Scope::Cluster,
+            }],
+            deny_assignments: vec![DenyAssignment {
+                id: "d".to_owned(),
+                name: "no prod secrets".to_owned(),
+                data_actions: vec!["Microsoft.Kubernetes/connectedClusters/secrets/*".to_owned()],
+                not_data_actions: vec![],
+                principals: vec![EVERYONE.to_owned()],
+                exclude_principals: vec![],
+                scope: Scope::Namespace("prod".to_owned()),
+            }],
+            ..Default::default()
+        };
+        Guard::new(
+            None,
+            Arc::new(SnapshotStore::in_memory(snapshot)),
+            GuardOptions {
+                protection,
+                ..GuardOptions::default()
+            },
+        )
+    }
+
+    #[test]
+    fn a_cached_cluster_level_get_does_not_answer_a_list_across_namespaces() {
+        // `get` and `list` of secrets without a namespace need the same data action; only the list reaches into
+        // prod, so the cache must not hand the get's "allowed" to it.
+        let g = guard(Protection::default());
+        assert!(g.authorize(&request("get", "secrets", ""), "r1").allowed);
+        let d = g.authorize(&request("list", "secrets", ""), "r2");
+        assert_eq!((d.allowed, d.denied), (false, true), "{d:?}");
+        let d = g.authorize(&request("list", "secrets", ""), "r3");
+        assert!(d.denied, "and from the cache: {d:?}");
+    }
+
+    #[test]
+    fn guard_applies_its_agent_protection() {
+        let g = guard(Protection {
+            agent_namespace: Some("tether-system".to_owned()),
+        });
+        assert!(
+            g.authorize(&request("get", "secrets", "tether-system"), "r1")
+                .denied
+        );
+        assert!(g.authorize(&request("get", "secrets", "dev"), "r2").allowed);
+        let g = guard(Protection::default());
+        assert!(
+            g.authorize(&request("get", "secrets", "tether-system"), "r3")
+                .allowed
+        );
     }
 }

@@ -8,7 +8,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
 
@@ -32,6 +32,38 @@ pub enum SnapshotError {
     /// The snapshot is inconsistent.
     #[error(transparent)]
     Invalid(#[from] RbacError),
+    /// The version is further ahead of guard's clock than [`MAX_VERSION_AHEAD`] (versions are the relay's Unix
+    /// time in milliseconds or a little more); accepting it would refuse every later snapshot.
+    #[error(
+        "snapshot version {version} is more than {} h ahead of this guard's clock (Unix time {now_ms} ms); refused",
+        MAX_VERSION_AHEAD.as_secs() / 3600
+    )]
+    VersionTooFarAhead {
+        /// The version offered.
+        version: u64,
+        /// Guard's clock, in Unix milliseconds.
+        now_ms: u64,
+    },
+}
+
+/// How far ahead of guard's clock a snapshot version may be. The relay versions snapshots with its Unix time in
+/// milliseconds (bumped past the previous version); a version further ahead would freeze RBAC until then.
+pub const MAX_VERSION_AHEAD: Duration = Duration::from_secs(24 * 3600);
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+fn check_version(version: u64, now: SystemTime) -> Result<(), SnapshotError> {
+    let now_ms = unix_ms(now);
+    let limit =
+        now_ms.saturating_add(u64::try_from(MAX_VERSION_AHEAD.as_millis()).unwrap_or(u64::MAX));
+    if version > limit {
+        return Err(SnapshotError::VersionTooFarAhead { version, now_ms });
+    }
+    Ok(())
 }
 
 /// What [`SnapshotStore::update`] did.
@@ -77,6 +109,7 @@ impl SnapshotStore {
                 let snapshot: Snapshot =
                     serde_json::from_slice(&bytes).map_err(SnapshotError::Parse)?;
                 snapshot.validate()?;
+                check_version(snapshot.version, SystemTime::now())?;
                 snapshot
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Snapshot::default(),
@@ -111,9 +144,11 @@ impl SnapshotStore {
     }
 
     /// Validates `snapshot` and, if newer than the current one, persists it (atomically) and makes it current.
-    /// On a write error the current snapshot stays.
+    /// A version more than [`MAX_VERSION_AHEAD`] ahead of the clock is refused. On a write error the current
+    /// snapshot stays.
     pub fn update(&self, snapshot: Snapshot) -> Result<UpdateOutcome, SnapshotError> {
         snapshot.validate()?;
+        check_version(snapshot.version, SystemTime::now())?;
         let _guard = self.write.lock().unwrap_or_else(|p| p.into_inner());
         let current = self.version();
         if snapshot.version <= current {
@@ -149,13 +184,26 @@ fn write_atomically(path: &Path, snapshot: &Snapshot) -> Result<(), SnapshotErro
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "snapshot.json".to_owned());
-    let tmp = dir.join(format!(".{file_name}.tmp"));
+    // An unpredictable name, created exclusively (O_EXCL), never through a symlink (O_NOFOLLOW), readable by
+    // guard only: a local user who can write to the directory cannot redirect or read the write.
+    let mut suffix = [0u8; 8];
+    rand::fill(&mut suffix);
+    let tmp = dir.join(format!(".{file_name}.{}.tmp", hex::encode(suffix)));
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
     {
-        let mut f = std::fs::File::create(&tmp).map_err(io)?;
-        f.write_all(&bytes).map_err(io)?;
-        f.sync_all().map_err(io)?;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        options.mode(0o600).custom_flags(libc::O_NOFOLLOW);
     }
-    std::fs::rename(&tmp, path).map_err(io)?;
+    let written = options.open(&tmp).and_then(|mut f| {
+        f.write_all(&bytes)?;
+        f.sync_all()
+    });
+    if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
     // Make the rename itself durable.
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
@@ -250,6 +298,55 @@ mod tests {
             SnapshotStore::open(&path).is_err(),
             "a corrupt file is an error, not an empty snapshot"
         );
+        Ok(())
+    }
+
+    #[test]
+    fn a_version_far_ahead_cannot_freeze_rbac() -> anyhow::Result<()> {
+        // One push of u64::MAX used to be accepted and made every later (real) version "stale" for good.
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("snapshot.json");
+        let store = SnapshotStore::open(&path)?;
+        let now = u64::try_from(SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis())?;
+        let refused = store.update(snap(u64::MAX)).map_err(|e| e.to_string());
+        assert!(
+            refused.as_ref().is_err_and(|e| e.contains("ahead")),
+            "{refused:?}"
+        );
+        let two_days = now + 2 * 24 * 3600 * 1000;
+        assert!(store.update(snap(two_days)).is_err());
+        assert_eq!(store.version(), 0);
+        assert_eq!(store.update(snap(now))?, UpdateOutcome::Applied);
+        let in_an_hour = now + 3600 * 1000;
+        assert_eq!(store.update(snap(in_an_hour))?, UpdateOutcome::Applied);
+        // A poisoned file (written by an older guard) is refused at start rather than trusted.
+        std::fs::write(&path, serde_json::to_vec(&snap(u64::MAX))?)?;
+        assert!(SnapshotStore::open(&path).is_err());
+        Ok(())
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn the_snapshot_file_is_written_privately_and_not_through_a_planted_symlink()
+    -> anyhow::Result<()> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("snapshot.json");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious")?;
+        // The temp name the old code used, planted as a symlink to another file.
+        std::os::unix::fs::symlink(&victim, dir.path().join(".snapshot.json.tmp"))?;
+        let store = SnapshotStore::open(&path)?;
+        assert_eq!(store.update(snap(1))?, UpdateOutcome::Applied);
+        assert_eq!(std::fs::read(&victim)?, b"precious");
+        let mode = std::fs::metadata(&path)?.permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "mode {mode:o}");
+        assert_eq!(SnapshotStore::open(&path)?.version(), 1);
+        let leftovers = std::fs::read_dir(dir.path())?
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+            .count();
+        assert_eq!(leftovers, 1, "only the planted symlink remains");
         Ok(())
     }
 
