@@ -761,8 +761,15 @@ fn is_cluster_scoped(group: &str, resource: &str) -> bool {
 }
 
 /// Reduces a request to a [`Prepared`] one, or answers it at once: no opinion for `system:` and non-Entra users,
-/// a denial when it maps to no data action (pure).
+/// a denial when it maps to no data action (pure). Groups are taken as they are; see [`prepare_with_prefix`].
 pub fn prepare(req: &AccessRequest) -> Result<Prepared, Decision> {
+    prepare_with_prefix(req, "")
+}
+
+/// [`prepare`] for identities whose groups carry `groups_prefix` (the token configuration's): only groups with
+/// the prefix are Entra groups, and the prefix is removed before matching assignments; other groups (from
+/// another authenticator) are ignored. An empty prefix takes every group as it is.
+pub fn prepare_with_prefix(req: &AccessRequest, groups_prefix: &str) -> Result<Prepared, Decision> {
     if req.user.starts_with("system:") {
         return Err(Decision::no_opinion(
             "tether guard has no opinion on system: users".to_owned(),
@@ -776,9 +783,10 @@ pub fn prepare(req: &AccessRequest) -> Result<Prepared, Decision> {
         .ok_or_else(|| {
             Decision::no_opinion("tether guard has no opinion on non-Entra identities".to_owned())
         })?;
-    let groups: BTreeSet<&String> = req
+    let groups: BTreeSet<&str> = req
         .groups
         .iter()
+        .filter_map(|g| g.strip_prefix(groups_prefix))
         .filter(|g| !g.starts_with("system:") && !g.is_empty())
         .collect();
     let actions = data_actions(req.resource.as_ref(), req.non_resource.as_ref())
@@ -796,7 +804,7 @@ pub fn prepare(req: &AccessRequest) -> Result<Prepared, Decision> {
     Ok(Prepared {
         principal: Principal {
             oid: oid.clone(),
-            groups: groups.into_iter().cloned().collect(),
+            groups: groups.into_iter().map(str::to_owned).collect(),
         },
         actions,
         namespace,
@@ -1640,5 +1648,24 @@ mod tests {
             res("get", "", "secrets", "", ns),
         ));
         assert!(p.is_ok_and(|p| evaluate_protected(&snap, &p, &Protection::default()).allowed));
+    }
+
+    #[test]
+    fn a_groups_prefix_is_removed_and_unprefixed_groups_are_ignored() {
+        let snap = Snapshot {
+            version: 1,
+            assignments: vec![assign("a", "Viewer", TEAM, Scope::Cluster)],
+            ..Default::default()
+        };
+        let with = |groups: &[&str], prefix: &str| match prepare_with_prefix(
+            &req("a@x", Some("a"), groups, res("get", "", "pods", "", "dev")),
+            prefix,
+        ) {
+            Ok(p) => evaluate(&snap, &p),
+            Err(d) => d,
+        };
+        assert!(with(&["aad-group:22222222-gggg"], "aad-group:").allowed);
+        assert!(!with(&[TEAM], "aad-group:").allowed, "not from our tokens");
+        assert!(with(&[TEAM], "").allowed);
     }
 }

@@ -94,6 +94,10 @@ pub struct TokenConfig {
     pub keys_ttl: Duration,
     /// The least time between two fetches for one issuer (bounds refetches on unknown key ids).
     pub min_refetch_interval: Duration,
+    /// Put before every username a token yields (like kube-apiserver's `--oidc-username-prefix`); empty: none.
+    pub username_prefix: String,
+    /// Put before every group a token yields (like `--oidc-groups-prefix`); empty: none.
+    pub groups_prefix: String,
 }
 
 impl TokenConfig {
@@ -109,6 +113,8 @@ impl TokenConfig {
             max_token_bytes: DEFAULT_MAX_TOKEN_BYTES,
             keys_ttl: Duration::from_secs(3600),
             min_refetch_interval: Duration::from_secs(30),
+            username_prefix: String::new(),
+            groups_prefix: String::new(),
         }
     }
 
@@ -141,6 +147,20 @@ impl TokenConfig {
         }
         if self.max_token_bytes == 0 {
             return invalid("the token size limit must be positive");
+        }
+        for (name, prefix) in [
+            ("username prefix", &self.username_prefix),
+            ("groups prefix", &self.groups_prefix),
+        ] {
+            if is_reserved(prefix)
+                || prefix.len() > 64
+                || prefix.chars().any(|c| c.is_whitespace() || c.is_control())
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "the {name} must be at most 64 characters, without spaces, and must not start with \
+                     {RESERVED_PREFIX:?}"
+                )));
+            }
         }
         Ok(())
     }
@@ -270,6 +290,11 @@ pub enum TokenError {
     /// The group resolver failed.
     #[error("token refused: group membership could not be resolved ({0})")]
     GroupResolution(String),
+    /// The token names a user or group in the `system:` namespace Kubernetes reserves for itself.
+    #[error(
+        "token refused: its {0} starts with \"system:\", which Kubernetes reserves for its own identities"
+    )]
+    ReservedName(&'static str),
 }
 
 impl TokenError {
@@ -292,6 +317,7 @@ impl TokenError {
             TokenError::WrongAudience => "audience",
             TokenError::GroupOverage => "group_overage",
             TokenError::GroupResolution(_) => "group_resolution",
+            TokenError::ReservedName(_) => "reserved_name",
         }
     }
 }
@@ -695,6 +721,41 @@ pub fn identity(
     })
 }
 
+/// The name prefix Kubernetes reserves (`system:masters`, `system:serviceaccount:…`, `system:node:…`).
+pub const RESERVED_PREFIX: &str = "system:";
+
+fn is_reserved(name: &str) -> bool {
+    name.get(..RESERVED_PREFIX.len())
+        .is_some_and(|p| p.eq_ignore_ascii_case(RESERVED_PREFIX))
+}
+
+/// Makes the Kubernetes identity of a token's verified claims (pure): [`identity`], then refuses `system:`
+/// usernames and groups ([`TokenError::ReservedName`]) and applies the configured username and groups prefixes.
+/// This is the one place a token becomes a Kubernetes user: guard's TokenReview, the agent's impersonation and
+/// the relay all go through it (via [`Authenticator::authenticate`]).
+pub fn kubernetes_identity(
+    claims: &Claims,
+    resolved_groups: Option<Vec<String>>,
+    config: &TokenConfig,
+) -> Result<Identity, TokenError> {
+    let mut id = identity(claims, resolved_groups)?;
+    if is_reserved(&id.username) {
+        return Err(TokenError::ReservedName("username"));
+    }
+    if id.groups.iter().any(|g| is_reserved(g)) {
+        return Err(TokenError::ReservedName("group"));
+    }
+    if !config.username_prefix.is_empty() {
+        id.username = format!("{}{}", config.username_prefix, id.username);
+    }
+    if !config.groups_prefix.is_empty() {
+        for g in &mut id.groups {
+            g.insert_str(0, &config.groups_prefix);
+        }
+    }
+    Ok(id)
+}
+
 /// Resolves the groups of a user whose token had a group overage (the relay's directory API, later).
 pub trait GroupResolver: Send + Sync {
     /// The group object ids of `oid` in tenant `tid`. The error text is shown to the user.
@@ -798,7 +859,7 @@ impl Authenticator {
             }
             _ => None,
         };
-        identity(&claims, resolved)
+        kubernetes_identity(&claims, resolved, &self.config)
     }
 }
 
@@ -1065,5 +1126,37 @@ mod tests {
         assert_eq!(id.map(|i| i.groups), Some(vec!["g".to_owned()]));
         let c = claims(json!({"tid": "t", "oid": "o", "hasgroups": true}));
         assert_eq!(identity(&c, None), Err(TokenError::GroupOverage));
+    }
+
+    #[test]
+    fn kubernetes_identity_refuses_reserved_names_and_applies_prefixes() {
+        let mut config = config();
+        let c = claims(json!({"tid": "t", "oid": "o", "upn": "alice@x", "groups": ["g1"]}));
+        let id = kubernetes_identity(&c, None, &config);
+        assert_eq!(id.map(|i| i.username).ok().as_deref(), Some("alice@x"));
+        for bad in [
+            json!({"tid": "t", "oid": "o", "upn": "system:admin"}),
+            json!({"tid": "t", "oid": "o", "upn": "SYSTEM:admin"}),
+            json!({"tid": "t", "oid": "o", "upn": "a", "groups": ["g", "system:masters"]}),
+            json!({"tid": "t", "oid": "system:node:x"}),
+        ] {
+            let refused = kubernetes_identity(&claims(bad.clone()), None, &config);
+            assert!(
+                matches!(refused, Err(TokenError::ReservedName(_))),
+                "{bad}: {refused:?}"
+            );
+        }
+        config.username_prefix = "aad:".to_owned();
+        config.groups_prefix = "aad-group:".to_owned();
+        let id = kubernetes_identity(&c, None, &config);
+        assert_eq!(
+            id.map(|i| (i.username, i.groups)),
+            Ok(("aad:alice@x".to_owned(), vec!["aad-group:g1".to_owned()]))
+        );
+        assert!(config.validate().is_ok());
+        config.groups_prefix = "System:x".to_owned();
+        assert!(config.validate().is_err());
+        config.groups_prefix = "a b".to_owned();
+        assert!(config.validate().is_err());
     }
 }

@@ -71,6 +71,14 @@ pub struct Config {
     /// Tokens longer than this many bytes are refused unparsed.
     #[arg(long, env = "TETHER_GUARD_MAX_TOKEN_BYTES", default_value_t = tether_auth::token::DEFAULT_MAX_TOKEN_BYTES)]
     pub max_token_bytes: usize,
+    /// Put before every username a token yields (like kube-apiserver's --oidc-username-prefix); default none.
+    /// Usernames and groups starting with "system:" are refused whatever the prefixes.
+    #[arg(long, env = "TETHER_GUARD_USERNAME_PREFIX", default_value = "")]
+    pub username_prefix: String,
+    /// Put before every group a token yields (like --oidc-groups-prefix); default none. Guard also removes it
+    /// when authorizing, and ignores groups without it.
+    #[arg(long, env = "TETHER_GUARD_GROUPS_PREFIX", default_value = "")]
+    pub groups_prefix: String,
     /// Where the last-known-good RBAC snapshot is kept.
     #[arg(long, env = "TETHER_GUARD_SNAPSHOT_FILE")]
     pub snapshot_file: PathBuf,
@@ -139,6 +147,14 @@ impl Config {
             &read(&self.client_ca)?,
         )
         .map_err(|e| invalid(&e))?;
+        for prefix in [&self.username_prefix, &self.groups_prefix] {
+            if prefix.to_ascii_lowercase().starts_with("system:") {
+                return Err(ConfigError::Invalid(
+                    "--username-prefix and --groups-prefix must not start with \"system:\""
+                        .to_owned(),
+                ));
+            }
+        }
         let authenticator = if self.tenants.is_empty() && self.audiences.is_empty() {
             None
         } else {
@@ -153,6 +169,8 @@ impl Config {
             token.v2_authority = self.authority.clone();
             token.v1_authority = self.v1_authority.clone();
             token.max_token_bytes = self.max_token_bytes;
+            token.username_prefix = self.username_prefix.clone();
+            token.groups_prefix = self.groups_prefix.clone();
             let ca = self.authority_ca.as_ref().map(read).transpose()?;
             let fetcher = HttpsFetcher::new(ca.as_deref()).map_err(|e| invalid(&e))?;
             Some(Arc::new(
@@ -189,6 +207,7 @@ impl Config {
             GuardOptions {
                 cache_ttl: Duration::from_secs(self.cache_ttl_seconds),
                 audit,
+                groups_prefix: self.groups_prefix.clone(),
                 protection: tether_auth::rbac::Protection {
                     agent_namespace: Some(self.agent_namespace.trim().to_owned())
                         .filter(|ns| !ns.is_empty()),

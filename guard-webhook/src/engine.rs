@@ -25,6 +25,9 @@ pub struct GuardOptions {
     pub audit: AuditSink,
     /// What guard protects whatever the snapshot says (the agent's namespace).
     pub protection: rbac::Protection,
+    /// The groups prefix of the identities guard authorizes (the token configuration's `groups_prefix`):
+    /// removed before matching assignments; groups without it are ignored. Empty: groups as they are.
+    pub groups_prefix: String,
 }
 
 impl Default for GuardOptions {
@@ -34,6 +37,7 @@ impl Default for GuardOptions {
             cache_max_entries: 100_000,
             audit: AuditSink::Off,
             protection: rbac::Protection::default(),
+            groups_prefix: String::new(),
         }
     }
 }
@@ -47,6 +51,7 @@ pub struct Guard {
     metrics: Metrics,
     audit: AuditSink,
     protection: rbac::Protection,
+    groups_prefix: String,
 }
 
 /// A fresh request id: 16 hex characters.
@@ -85,6 +90,7 @@ impl Guard {
             metrics,
             audit: options.audit,
             protection: options.protection,
+            groups_prefix: options.groups_prefix,
         }
     }
 
@@ -168,20 +174,21 @@ impl Guard {
         self.metrics
             .snapshot_version
             .set(i64::try_from(snapshot.version).unwrap_or(i64::MAX));
-        let (decision, source, prepared) = match rbac::prepare(request) {
-            Err(d) => (d, "evaluation", None),
-            Ok(p) => {
-                let key = CacheKey::new(&p);
-                match self.cache.get(snapshot.version, &key) {
-                    Some(d) => (d, "cache", Some(p)),
-                    None => {
-                        let d = rbac::evaluate_protected(&snapshot, &p, &self.protection);
-                        self.cache.insert(snapshot.version, key, d.clone());
-                        (d, "evaluation", Some(p))
+        let (decision, source, prepared) =
+            match rbac::prepare_with_prefix(request, &self.groups_prefix) {
+                Err(d) => (d, "evaluation", None),
+                Ok(p) => {
+                    let key = CacheKey::new(&p);
+                    match self.cache.get(snapshot.version, &key) {
+                        Some(d) => (d, "cache", Some(p)),
+                        None => {
+                            let d = rbac::evaluate_protected(&snapshot, &p, &self.protection);
+                            self.cache.insert(snapshot.version, key, d.clone());
+                            (d, "evaluation", Some(p))
+                        }
                     }
                 }
-            }
-        };
+            };
         let elapsed = started.elapsed();
         self.metrics.source(source);
         self.metrics.decision("authorize", decision.label());

@@ -66,6 +66,10 @@ def main() -> None:
 
     tokens = {}
     tokens["valid_v2"] = rs(user())
+    # Names Kubernetes reserves, claimed by a (validly signed) token.
+    tokens["system_user"] = rs(user(preferred_username="system:admin"))
+    tokens["system_group"] = rs(user(groups=["gggggggg-0000-0000-0000-000000000001", "system:masters"]))
+    tokens["system_upn_case"] = rs(user(preferred_username=None, upn="System:kube-controller-manager"))
     tokens["valid_v1"] = rs(
         user(
             iss=p["v1_iss"],

@@ -233,3 +233,55 @@ async fn refetches_are_rate_limited_and_keys_survive_an_outage() -> anyhow::Resu
     ));
     Ok(())
 }
+
+#[tokio::test]
+async fn reserved_system_names_are_refused() -> anyhow::Result<()> {
+    // A token claiming `system:masters` (or a `system:` username) must not become that Kubernetes identity.
+    let Some(s) = setup().await? else {
+        return Ok(());
+    };
+    let auth = authenticator(&s.idp, support::token_config(&s.idp))?;
+    for case in ["system_user", "system_group", "system_upn_case"] {
+        let refused = auth.authenticate(&s.minted.token(case)).await;
+        let text = refused.as_ref().map_err(ToString::to_string);
+        assert!(
+            text.as_ref().is_err_and(|e| e.contains("\"system:\"")),
+            "{case}: {text:?}"
+        );
+        assert!(
+            refused.is_err_and(|e| e.label() == "reserved_name"),
+            "{case}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn username_and_groups_prefixes_apply_to_every_token() -> anyhow::Result<()> {
+    let Some(s) = setup().await? else {
+        return Ok(());
+    };
+    let mut config = support::token_config(&s.idp);
+    config.username_prefix = "entra:".to_owned();
+    config.groups_prefix = "entra-group:".to_owned();
+    let auth = authenticator(&s.idp, config.clone())?;
+    let id = auth.authenticate(&s.minted.token("valid_v2")).await?;
+    assert_eq!(id.username, "entra:alice@contoso.example");
+    assert_eq!(
+        id.groups,
+        vec![
+            "entra-group:gggggggg-0000-0000-0000-000000000001".to_owned(),
+            "entra-group:gggggggg-0000-0000-0000-000000000002".to_owned(),
+        ]
+    );
+    assert_eq!(id.oid(), "aaaaaaaa-0000-0000-0000-000000000001");
+    // A prefix does not make a reserved name acceptable, and a prefix may not itself be reserved.
+    assert!(
+        auth.authenticate(&s.minted.token("system_group"))
+            .await
+            .is_err()
+    );
+    config.username_prefix = "system:".to_owned();
+    assert!(authenticator(&s.idp, config).is_err());
+    Ok(())
+}
