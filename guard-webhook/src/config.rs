@@ -11,7 +11,7 @@ use tether_runtime::Secret;
 
 use crate::audit::AuditSink;
 use crate::engine::{Guard, GuardOptions};
-use crate::server::{Limits, ServerConfig, server_tls};
+use crate::server::{Callers, Limits, ServerConfig, server_tls};
 use crate::snapshot::SnapshotStore;
 use tether_auth::jwks::HttpsFetcher;
 use tether_auth::token::{
@@ -35,9 +35,41 @@ pub struct Config {
     /// Server private key (PEM).
     #[arg(long, env = "TETHER_GUARD_TLS_KEY")]
     pub tls_key: PathBuf,
-    /// CA that issued the apiserver's client certificate (PEM); required on the webhook paths.
+    /// CA that issued the apiserver's client certificate (PEM); required on the webhook paths. May hold several
+    /// CAs (e.g. also the one of the agent's certificate, for --snapshot-client-cn).
     #[arg(long, env = "TETHER_GUARD_CLIENT_CA")]
     pub client_ca: PathBuf,
+    /// Subject common names allowed to call /authenticate and /authorize (repeat or comma-separate); the
+    /// apiserver's client certificate in deploy/guard/ is `kube-apiserver`.
+    #[arg(
+        long = "client-cn",
+        env = "TETHER_GUARD_CLIENT_CN",
+        value_delimiter = ',',
+        default_value = crate::server::DEFAULT_WEBHOOK_SUBJECT
+    )]
+    pub client_cn: Vec<String>,
+    /// When set, PUT/GET /snapshot also needs a client certificate (from --client-ca) with one of these subject
+    /// common names, besides the push token: the agent's (its tunnel certificate's CN is the cluster name).
+    #[arg(
+        long = "snapshot-client-cn",
+        env = "TETHER_GUARD_SNAPSHOT_CLIENT_CN",
+        value_delimiter = ','
+    )]
+    pub snapshot_client_cn: Vec<String>,
+    /// Extra subject common names allowed to read /metrics on the webhook port (e.g. a Prometheus certificate).
+    #[arg(
+        long = "metrics-client-cn",
+        env = "TETHER_GUARD_METRICS_CLIENT_CN",
+        value_delimiter = ','
+    )]
+    pub metrics_client_cn: Vec<String>,
+    /// Also serve /metrics and /healthz in plain HTTP, without a certificate, on this address (keep it on
+    /// loopback, e.g. 127.0.0.1:9443). Off by default: /metrics then needs a client certificate.
+    #[arg(long, env = "TETHER_GUARD_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Serve /metrics on the webhook port to anyone, without a certificate (weakens guard; not advised).
+    #[arg(long, env = "TETHER_GUARD_DANGER_PUBLIC_METRICS")]
+    pub danger_public_metrics: bool,
     /// Accepted tenant ids (repeat or comma-separate). Without tenants and audiences, guard only authorizes.
     #[arg(long = "tenant", env = "TETHER_GUARD_TENANTS", value_delimiter = ',')]
     pub tenants: Vec<String>,
@@ -128,6 +160,8 @@ pub struct Loaded {
     pub server: ServerConfig,
     /// Where to listen.
     pub listen: SocketAddr,
+    /// Where to serve plain-HTTP metrics, if anywhere.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 fn read(path: &PathBuf) -> Result<Vec<u8>, ConfigError> {
@@ -135,6 +169,13 @@ fn read(path: &PathBuf) -> Result<Vec<u8>, ConfigError> {
         path: path.display().to_string(),
         source,
     })
+}
+
+fn names(list: &[String]) -> Vec<String> {
+    list.iter()
+        .map(|n| n.trim().to_owned())
+        .filter(|n| !n.is_empty())
+        .collect()
 }
 
 impl Config {
@@ -147,6 +188,12 @@ impl Config {
             &read(&self.client_ca)?,
         )
         .map_err(|e| invalid(&e))?;
+        if names(&self.client_cn).is_empty() {
+            return Err(ConfigError::Invalid(
+                "--client-cn needs at least one subject (the apiserver's client certificate)"
+                    .to_owned(),
+            ));
+        }
         for prefix in [&self.username_prefix, &self.groups_prefix] {
             if prefix.to_ascii_lowercase().starts_with("system:") {
                 return Err(ConfigError::Invalid(
@@ -219,10 +266,19 @@ impl Config {
             guard: Arc::new(guard),
             server: ServerConfig {
                 tls,
-                limits: Limits::default(),
+                limits: Limits {
+                    callers: Callers {
+                        webhook_subjects: names(&self.client_cn),
+                        snapshot_subjects: names(&self.snapshot_client_cn),
+                        metrics_subjects: names(&self.metrics_client_cn),
+                        public_metrics: self.danger_public_metrics,
+                    },
+                    ..Limits::default()
+                },
                 snapshot_push_token: push_token,
             },
             listen: self.listen,
+            metrics_listen: self.metrics_listen,
         })
     }
 }

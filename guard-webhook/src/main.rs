@@ -49,6 +49,19 @@ async fn run(loaded: tether_guard::config::Loaded) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(loaded.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", loaded.listen))?;
+    if let Some(addr) = loaded.metrics_listen {
+        let metrics = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {addr} for metrics: {e}"))?;
+        let guard = loaded.guard.clone();
+        tokio::spawn(async move {
+            if let Err(e) =
+                tether_guard::server::run_metrics(guard, metrics, shutdown_signal()).await
+            {
+                tracing::error!(error = %e, "the metrics listener stopped");
+            }
+        });
+    }
     tether_guard::run(loaded.guard, loaded.server, listener, shutdown_signal()).await?;
     Ok(())
 }

@@ -2,15 +2,17 @@
 //!
 //! | route | caller | what |
 //! |---|---|---|
-//! | `POST /authenticate` | apiserver (client certificate required) | TokenReview v1 / v1beta1 |
-//! | `POST /authorize` | apiserver (client certificate required) | SubjectAccessReview v1 / v1beta1 |
-//! | `PUT /snapshot`, `GET /snapshot` | snapshot pusher (bearer push token; 404 when none is configured) | replace / show the RBAC snapshot |
-//! | `GET /metrics` | anyone | Prometheus text |
+//! | `POST /authenticate` | apiserver (client certificate with a pinned subject) | TokenReview v1 / v1beta1 |
+//! | `POST /authorize` | apiserver (client certificate with a pinned subject) | SubjectAccessReview v1 / v1beta1 |
+//! | `PUT /snapshot`, `GET /snapshot` | snapshot pusher (bearer push token, and a client certificate with a pinned subject when configured; 404 when no token is configured) | replace / show the RBAC snapshot |
+//! | `GET /metrics` | a client certificate with a webhook or metrics subject (or anyone, if made public); or anyone on the separate [`run_metrics`] listener, bound to loopback by the program | Prometheus text |
 //! | `GET /healthz` | anyone | `ok` |
 //!
-//! The client certificate is verified against the configured client CA during the handshake; connections without
-//! one are accepted (for probes and scrapes) but get 401 on the webhook paths. Bodies are size-bounded, every
-//! request has a deadline, and errors are Kubernetes `Status` JSON.
+//! The client certificate is verified against the configured client CA during the handshake, and its subject
+//! common name is then checked against the [`Callers`] lists for the path: a certificate from the same CA for
+//! another purpose does not open the webhooks. Connections without one are accepted (for probes) but get 401 on
+//! every path but `/healthz`. Bodies are size-bounded, every request has a deadline, and errors are Kubernetes
+//! `Status` JSON.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -45,7 +47,36 @@ use crate::review::{
 };
 use crate::snapshot::UpdateOutcome;
 
-/// Server limits and timeouts.
+/// Who may call what, by the subject common name of the (CA-verified) client certificate.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Callers {
+    /// May call `/authenticate` and `/authorize` (and read `/metrics`); default `kube-apiserver`, the client the
+    /// webhook kubeconfigs in `deploy/guard/` present. Empty: any certificate of the client CA (not advised).
+    pub webhook_subjects: Vec<String>,
+    /// When not empty, `PUT`/`GET /snapshot` also needs a client certificate with one of these subjects (besides
+    /// the push token): the agent's. Default empty (token only).
+    pub snapshot_subjects: Vec<String>,
+    /// May read `/metrics` (besides the webhook subjects), e.g. a Prometheus client certificate.
+    pub metrics_subjects: Vec<String>,
+    /// `/metrics` on the webhook port without any certificate (default `false`).
+    pub public_metrics: bool,
+}
+
+impl Default for Callers {
+    fn default() -> Self {
+        Self {
+            webhook_subjects: vec![DEFAULT_WEBHOOK_SUBJECT.to_owned()],
+            snapshot_subjects: Vec::new(),
+            metrics_subjects: Vec::new(),
+            public_metrics: false,
+        }
+    }
+}
+
+/// The client certificate subject guard expects from kube-apiserver by default (`deploy/guard/*.kubeconfig`).
+pub const DEFAULT_WEBHOOK_SUBJECT: &str = "kube-apiserver";
+
+/// Server limits and timeouts, and who may call.
 #[derive(Clone, Debug)]
 pub struct Limits {
     /// Largest webhook request body.
@@ -62,6 +93,8 @@ pub struct Limits {
     pub max_connections: usize,
     /// How long shutdown waits for requests in flight.
     pub shutdown_grace: Duration,
+    /// Whose certificates open which paths.
+    pub callers: Callers,
 }
 
 impl Default for Limits {
@@ -74,6 +107,7 @@ impl Default for Limits {
             header_read_timeout: Duration::from_secs(10),
             max_connections: 1024,
             shutdown_grace: Duration::from_secs(5),
+            callers: Callers::default(),
         }
     }
 }
@@ -164,10 +198,34 @@ struct Shared {
     push_token_hash: Option<[u8; 32]>,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct ConnCtx {
     peer: SocketAddr,
-    client_cert: bool,
+    /// The verified client certificate's subject common name (`Some("")` when it has none or several).
+    client_cn: Option<Arc<str>>,
+}
+
+impl ConnCtx {
+    fn subject_in(&self, allowed: &[String]) -> bool {
+        match &self.client_cn {
+            None => false,
+            Some(cn) => {
+                allowed.is_empty() || (!cn.is_empty() && allowed.iter().any(|a| **a == **cn))
+            }
+        }
+    }
+}
+
+/// The single subject common name of a DER certificate; empty if it has none, several, or cannot be read.
+fn common_name(der: &[u8]) -> String {
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+        return String::new();
+    };
+    let mut names = cert.subject().iter_common_name().map(|cn| cn.as_str());
+    match (names.next(), names.next()) {
+        (Some(Ok(cn)), None) => cn.to_owned(),
+        _ => String::new(),
+    }
 }
 
 /// Serves `guard` on `listener` until `shutdown` resolves, then drains requests in flight (up to the grace).
@@ -235,6 +293,81 @@ pub async fn run(
     Ok(())
 }
 
+/// Serves `/metrics` and `/healthz` in plain HTTP on `listener` (the program binds it to loopback by default:
+/// `--metrics-listen`) until `shutdown`, for a local scraper without a client certificate. Nothing else is
+/// served there.
+pub async fn run_metrics(
+    guard: Arc<Guard>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let slots = Arc::new(Semaphore::new(64));
+    let connections = TaskTracker::new();
+    let graceful = CancellationToken::new();
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "guard metrics listening");
+    }
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            () = &mut shutdown => break,
+            p = slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let (tcp, _) = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) if is_transient(&e) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+                Err(e) => return Err(ServeError::Accept(e)),
+            },
+        };
+        let guard = guard.clone();
+        let graceful = graceful.clone();
+        connections.spawn(async move {
+            let svc = service_fn(move |req: Request<Incoming>| {
+                let guard = guard.clone();
+                async move {
+                    let response = match (req.uri().path(), req.method()) {
+                        ("/metrics", &Method::GET) => metrics(&guard),
+                        ("/healthz", &Method::GET) => text(StatusCode::OK, "ok"),
+                        (path, _) => status(
+                            StatusCode::NOT_FOUND,
+                            "NotFound",
+                            &format!("the metrics listener serves no {path}"),
+                        ),
+                    };
+                    Ok::<_, Infallible>(response)
+                }
+            });
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10));
+            let conn = builder.serve_connection(TokioIo::new(tcp), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                () = graceful.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(Duration::from_secs(5), conn.as_mut()).await;
+                }
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    graceful.cancel();
+    connections.close();
+    let _ = tokio::time::timeout(Duration::from_secs(5), connections.wait()).await;
+    Ok(())
+}
+
 fn is_transient(e: &std::io::Error) -> bool {
     use std::io::ErrorKind::*;
     matches!(
@@ -267,11 +400,12 @@ async fn serve_connection(
     };
     let ctx = ConnCtx {
         peer,
-        client_cert: tls
+        client_cn: tls
             .get_ref()
             .1
             .peer_certificates()
-            .is_some_and(|c| !c.is_empty()),
+            .and_then(|c| c.first())
+            .map(|c| Arc::from(common_name(c.as_ref()))),
     };
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -285,8 +419,10 @@ async fn serve_connection(
         .max_concurrent_streams(256)
         .max_header_list_size(64 * 1024);
     let svc_shared = shared.clone();
+    let svc_ctx = ctx.clone();
     let svc = service_fn(move |req: Request<Incoming>| {
         let shared = svc_shared.clone();
+        let ctx = svc_ctx.clone();
         async move {
             let deadline = shared.limits.request_timeout;
             let response = match tokio::time::timeout(deadline, route(&shared, ctx, req)).await {
@@ -330,24 +466,41 @@ fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(new_request_id)
 }
 
+fn metrics(guard: &Guard) -> Response<Body> {
+    let mut r = text(StatusCode::OK, &guard.metrics().encode());
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static(
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        ),
+    );
+    r
+}
+
 async fn route(shared: &Shared, ctx: ConnCtx, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
     match (path.as_str(), &method) {
         ("/healthz", &Method::GET) => text(StatusCode::OK, "ok"),
         ("/metrics", &Method::GET) => {
-            let mut r = text(StatusCode::OK, &shared.guard.metrics().encode());
-            r.headers_mut().insert(
-                header::CONTENT_TYPE,
-                http::HeaderValue::from_static(
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                ),
-            );
-            r
+            let callers = &shared.limits.callers;
+            if callers.public_metrics
+                || ctx.subject_in(&callers.webhook_subjects)
+                || (!callers.metrics_subjects.is_empty()
+                    && ctx.subject_in(&callers.metrics_subjects))
+            {
+                metrics(&shared.guard)
+            } else {
+                status(
+                    StatusCode::UNAUTHORIZED,
+                    "Unauthorized",
+                    "/metrics needs a client certificate with an allowed subject on this port",
+                )
+            }
         }
-        ("/authenticate", &Method::POST) => authenticate(shared, ctx, req).await,
-        ("/authorize", &Method::POST) => authorize(shared, ctx, req).await,
-        ("/snapshot", &Method::PUT | &Method::GET) => snapshot(shared, req).await,
+        ("/authenticate", &Method::POST) => authenticate(shared, &ctx, req).await,
+        ("/authorize", &Method::POST) => authorize(shared, &ctx, req).await,
+        ("/snapshot", &Method::PUT | &Method::GET) => snapshot(shared, &ctx, req).await,
         ("/healthz" | "/metrics" | "/authenticate" | "/authorize" | "/snapshot", _) => status(
             StatusCode::METHOD_NOT_ALLOWED,
             "MethodNotAllowed",
@@ -390,21 +543,31 @@ fn too_large(limit: usize) -> Response<Body> {
     )
 }
 
-fn unauthenticated_caller(shared: &Shared, webhook: &'static str, id: &str) -> Response<Body> {
-    shared
-        .guard
-        .record_error(webhook, id, "caller presented no client certificate");
-    status(
-        StatusCode::UNAUTHORIZED,
-        "Unauthorized",
-        "a client certificate issued by the configured client CA is required",
-    )
+fn unauthenticated_caller(
+    shared: &Shared,
+    webhook: &'static str,
+    id: &str,
+    ctx: &ConnCtx,
+) -> Response<Body> {
+    let (audit, message) = match &ctx.client_cn {
+        None => (
+            "caller presented no client certificate",
+            "a client certificate issued by the configured client CA is required",
+        ),
+        Some(_) => (
+            "caller's client certificate subject is not allowed",
+            "the client certificate's subject is not allowed to call this webhook",
+        ),
+    };
+    tracing::warn!(peer = %ctx.peer, subject = ?ctx.client_cn, webhook, "refused a webhook caller");
+    shared.guard.record_error(webhook, id, audit);
+    status(StatusCode::UNAUTHORIZED, "Unauthorized", message)
 }
 
-async fn authenticate(shared: &Shared, ctx: ConnCtx, req: Request<Incoming>) -> Response<Body> {
+async fn authenticate(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) -> Response<Body> {
     let id = request_id(req.headers());
-    if !ctx.client_cert {
-        return unauthenticated_caller(shared, "authenticate", &id);
+    if !ctx.subject_in(&shared.limits.callers.webhook_subjects) {
+        return unauthenticated_caller(shared, "authenticate", &id, ctx);
     }
     let body = match read_body(req, shared.limits.max_body_bytes).await {
         Ok(b) => b,
@@ -431,10 +594,10 @@ async fn authenticate(shared: &Shared, ctx: ConnCtx, req: Request<Incoming>) -> 
     json_response(StatusCode::OK, &answer)
 }
 
-async fn authorize(shared: &Shared, ctx: ConnCtx, req: Request<Incoming>) -> Response<Body> {
+async fn authorize(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) -> Response<Body> {
     let id = request_id(req.headers());
-    if !ctx.client_cert {
-        return unauthenticated_caller(shared, "authorize", &id);
+    if !ctx.subject_in(&shared.limits.callers.webhook_subjects) {
+        return unauthenticated_caller(shared, "authorize", &id, ctx);
     }
     let body = match read_body(req, shared.limits.max_body_bytes).await {
         Ok(b) => b,
@@ -476,7 +639,7 @@ fn bearer_matches(headers: &HeaderMap, expected: &[u8; 32]) -> bool {
     bool::from(got.ct_eq(expected))
 }
 
-async fn snapshot(shared: &Shared, req: Request<Incoming>) -> Response<Body> {
+async fn snapshot(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) -> Response<Body> {
     let Some(expected) = &shared.push_token_hash else {
         return status(
             StatusCode::NOT_FOUND,
@@ -484,6 +647,15 @@ async fn snapshot(shared: &Shared, req: Request<Incoming>) -> Response<Body> {
             "snapshot pushes are not enabled on this guard",
         );
     };
+    let pinned = &shared.limits.callers.snapshot_subjects;
+    if !pinned.is_empty() && !ctx.subject_in(pinned) {
+        tracing::warn!(peer = %ctx.peer, subject = ?ctx.client_cn, "refused a snapshot caller");
+        return status(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized",
+            "snapshot pushes need the agent's client certificate (an allowed subject) besides the push token",
+        );
+    }
     if !bearer_matches(req.headers(), expected) {
         return status(
             StatusCode::UNAUTHORIZED,

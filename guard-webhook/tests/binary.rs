@@ -75,6 +75,17 @@ fn bad_configuration_exits_64_with_a_reason() -> anyhow::Result<()> {
     assert_eq!(code, Some(64), "{err}");
     assert!(err.contains("HS256"), "{err}");
 
+    for (flag, value, mentions) in [
+        ("--client-cn", "", "client-cn"),
+        ("--groups-prefix", "system:", "system:"),
+        ("--username-prefix", "System:x", "system:"),
+    ] {
+        let args = with(&[flag, value]);
+        let (code, err) = run(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
+        assert_eq!(code, Some(64), "{flag} {value:?}: {err}");
+        assert!(err.contains(mentions), "{err}");
+    }
+
     let mut args = with(&[]);
     args[3] = p("missing.pem");
     let (code, err) = run(&args.iter().map(String::as_str).collect::<Vec<_>>())?;

@@ -10,7 +10,7 @@ use support::{AUDIENCE, Idp, TENANT};
 use tether_auth::Authenticator;
 use tether_auth::jwks::HttpsFetcher;
 use tether_guard::audit::AuditSink;
-use tether_guard::server::{Limits, ServerConfig, server_tls};
+use tether_guard::server::{Callers, Limits, ServerConfig, server_tls};
 use tether_guard::{Guard, GuardOptions, SnapshotStore};
 use tether_runtime::Secret;
 use tether_testkit::certs::{Ca, CertifiedPem};
@@ -34,6 +34,13 @@ struct Harness {
 
 impl Harness {
     async fn start(authenticator: Option<Arc<Authenticator>>) -> anyhow::Result<Harness> {
+        Self::start_with(authenticator, Callers::default()).await
+    }
+
+    async fn start_with(
+        authenticator: Option<Arc<Authenticator>>,
+        callers: Callers,
+    ) -> anyhow::Result<Harness> {
         tether_runtime::tls::install_crypto_provider();
         let ca = Ca::new("guard test ca")?;
         let server = ca.issue_server(&["127.0.0.1".to_owned()])?;
@@ -60,7 +67,10 @@ impl Harness {
         let (stop, stopped) = oneshot::channel::<()>();
         let config = ServerConfig {
             tls,
-            limits: Limits::default(),
+            limits: Limits {
+                callers,
+                ..Limits::default()
+            },
             snapshot_push_token: Some(Secret::new(PUSH_TOKEN)),
         };
         let task = tokio::spawn(tether_guard::run(
@@ -107,7 +117,16 @@ impl Harness {
     }
 
     async fn push(&self, snapshot: &Value, token: &str) -> anyhow::Result<(u16, Value)> {
-        let client = support::https_client(self.ca.cert_pem(), None)?;
+        self.push_as(snapshot, token, None).await
+    }
+
+    async fn push_as(
+        &self,
+        snapshot: &Value,
+        token: &str,
+        cert: Option<&CertifiedPem>,
+    ) -> anyhow::Result<(u16, Value)> {
+        let client = support::https_client(self.ca.cert_pem(), cert)?;
         let auth = format!("Bearer {token}");
         let (status, bytes) = support::send(
             &client,
@@ -123,8 +142,17 @@ impl Harness {
         ))
     }
 
+    /// GETs `path` as the apiserver (with its client certificate).
     async fn get_text(&self, path: &str) -> anyhow::Result<(u16, String)> {
-        let client = support::https_client(self.ca.cert_pem(), None)?;
+        self.get_text_as(path, Some(&self.apiserver)).await
+    }
+
+    async fn get_text_as(
+        &self,
+        path: &str,
+        cert: Option<&CertifiedPem>,
+    ) -> anyhow::Result<(u16, String)> {
+        let client = support::https_client(self.ca.cert_pem(), cert)?;
         let req = hyper::Request::get(format!("{}{path}", self.url))
             .body(http_body_util::Full::new(bytes::Bytes::new()))?;
         let resp = client.request(req).await?;
@@ -494,5 +522,189 @@ async fn limits_and_unknown_routes() -> anyhow::Result<()> {
     assert_eq!((status, body["kind"].clone()), (404, json!("Status")));
     let (status, text) = h.get_text("/healthz").await?;
     assert_eq!((status, text.as_str()), (200, "ok"));
+    h.stop().await
+}
+
+async fn post_as(
+    h: &Harness,
+    path: &str,
+    body: &Value,
+    cert: &CertifiedPem,
+) -> anyhow::Result<(u16, Value)> {
+    let client = support::https_client(h.ca.cert_pem(), Some(cert))?;
+    let (status, bytes) = support::send(
+        &client,
+        "POST",
+        &format!("{}{path}", h.url),
+        &[],
+        serde_json::to_vec(body)?,
+    )
+    .await?;
+    Ok((
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    ))
+}
+
+#[tokio::test]
+async fn only_the_pinned_subject_may_call_the_webhooks() -> anyhow::Result<()> {
+    // Any certificate of the client CA used to open the webhooks: an agent's or a node's certificate from the same
+    // CA could answer TokenReviews or SubjectAccessReviews itself.
+    let h = Harness::start(None).await?;
+    let review = sar("v1", Some(ALICE_OID), &[], "get", "pods", "dev");
+    for cn in [
+        "tether-agent",
+        "system:node:worker-1",
+        "kube-apiserverx",
+        "",
+    ] {
+        let other = h.ca.issue_client(cn, &[])?;
+        let (status, body) = post_as(&h, "/authorize", &review, &other).await?;
+        assert_eq!(
+            (status, body["kind"].clone()),
+            (401, json!("Status")),
+            "{cn}: {body}"
+        );
+        let (status, _) = post_as(&h, "/authenticate", &token_review("v1", "x"), &other).await?;
+        assert_eq!(status, 401, "{cn}");
+    }
+    let (status, _) = h.post("/authorize", &review, true).await?;
+    assert_eq!(status, 200);
+    let audit = h.audit_lines().join("\n");
+    assert!(audit.contains("subject is not allowed"), "{audit}");
+    h.stop().await
+}
+
+#[tokio::test]
+async fn metrics_need_a_certificate_on_the_webhook_port() -> anyhow::Result<()> {
+    let h = Harness::start(None).await?;
+    let (status, _) = h.get_text_as("/metrics", None).await?;
+    assert_eq!(status, 401, "open metrics used to be served to anyone");
+    let other = h.ca.issue_client("someone", &[])?;
+    assert_eq!(h.get_text_as("/metrics", Some(&other)).await?.0, 401);
+    let (status, text) = h.get_text("/metrics").await?;
+    assert_eq!(status, 200);
+    assert!(text.contains("tether_guard_"), "{text}");
+    assert_eq!(
+        h.get_text_as("/healthz", None).await?.0,
+        200,
+        "probes need no certificate"
+    );
+    h.stop().await?;
+
+    // A Prometheus subject may be allowed, or a plain loopback listener used instead.
+    let h = Harness::start_with(
+        None,
+        Callers {
+            metrics_subjects: vec!["prometheus".to_owned()],
+            ..Callers::default()
+        },
+    )
+    .await?;
+    let prometheus = h.ca.issue_client("prometheus", &[])?;
+    assert_eq!(h.get_text_as("/metrics", Some(&prometheus)).await?.0, 200);
+    let review = sar("v1", Some(ALICE_OID), &[], "get", "pods", "dev");
+    assert_eq!(
+        post_as(&h, "/authorize", &review, &prometheus).await?.0,
+        401
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(tether_guard::server::run_metrics(
+        h.guard.clone(),
+        listener,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let resp = client
+        .request(
+            hyper::Request::get(format!("http://{addr}/metrics"))
+                .body(http_body_util::Full::new(bytes::Bytes::new()))?,
+        )
+        .await?;
+    assert_eq!(resp.status().as_u16(), 200);
+    let resp = client
+        .request(
+            hyper::Request::post(format!("http://{addr}/authorize"))
+                .body(http_body_util::Full::new(bytes::Bytes::new()))?,
+        )
+        .await?;
+    assert_eq!(resp.status().as_u16(), 404, "only metrics there");
+    let _ = stop.send(());
+    task.await??;
+    h.stop().await
+}
+
+#[tokio::test]
+async fn snapshot_pushes_are_bounded_and_can_require_the_agents_certificate() -> anyhow::Result<()>
+{
+    let h = Harness::start_with(
+        None,
+        Callers {
+            snapshot_subjects: vec!["prod-cluster".to_owned()],
+            ..Callers::default()
+        },
+    )
+    .await?;
+    let agent = h.ca.issue_client("prod-cluster", &[])?;
+    let now_ms = u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis(),
+    )?;
+    // The push token alone is no longer enough, nor the apiserver's certificate.
+    let (status, _) = h
+        .push(&viewer_snapshot(now_ms, ALICE_OID, "dev"), PUSH_TOKEN)
+        .await?;
+    assert_eq!(status, 401);
+    let (status, _) = h
+        .push_as(
+            &viewer_snapshot(now_ms, ALICE_OID, "dev"),
+            PUSH_TOKEN,
+            Some(&h.apiserver),
+        )
+        .await?;
+    assert_eq!(status, 401);
+    // The agent's certificate still needs the token.
+    let (status, _) = h
+        .push_as(
+            &viewer_snapshot(now_ms, ALICE_OID, "dev"),
+            "wrong-token-0123456789",
+            Some(&agent),
+        )
+        .await?;
+    assert_eq!(status, 401);
+    // One push of u64::MAX cannot freeze RBAC.
+    let (status, body) = h
+        .push_as(
+            &viewer_snapshot(u64::MAX, ALICE_OID, "dev"),
+            PUSH_TOKEN,
+            Some(&agent),
+        )
+        .await?;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("ahead")),
+        "{body}"
+    );
+    let (status, body) = h
+        .push_as(
+            &viewer_snapshot(now_ms, ALICE_OID, "dev"),
+            PUSH_TOKEN,
+            Some(&agent),
+        )
+        .await?;
+    assert_eq!(
+        (status, body["applied"].clone()),
+        (200, json!(true)),
+        "{body}"
+    );
+    assert_eq!(h.guard.store().version(), now_ms);
     h.stop().await
 }
