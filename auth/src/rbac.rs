@@ -1,12 +1,16 @@
 //! Azure-RBAC-style authorization for one connected cluster, as pure functions.
 //!
 //! A SubjectAccessReview becomes data actions the way Azure's guard does
-//! (`Microsoft.Kubernetes/connectedClusters/[GROUP/]RESOURCE/{read|write|delete}`, `pods/exec/action`,
-//! `VERB/action` for bind/escalate/use/impersonate, non-resource paths), then a [`Snapshot`] of role definitions,
-//! role assignments and deny assignments decides. Deny assignments win; an action is granted when one assignment
-//! of the principal (its object id or one of its groups) at a scope covering the request has a role whose
-//! `dataActions` cover it and whose `notDataActions` do not touch it. Matching is ASCII case-insensitive and `*`
-//! matches any run of characters, as in Azure.
+//! (`Microsoft.Kubernetes/connectedClusters/[GROUP/]RESOURCE/{read|write|delete}`, `VERB/action` for
+//! bind/escalate/use/impersonate, non-resource paths), except that exec, attach, port-forward, proxy and
+//! service-account tokens get their own `…/action` whatever the verb ([`subresource_action`]); then a
+//! [`Snapshot`] of role definitions, role assignments and deny assignments decides. Deny assignments win; an
+//! action is granted when one assignment of the principal (its object id or one of its groups) at a scope
+//! covering the request has a role whose `dataActions` cover it and whose `notDataActions` do not touch it.
+//! Matching is ASCII case-insensitive and `*` matches any run of characters, as in Azure.
+//!
+//! A namespace-scoped deny also covers requests across all namespaces (`list secrets -A`), and a [`Protection`]
+//! keeps the agent's namespace to cluster administrators whatever the snapshot says.
 //!
 //! Guard only has opinions on Entra identities: `system:` users and users without an `oid` extra get "no
 //! opinion", so Kubernetes RBAC still applies to them. Not granted is `allowed=false, denied=false` (other
