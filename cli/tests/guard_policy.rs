@@ -178,3 +178,47 @@ async fn a_token_claiming_system_masters_is_refused() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_viewer_cannot_attach_port_forward_or_exec() -> anyhow::Result<()> {
+    // kubectl's WebSocket attach and port-forward ask for `get` of the subresource (clusters up to 1.34 authorize
+    // that verb), which used to map to pods/read: every Viewer could attach and port-forward.
+    let env = Env::start().await?;
+    let cluster = env.up.cluster().to_string();
+    role(
+        &env,
+        &[
+            "assign",
+            "--role",
+            "Viewer",
+            "--principal",
+            &object_id(CAROL),
+            "--cluster",
+            &cluster,
+        ],
+    )
+    .await?;
+    wait_snapshot(&env, 1, 0).await?;
+    let carol = kubectl_as(&env, "carol", &dev_token(&env, CAROL, &[]).await?).await?;
+    let out = run(&carol, &["get", "pod", "demo", "-o", "name"]).await?;
+    assert!(out.success(), "a Viewer reads pods: {out}");
+    for (args, action) in [
+        (&["attach", "demo"][..], "pods/attach/action"),
+        (
+            &["port-forward", "pod/demo", ":80"][..],
+            "pods/portforward/action",
+        ),
+        (
+            &["exec", "demo", "--", "echo", "hi"][..],
+            "pods/exec/action",
+        ),
+    ] {
+        let out = run(&carol, args).await?;
+        assert!(
+            !out.success() && out.stderr.contains(action),
+            "kubectl {}: {out}",
+            args.join(" ")
+        );
+    }
+    Ok(())
+}
