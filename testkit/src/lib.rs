@@ -22,6 +22,7 @@ pub mod certs;
 pub mod dev_issuer;
 mod exec;
 mod handlers;
+pub mod idp;
 pub mod kubectl;
 mod logs;
 mod openapi;
@@ -32,7 +33,9 @@ mod selector;
 mod server;
 mod status;
 mod store;
+pub mod tools;
 mod util;
+pub mod wait;
 pub mod webhook;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
