@@ -46,19 +46,7 @@ impl Postgres {
     /// environment variable `CI` is unset. Under `CI` a missing PostgreSQL is an error: tests never pass
     /// without running.
     pub fn start_or_skip(test: &str) -> Result<Option<Postgres>, PostgresError> {
-        match bindir() {
-            Some(bindir) => Postgres::start_in(bindir).map(Some),
-            None if std::env::var_os("CI").is_none() => {
-                eprintln!(
-                    "skipping {test}: PostgreSQL not found (install the Debian package `postgresql`, or set \
-                     TETHER_PG_BINDIR; scripts/install-test-deps.sh does it); with CI set this fails"
-                );
-                Ok(None)
-            }
-            None => Err(PostgresError(
-                "PostgreSQL not found (initdb/pg_ctl): run scripts/install-test-deps.sh".into(),
-            )),
-        }
+        start_found(bindir(), std::env::var_os("CI").is_some(), test)
     }
 
     /// Starts a server with the binaries in `bindir`.
@@ -278,6 +266,28 @@ pub fn bindir() -> Option<PathBuf> {
         .find(|dir| has_tools(dir))
 }
 
+/// [`Postgres::start_or_skip`] with what was found and whether `CI` is set.
+fn start_found(
+    bindir: Option<PathBuf>,
+    ci: bool,
+    test: &str,
+) -> Result<Option<Postgres>, PostgresError> {
+    match bindir {
+        Some(bindir) => Postgres::start_in(bindir).map(Some),
+        None if !ci => {
+            eprintln!(
+                "skipping {test}: PostgreSQL not found (install the Debian package `postgresql`, or set \
+                 TETHER_PG_BINDIR; scripts/install-test-deps.sh does it); with CI set this fails"
+            );
+            Ok(None)
+        }
+        None => Err(PostgresError(format!(
+            "{test} needs PostgreSQL (initdb, pg_ctl, createdb), which is not installed: run \
+             scripts/install-test-deps.sh"
+        ))),
+    }
+}
+
 fn is_root() -> bool {
     // No libc here: ask `id`, which every machine running these tests has.
     Command::new("id")
@@ -319,4 +329,44 @@ fn run(command: &mut Command) -> Result<Output, PostgresError> {
 
 fn harness(message: String) -> PostgresError {
     PostgresError(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpStream;
+
+    use super::*;
+
+    #[test]
+    fn missing_postgres_fails_under_ci_and_skips_otherwise() {
+        assert!(start_found(None, true, "t").is_err());
+        assert!(start_found(None, false, "t").expect("skips").is_none());
+    }
+
+    #[test]
+    fn starts_creates_databases_and_stops_on_drop() {
+        let Some(pg) = Postgres::start_or_skip("the PostgreSQL harness test").expect("starts")
+        else {
+            return;
+        };
+        let port = pg.port();
+        let url = pg.fresh_database().expect("createdb");
+        assert!(
+            url.starts_with(&format!("postgres://postgres@127.0.0.1:{port}/test_")),
+            "{url}"
+        );
+        assert!(pg.create_database("same").is_ok());
+        assert!(
+            pg.create_database("same").is_err(),
+            "createdb errors are reported"
+        );
+        let dir = pg.dir.path().to_owned();
+        assert!(TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok());
+        drop(pg);
+        assert!(
+            TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err(),
+            "the server is stopped"
+        );
+        assert!(!dir.exists(), "its directory is removed");
+    }
 }
