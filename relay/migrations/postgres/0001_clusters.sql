@@ -1,3 +1,4 @@
+-- PostgreSQL twin of ../sqlite/0001_clusters.sql: keep the two equivalent (same tables, columns and constraints).
 -- Clusters and the hashes of their secrets. Timestamps are Unix seconds (BIGINT), hashes are lowercase hex
 -- SHA-256 (TEXT), tags are a JSON object (TEXT): types every SQL backend has.
 CREATE TABLE clusters (

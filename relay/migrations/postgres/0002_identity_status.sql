@@ -1,3 +1,4 @@
+-- PostgreSQL twin of ../sqlite/0002_identity_status.sql: keep the two equivalent (same tables, columns and constraints).
 -- Issue 3: certificate identities replace bearer credentials; connectivity facts reported by the agent.
 -- The current identity (fingerprint = lowercase hex SHA-256 of the certificate's DER, notAfter as Unix seconds),
 -- the previous one (still accepted until the agent connects with the current one after a renewal), and the

@@ -1,3 +1,4 @@
+-- PostgreSQL twin of ../sqlite/0003_guard.sql: keep the two equivalent (same tables, columns and constraints).
 -- Issue 4: guard's RBAC lives at the relay. Custom role definitions (the four built-ins are rows too, without a
 -- definition, so that assignments can reference every role through one foreign key), role and deny assignments
 -- per cluster, a per-cluster snapshot version, and the group directory used for group overage.

@@ -1,3 +1,4 @@
+-- PostgreSQL twin of ../sqlite/0004_change_log.sql: keep the two equivalent (same tables, columns and constraints).
 -- Issue 11: a change log that relay replicas follow (cluster created, deleted, tags or guard snapshot changed).
 -- Every change appends one row in the transaction that makes it. `seq` comes from the single row of
 -- change_log_head, incremented in that same transaction: the row lock (PostgreSQL) or the write lock (SQLite)

@@ -3,6 +3,39 @@
 //! The log is the truth; notifications only say when to look. The feed re-reads the log after every wake-up
 //! (PostgreSQL `NOTIFY`, sent in the same transaction as the change) and at least every `resync_every` in any
 //! case, so a notification lost with a dropped listener connection delays a change by at most one period.
+//!
+//! How a relay replica uses it (one task per replica):
+//!
+//! ```no_run
+//! # use std::{sync::Arc, time::Duration};
+//! # use tether_relay::store::{ChangeFeed, ChangeKind, FeedEvent, Store, StoreError};
+//! # async fn follow(store: Arc<dyn Store>) -> Result<(), StoreError> {
+//! let mut feed = ChangeFeed::subscribe(store.clone(), Duration::from_secs(2)).await?;
+//! loop {
+//!     match feed.next().await? {
+//!         FeedEvent::Changes(changes) => {
+//!             for change in changes {
+//!                 match change.kind {
+//!                     // Push store.guard_state(&change.cluster) to the cluster's agents held here, if its
+//!                     // version is newer than the one they were sent.
+//!                     ChangeKind::Guard(_version) => {}
+//!                     // Close the cluster's tunnels held here and refuse its identity from now on.
+//!                     ChangeKind::Deleted => {}
+//!                     // Reload store.cluster(&change.cluster) for whatever caches its tags.
+//!                     ChangeKind::Tags | ChangeKind::Created => {}
+//!                 }
+//!             }
+//!         }
+//!         // Re-check every cluster held here against store.list_clusters() and store.guard_state().
+//!         FeedEvent::Resync => {}
+//!     }
+//! }
+//! # }
+//! ```
+//!
+//! Changes made by this replica come back through the feed too; acting on them twice must be harmless (guard
+//! keeps only newer snapshot versions). Someone must also call [`Store::prune_changes`] now and then (say,
+//! hourly with `now - 1h`); any replica may, concurrently.
 
 use std::sync::Arc;
 use std::time::Duration;
