@@ -94,6 +94,7 @@ suite!(
     race_duplicate_assignments_one_wins,
     race_deletions_and_batches_do_not_deadlock,
     change_feed_sees_changes_made_through_another_handle,
+    change_feed_survives_a_lost_listener,
 );
 
 fn new_cluster(name: &str, token: &str) -> NewCluster {
@@ -1003,4 +1004,64 @@ async fn change_feed_sees_changes_made_through_another_handle(db: &Db) {
         }
         FeedEvent::Resync => panic!("unexpected resync"),
     }
+}
+
+/// Waits (at most 10 s) until `feed` yields a change for `cluster`, and returns its kind.
+async fn next_change_for(feed: &mut ChangeFeed, cluster: &str) -> ChangeKind {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let event = tokio::time::timeout_at(deadline, feed.next())
+            .await
+            .unwrap_or_else(|_| panic!("no change for {cluster} within 10 s"))
+            .expect("feed");
+        if let FeedEvent::Changes(changes) = event
+            && let Some(change) = changes.iter().find(|c| c.cluster == cluster)
+        {
+            return change.kind;
+        }
+    }
+}
+
+/// The listening connection dies (on PostgreSQL: terminated by the server, as a failover or an idle-session
+/// reaper would): a change made meanwhile still arrives, through the reconnection or the periodic re-read, and
+/// later changes keep arriving.
+async fn change_feed_survives_a_lost_listener(db: &Db) {
+    let a = db.open().await;
+    let b = db.open().await;
+    let mut feed = ChangeFeed::subscribe(b.clone(), Duration::from_millis(500))
+        .await
+        .expect("subscribe");
+    // Let the feed start listening (its first call re-reads at once).
+    let idle = tokio::time::timeout(Duration::from_millis(200), feed.next()).await;
+    assert!(idle.is_err(), "no change yet: {idle:?}");
+    if db.postgres {
+        let admin = sqlx::PgPool::connect(&db.url).await.expect("connect");
+        let killed: i64 = sqlx::query_scalar(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE query ILIKE 'LISTEN%' AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&admin)
+        .await
+        .expect("terminate");
+        assert_eq!(killed, 1, "the feed's listener session");
+        admin.close().await;
+    }
+    a.create_cluster(&new_cluster("lost", "t"))
+        .await
+        .expect("create");
+    assert_eq!(
+        next_change_for(&mut feed, "lost").await,
+        ChangeKind::Created
+    );
+    a.create_cluster(&new_cluster("after", "t"))
+        .await
+        .expect("create");
+    assert_eq!(
+        next_change_for(&mut feed, "after").await,
+        ChangeKind::Created
+    );
+    assert!(
+        feed.has_push(),
+        "the listener reconnected instead of ending"
+    );
 }
