@@ -8,6 +8,8 @@ command -v iptables >/dev/null 2>&1 || missing+=(iptables)
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
 # The outbound-proxy tests run a real HTTP CONNECT proxy.
 command -v tinyproxy >/dev/null 2>&1 || [ -x /usr/bin/tinyproxy ] || [ -x /usr/sbin/tinyproxy ] || missing+=(tinyproxy)
+# The store suite (and the relay-fleet tests) start their own PostgreSQL server from the Debian package.
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
 have_kubectl=1
 command -v kubectl >/dev/null 2>&1 || ls /usr/lib/google-cloud-sdk/bin/kubectl.1.* >/dev/null 2>&1 || have_kubectl=0
 
@@ -24,6 +26,10 @@ if [ ${#missing[@]} -gt 0 ] || [ $have_kubectl -eq 0 ]; then
   # The tests start their own tinyproxy; the package's system service is not wanted.
   if [[ " ${missing[*]:-} " == *" tinyproxy "* ]] && command -v systemctl >/dev/null 2>&1; then
     systemctl disable --now tinyproxy >/dev/null 2>&1 || true
+  fi
+  # Likewise PostgreSQL: the tests run initdb in a temporary directory; the package's own cluster is not wanted.
+  if [[ " ${missing[*]:-} " == *" postgresql "* ]] && command -v systemctl >/dev/null 2>&1; then
+    systemctl disable --now postgresql >/dev/null 2>&1 || true
   fi
   if [ $have_kubectl -eq 0 ]; then
     apt-get install -y -qq --no-install-recommends kubectl || apt-get install -y -qq --no-install-recommends kubernetes-client

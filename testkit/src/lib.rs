@@ -27,6 +27,7 @@ pub mod kubectl;
 mod logs;
 mod openapi;
 mod patch;
+pub mod postgres;
 mod protobuf;
 mod resources;
 mod selector;
