@@ -8,10 +8,10 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::convert::Infallible;
-use std::path::{Path, PathBuf};
+
 use std::process::Command;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context as _, anyhow};
@@ -22,7 +22,7 @@ use common::{Admin, AgentIdentity, Reply, TestRelay, dial};
 use http::{Method, Response, StatusCode};
 use http_body_util::Full;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tether_api::control::{self, Groups, Hello, Message, Reader, ResolveGroups};
 use tether_auth::Snapshot;

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tether_guard::rbac::RoleDefinition;
+use tether_auth::rbac::RoleDefinition;
 use tether_relay::store::{
     self, Activity, AgentHealth, ChangeFeed, ChangeKind, ClusterIdentity, ClusterMetadata,
     DenyAssignmentRecord, DirectoryEntry, FeedEvent, NewCluster, NewIdentity, RoleAssignmentRecord,

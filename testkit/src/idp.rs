@@ -99,7 +99,9 @@ impl Idp {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(io("binding a loopback port"))?;
-        let addr = listener.local_addr().map_err(io("reading the bound address"))?;
+        let addr = listener
+            .local_addr()
+            .map_err(io("reading the bound address"))?;
         let state = Arc::new(State::default());
         let acceptor = TlsAcceptor::from(tls);
         let served = state.clone();

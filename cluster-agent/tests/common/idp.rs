@@ -5,6 +5,7 @@ use std::path::Path;
 
 use anyhow::Result;
 
+#[allow(unused_imports)]
 pub use tether_testkit::idp::{ALICE, ALICE_GROUPS, ALICE_OID, Idp, Minted, TENANT};
 
 pub const AUDIENCE: &str = "api://tether-guard";

@@ -10,7 +10,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioExecutor;
 use tether_testkit::certs;
 
-pub use tether_testkit::idp::{Idp, Minted, OTHER_TENANT, TENANT};
+pub use tether_testkit::idp::{Idp, Minted, TENANT};
 
 pub const AUDIENCE: &str = "api://tether-guard";
 

@@ -28,7 +28,7 @@ use rand::RngExt as _;
 use sqlx::Row;
 use sqlx::error::ErrorKind;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions, PgRow};
-use tether_guard::rbac::{RoleDefinition, builtin_roles};
+use tether_auth::rbac::{RoleDefinition, builtin_roles};
 use time::OffsetDateTime;
 
 use super::{
