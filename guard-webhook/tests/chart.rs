@@ -55,7 +55,7 @@ async fn the_guard_container_of_the_agent_chart_runs_and_answers_its_probes() ->
     // The name the agent pushes snapshots to (its --guard-url) is the one guard's certificate must carry.
     let service = format!("tether-agent-guard.{NAMESPACE}.svc");
     let ca = Ca::new("guard test CA")?;
-    let serving = ca.issue_server(&[service.clone()])?;
+    let serving = ca.issue_server(std::slice::from_ref(&service))?;
     let client_ca = Ca::new("apiserver client CA")?;
     let operator_objects = [
         external(
