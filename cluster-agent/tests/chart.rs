@@ -243,3 +243,24 @@ async fn the_agent_charts_default_command_keeps_its_identity_in_a_secret() -> Re
     setup.sample.shutdown().await;
     Ok(())
 }
+
+#[test]
+fn every_tether_variable_the_agent_chart_sets_is_one_the_agent_reads() -> Result<()> {
+    let Some(helm) = helm()? else { return Ok(()) };
+    let mut seen = Vec::new();
+    for values in support::ci_values("tether-agent")? {
+        let objects = Render {
+            chart: "tether-agent",
+            release: "tether-agent",
+            values: vec![values],
+            ..Render::default()
+        }
+        .objects(&helm)?;
+        let names = support::env_names(&objects, "tether-agent", "agent")?;
+        support::check_env_names(Path::new(AGENT), &names)?;
+        seen.extend(names);
+    }
+    // The proxy URL (it may hold a password) comes in through the environment, from a Secret.
+    ensure!(seen.iter().any(|n| n == "TETHER_PROXY_HTTPS"), "{seen:?}");
+    Ok(())
+}

@@ -676,3 +676,32 @@ pub fn key_of(objects: &[Value], kind: &str, name: &str, key: &str) -> Result<St
             .clone(),
     )?)
 }
+
+/// The env var names container `container` of Deployment `deployment` sets.
+pub fn env_names(objects: &[Value], deployment: &str, container: &str) -> Result<Vec<String>> {
+    let deploy = object(objects, "Deployment", deployment)?;
+    let spec = at(deploy, &["spec", "template", "spec", "containers"])
+        .and_then(Value::as_sequence)
+        .and_then(|cs| cs.iter().find(|c| str_at(c, &["name"]) == Some(container)))
+        .with_context(|| format!("no container {container} in Deployment {deployment}"))?;
+    Ok(at(spec, &["env"])
+        .and_then(Value::as_sequence)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| str_at(e, &["name"]).map(str::to_owned))
+        .collect())
+}
+
+/// Fails unless every `TETHER_*` variable in `names` is one `binary` reads (its `--help` lists `[env: NAME]`):
+/// clap ignores unknown variables, so a renamed one would otherwise be dropped without a word.
+pub fn check_env_names(binary: &Path, names: &[String]) -> Result<()> {
+    let help = run(Command::new(binary).arg("--help"))?;
+    for name in names.iter().filter(|n| n.starts_with("TETHER_")) {
+        ensure!(
+            help.contains(&format!("[env: {name}]")) || help.contains(&format!("[env: {name}=")),
+            "{} does not read {name} (not in its --help)",
+            binary.display()
+        );
+    }
+    Ok(())
+}

@@ -752,3 +752,21 @@ fn every_namespaced_object_renders_in_the_release_namespace() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn every_tether_variable_the_relay_chart_sets_is_one_the_relay_reads() -> Result<()> {
+    let Some(helm) = helm()? else { return Ok(()) };
+    let mut seen = Vec::new();
+    for values in ci_values("tether-relay")? {
+        let objects = render(&helm, "tether-relay", &values)?;
+        let names = support::env_names(&objects, "tether-relay", "relay")?;
+        support::check_env_names(Path::new(env!("CARGO_BIN_EXE_tether-relay")), &names)?;
+        seen.extend(names);
+    }
+    // The fleet's database URL comes in through the environment, from a Secret.
+    ensure!(
+        seen.iter().any(|n| n == "TETHER_RELAY_DATABASE_URL"),
+        "{seen:?}"
+    );
+    Ok(())
+}
