@@ -70,7 +70,16 @@ if ! command -v helm >/dev/null 2>&1; then
 fi
 
 # The chart tests validate rendered manifests offline against Kubernetes' own schemas (kubernetes-validate).
-if ! python3 -c "import kubernetes_validate" >/dev/null 2>&1; then
+if ! command -v kubernetes-validate >/dev/null 2>&1; then
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    if [ "$(id -u)" -ne 0 ]; then
+      echo "missing test dependencies (pip for kubernetes-validate) and not root: pip install kubernetes-validate first" >&2
+      exit 1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
+  fi
   python3 -m pip install --quiet --disable-pip-version-check kubernetes-validate 2>/dev/null \
     || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages kubernetes-validate
 fi
