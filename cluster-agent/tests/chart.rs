@@ -35,7 +35,7 @@ struct Setup {
 
 impl Setup {
     async fn start(helm: &Path, values: &str) -> Result<Setup> {
-        tether_tunnel::tls::install_crypto_provider();
+        tether_runtime::tls::install_crypto_provider();
         let dir = tempfile::tempdir()?;
         let sample =
             SampleApiserver::start(SampleOptions::new(dir.path().join("apiserver"))).await?;

@@ -42,7 +42,7 @@ fn external(kind: &str, name: &str, keys: &[(&str, &str)]) -> Result<Value> {
 #[tokio::test]
 async fn the_guard_container_of_the_agent_chart_runs_and_answers_its_probes() -> Result<()> {
     let Some(helm) = helm()? else { return Ok(()) };
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let dir = tempfile::tempdir()?;
     let objects = Render {
         chart: "tether-agent",
@@ -109,7 +109,7 @@ async fn the_guard_container_of_the_agent_chart_runs_and_answers_its_probes() ->
     let mut child = pod
         .command(Path::new(env!("CARGO_BIN_EXE_tether-guard")), &[], "guard")?
         .spawn()?;
-    let tls = tether_tunnel::tls::client_config(Some(ca.cert_pem().as_bytes()), &[])?;
+    let tls = tether_runtime::tls::client_config(Some(ca.cert_pem().as_bytes()), &[])?;
     for probe in ["readinessProbe", "livenessProbe"] {
         let (path, port, https) = pod.http_probe(probe)?;
         ensure!(https, "{probe} is not HTTPS");

@@ -650,7 +650,7 @@ fn dockerfiles_run_the_binaries_the_charts_run() -> Result<()> {
 #[tokio::test]
 async fn the_relay_charts_command_runs_and_answers_its_probes() -> Result<()> {
     let Some(helm) = helm()? else { return Ok(()) };
-    tether_tunnel::tls::install_crypto_provider();
+    tether_runtime::tls::install_crypto_provider();
     let dir = tempfile::tempdir()?;
     let values = chart_dir("tether-relay").join("ci/default-values.yaml");
     let objects = render(&helm, "tether-relay", &values)?;
@@ -672,7 +672,7 @@ async fn the_relay_charts_command_runs_and_answers_its_probes() -> Result<()> {
     ensure!(https, "the relay serves HTTPS only");
     let tls = wait_until(&mut child, log, DEADLINE, "generated CA", || async {
         let pem = std::fs::read(&ca).ok()?;
-        tether_tunnel::tls::client_config(Some(&pem), &[]).ok()
+        tether_runtime::tls::client_config(Some(&pem), &[]).ok()
     })
     .await?;
     let (status, body) = wait_until(&mut child, log, DEADLINE, "liveness probe answer", || {
