@@ -31,21 +31,7 @@ const DAVE: &str = "dave@contoso.com";
 
 /// Whether PyJWT is here; under CI its absence is a failure, elsewhere a printed skip.
 fn pyjwt_available() -> anyhow::Result<bool> {
-    let ok = Command::new("python3")
-        .args(["-c", "import jwt, cryptography"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !ok {
-        anyhow::ensure!(
-            std::env::var_os("CI").is_none(),
-            "python3 with PyJWT and cryptography is required under CI (scripts/install-test-deps.sh installs them)"
-        );
-        eprintln!(
-            "SKIPPED: python3 with PyJWT and cryptography is not installed (pip install pyjwt cryptography)"
-        );
-    }
-    Ok(ok)
+    Ok(tether_testkit::tools::require(tether_testkit::tools::Tool::PyJwt).is_some())
 }
 
 /// Tokens from PyJWT.

@@ -73,18 +73,12 @@ impl Lines {
         limit: Duration,
         pred: impl Fn(&str) -> bool,
     ) -> anyhow::Result<String> {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(line) = self.find(&pred) {
-                return Ok(line);
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "no such line within {limit:?}; got:\n{}",
-                self.text()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let found = tether_testkit::wait::eventually("a matching line", limit, || {
+            let line = self.find(&pred);
+            async move { line }
+        })
+        .await;
+        found.map_err(|e| anyhow::anyhow!("{e}; got:\n{}", self.text()))
     }
 }
 
@@ -312,12 +306,9 @@ impl Fixture {
         let tinyproxy = match can_make_namespaces().and_then(|()| tinyproxy()) {
             Ok(path) => path,
             Err(reason) => {
-                anyhow::ensure!(
-                    std::env::var_os("CI").is_none(),
-                    "CI cannot run the proxy tests: {reason}"
-                );
-                println!("SKIPPED: {reason}");
-                return Ok(None);
+                return Ok(tether_testkit::tools::skip_or_fail(&format!(
+                    "cannot run the proxy tests: {reason}"
+                )));
             }
         };
         tether_runtime::tls::install_crypto_provider();

@@ -12,17 +12,11 @@ use base64::Engine as _;
 use common::real_relay::RelayProcess;
 use tether_agent::{Backoff, Config, Secret};
 use tether_testkit::kubectl::Kubectl;
+use tether_testkit::tools::{self, Tool};
 use tether_testkit::{SampleApiserver, SampleOptions};
 use tokio::sync::oneshot;
 
 const DEADLINE: Duration = Duration::from_secs(30);
-
-fn kubectl_installed() -> bool {
-    let bin = tether_testkit::kubectl::binary();
-    bin.is_file()
-        || std::env::var_os("PATH")
-            .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(&bin).is_file()))
-}
 
 /// A kubeconfig for a user of cluster `prod` through the relay, with `token` if any.
 fn user_kubeconfig(dir: &Path, relay: &RelayProcess, token: Option<&str>) -> Result<PathBuf> {
@@ -42,8 +36,7 @@ fn user_kubeconfig(dir: &Path, relay: &RelayProcess, token: Option<&str>) -> Res
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubectl_through_relay_and_agent() -> Result<()> {
-    if !kubectl_installed() {
-        eprintln!("kubectl not installed; skipping");
+    if tools::require(Tool::Kubectl).is_none() {
         return Ok(());
     }
     tether_runtime::tls::install_crypto_provider();

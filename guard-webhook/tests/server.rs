@@ -231,7 +231,7 @@ async fn token_reviews_in_both_versions_and_no_token_in_the_audit_log() -> anyho
     let idp = Idp::start().await?;
     let minted = support::mint(&idp)?;
     idp.set_keys(vec![minted.key("k1")]);
-    let fetcher = HttpsFetcher::new(Some(idp.ca.cert_pem().as_bytes()))?;
+    let fetcher = HttpsFetcher::new(Some(idp.ca_pem().as_bytes()))?;
     let auth = Authenticator::new(support::token_config(&idp), Arc::new(fetcher))?;
     let h = Harness::start(Some(Arc::new(auth))).await?;
     let token = minted.token("valid_v2");

@@ -32,7 +32,7 @@ async fn setup() -> anyhow::Result<Option<Setup>> {
 }
 
 fn authenticator(idp: &Idp, config: TokenConfig) -> anyhow::Result<Authenticator> {
-    let fetcher = HttpsFetcher::new(Some(idp.ca.cert_pem().as_bytes()))?;
+    let fetcher = HttpsFetcher::new(Some(idp.ca_pem().as_bytes()))?;
     Ok(Authenticator::new(config, Arc::new(fetcher))?)
 }
 

@@ -54,7 +54,7 @@ use tokio::net::TcpListener;
 pub use config::{Config, ConfigError, EntraConfig, Limits};
 pub use error::RelayError;
 
-use crate::store::{SqliteStore, Store, TokenHash};
+use crate::store::{Store, TokenHash};
 
 /// A configured relay, ready to [`serve`](Relay::serve).
 pub struct Relay {
@@ -80,10 +80,10 @@ impl Relay {
     pub async fn new(config: Config) -> Result<Relay, RelayError> {
         config.validate()?;
         create_private_dir(&config.data_dir)?;
-        let store = SqliteStore::open(&config.effective_database_url())
+        let store = store::open(&config.effective_database_url())
             .await
             .map_err(RelayError::Store)?;
-        Self::with_store(config, Arc::new(store)).await
+        Self::with_store(config, store).await
     }
 
     /// Like [`Relay::new`], with a store opened by the caller (another backend, or a shared one in tests).

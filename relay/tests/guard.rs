@@ -8,10 +8,10 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::convert::Infallible;
-use std::path::{Path, PathBuf};
+
 use std::process::Command;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context as _, anyhow};
@@ -22,7 +22,7 @@ use common::{Admin, AgentIdentity, Reply, TestRelay, dial};
 use http::{Method, Response, StatusCode};
 use http_body_util::Full;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tether_api::control::{self, Groups, Hello, Message, Reader, ResolveGroups};
 use tether_auth::Snapshot;
@@ -989,95 +989,7 @@ async fn resolve_groups_answers_from_the_directory() -> anyhow::Result<()> {
 
 // ---- Entra-style tokens at the relay ----
 
-/// A local HTTPS identity provider shaped like Entra: per-tenant discovery documents and a JWKS.
-struct Idp {
-    authority: String,
-    ca_file: PathBuf,
-    keys: Arc<Mutex<Vec<Value>>>,
-}
-
-impl Idp {
-    async fn start(dir: &Path) -> anyhow::Result<Idp> {
-        let ca_key = rcgen::KeyPair::generate()?;
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "test idp ca");
-        let ca_pem = ca_params.self_signed(&ca_key)?.pem();
-        let issuer = rcgen::Issuer::new(ca_params, ca_key);
-        let key = rcgen::KeyPair::generate()?;
-        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])?
-            .signed_by(&key, &issuer)?;
-        let tls = tether_runtime::tls::server_config(
-            cert.pem().as_bytes(),
-            key.serialize_pem().as_bytes(),
-        )?;
-        let ca_file = dir.join("idp-ca.pem");
-        std::fs::write(&ca_file, ca_pem)?;
-
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let authority = format!("https://{}", listener.local_addr()?);
-        let keys = Arc::new(Mutex::new(Vec::new()));
-        let (base, published) = (authority.clone(), keys.clone());
-        let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-        tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                let (acceptor, base, published) =
-                    (acceptor.clone(), base.clone(), published.clone());
-                tokio::spawn(async move {
-                    let Ok(tls) = acceptor.accept(tcp).await else {
-                        return;
-                    };
-                    let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                        let body = idp_route(&base, &published, req.uri().path());
-                        async move {
-                            let status = if body.is_null() { 404 } else { 200 };
-                            let mut resp = Response::new(Full::new(Bytes::from(body.to_string())));
-                            *resp.status_mut() =
-                                StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
-                            Ok::<_, Infallible>(resp)
-                        }
-                    });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(tls), svc)
-                        .await;
-                });
-            }
-        });
-        Ok(Idp {
-            authority,
-            ca_file,
-            keys,
-        })
-    }
-
-    fn publish(&self, key: Value) {
-        if let Ok(mut keys) = self.keys.lock() {
-            keys.push(key);
-        }
-    }
-
-    fn issuer(&self, tid: &str) -> String {
-        format!("{}/{tid}/v2.0", self.authority)
-    }
-}
-
-fn idp_route(base: &str, keys: &Mutex<Vec<Value>>, path: &str) -> Value {
-    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    match parts.as_slice() {
-        [tid, "v2.0", ".well-known", "openid-configuration"] => json!({
-            "issuer": format!("{base}/{tid}/v2.0"),
-            "jwks_uri": format!("{base}/{tid}/discovery/v2.0/keys"),
-            "id_token_signing_alg_values_supported": ["RS256"],
-            "token_endpoint": format!("{base}/{tid}/oauth2/v2.0/token"),
-        }),
-        [_, "discovery", "v2.0", "keys"] => {
-            json!({ "keys": keys.lock().map(|k| k.clone()).unwrap_or_default() })
-        }
-        _ => Value::Null,
-    }
-}
+use tether_testkit::idp::Idp;
 
 /// Signs tokens with jsonwebtoken and a fresh RSA key published at the IdP as `kid` "rs1".
 struct Minter {
@@ -1096,7 +1008,7 @@ impl Minter {
         idp.publish(serde_json::to_value(jwk)?);
         Ok(Minter {
             key,
-            issuer: idp.issuer(TENANT),
+            issuer: idp.v2_issuer(TENANT),
         })
     }
 
@@ -1145,32 +1057,14 @@ fn now() -> u64 {
         .unwrap_or_default()
 }
 
-/// Tokens minted by PyJWT (with its own key, published at the IdP), or `None` with a printed reason.
-fn pyjwt_tokens(idp: &Idp) -> anyhow::Result<Option<serde_json::Map<String, Value>>> {
-    let available = Command::new("python3")
-        .args(["-c", "import jwt, cryptography"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !available {
-        eprintln!(
-            "SKIPPED (PyJWT part): python3 with PyJWT and cryptography is not installed (pip install pyjwt cryptography)"
-        );
+/// Tokens minted by PyJWT (with its own keys, published at the IdP), or `None` with a printed reason.
+fn pyjwt_tokens(idp: &Idp) -> anyhow::Result<Option<tether_testkit::idp::Minted>> {
+    if tether_testkit::tools::require(tether_testkit::tools::Tool::PyJwt).is_none() {
         return Ok(None);
     }
-    let params = json!({"now": now(), "iss": idp.issuer(TENANT), "tid": TENANT, "aud": AUDIENCE, "oid": BOB});
-    let out = Command::new("python3")
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mint_tokens.py"))
-        .arg(params.to_string())
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "mint_tokens.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout)?;
-    idp.publish(v["jwk"].clone());
-    Ok(v["tokens"].as_object().cloned())
+    let minted = tether_testkit::idp::mint(idp, AUDIENCE)?;
+    idp.publish(minted.key("k1"));
+    Ok(Some(minted))
 }
 
 async fn user_get(relay: &TestRelay, token: &str) -> anyhow::Result<Reply> {
@@ -1183,7 +1077,7 @@ async fn user_get(relay: &TestRelay, token: &str) -> anyhow::Result<Reply> {
 #[tokio::test]
 async fn entra_style_tokens_are_checked_before_anything_enters_the_tunnel() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let idp = Idp::start(dir.path()).await?;
+    let idp = Idp::start().await?;
     let minter = Minter::new(&idp)?;
     // Minted now, so its key is published before the relay first fetches the JWKS (an unknown kid refetches
     // at most every 30 s).
@@ -1192,8 +1086,8 @@ async fn entra_style_tokens_are_checked_before_anything_enters_the_tunnel() -> a
     config.entra = Some(tether_relay::EntraConfig {
         tenants: vec![TENANT.into()],
         audiences: vec![AUDIENCE.into()],
-        authority: Some(idp.authority.clone()),
-        authority_ca: Some(idp.ca_file.clone()),
+        authority: Some(idp.v2_authority()),
+        authority_ca: Some(idp.write_ca(dir.path())?),
     });
     let relay = TestRelay::start_with(config).await?;
     let admin = relay.admin()?;
@@ -1243,7 +1137,7 @@ async fn entra_style_tokens_are_checked_before_anything_enters_the_tunnel() -> a
     )
     .await?;
     refused(
-        &minter.token(json!({"iss": idp.issuer(OTHER_TENANT), "tid": OTHER_TENANT}))?,
+        &minter.token(json!({"iss": idp.v2_issuer(OTHER_TENANT), "tid": OTHER_TENANT}))?,
         "not trusted",
     )
     .await?;
@@ -1274,13 +1168,8 @@ async fn entra_style_tokens_are_checked_before_anything_enters_the_tunnel() -> a
 
     // An independent implementation's tokens get the same treatment.
     if let Some(py) = py {
-        let token = |case: &str| {
-            py.get(case)
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned()
-        };
-        passes(&token("valid"), "a valid PyJWT token").await?;
+        let token = |case: &str| py.token(case);
+        passes(&token("valid_v2"), "a valid PyJWT token").await?;
         refused(&token("wrong_audience"), "audience").await?;
         refused(&token("none"), "algorithm").await?;
         refused(&token("expired"), "expired").await?;

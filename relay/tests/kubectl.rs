@@ -15,20 +15,10 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use serde_json::json;
+use tether_testkit::tools::{self, Tool};
 use tether_tunnel::Connection;
 
 const KUBE_TOKEN: &str = "kube-user-token";
-
-fn kubectl() -> Option<PathBuf> {
-    [
-        "/usr/lib/google-cloud-sdk/bin/kubectl.1.33",
-        "/usr/lib/google-cloud-sdk/bin/kubectl.1.31",
-        "/usr/bin/kubectl",
-    ]
-    .iter()
-    .map(PathBuf::from)
-    .find(|p| p.is_file())
-}
 
 /// The few endpoints `kubectl get namespaces` needs, with the apiserver's bearer-token check.
 fn apiserver(req: &Request<Incoming>) -> (StatusCode, serde_json::Value) {
@@ -142,8 +132,7 @@ async fn run_kubectl(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubectl_lists_namespaces_through_the_tunnel() -> anyhow::Result<()> {
-    let Some(bin) = kubectl() else {
-        eprintln!("kubectl not installed; skipping");
+    let Some(bin) = tools::require(Tool::Kubectl) else {
         return Ok(());
     };
     let dir = tempfile::tempdir()?;

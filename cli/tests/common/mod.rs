@@ -156,34 +156,20 @@ impl Env {
     }
 }
 
-/// A binary built beside the test binary by `cargo test --workspace` (tether-agent, tether-sample-apiserver, …).
+/// A workspace binary (tether-agent, tether-sample-apiserver, …) built for this run, never a stale one.
 pub fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
-    let tether = PathBuf::from(env!("CARGO_BIN_EXE_tether"));
-    let path = tether.with_file_name(name);
-    anyhow::ensure!(
-        path.is_file(),
-        "{} is not built: run the tests with `cargo test --workspace`",
-        path.display()
-    );
-    Ok(path)
+    tether_testkit::tools::workspace_binary(name).map_err(anyhow::Error::msg)
 }
 
 /// Polls `check` until it returns true or `limit` passes.
-pub async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
+pub async fn eventually<F, Fut>(limit: Duration, check: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = Instant::now() + limit;
-    loop {
-        if check().await {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    tether_testkit::wait::until("condition", limit, check)
+        .await
+        .is_ok()
 }
 
 /// What a `tether` run printed, and its exit status.

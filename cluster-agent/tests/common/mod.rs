@@ -527,14 +527,9 @@ pub fn write_kubeconfig(
 
 /// Polls `check` until it returns `Some`, failing after `deadline`.
 pub async fn eventually<T>(deadline: Duration, mut check: impl FnMut() -> Option<T>) -> Result<T> {
-    let give_up = tokio::time::Instant::now() + deadline;
-    loop {
-        if let Some(value) = check() {
-            return Ok(value);
-        }
-        if tokio::time::Instant::now() >= give_up {
-            anyhow::bail!("condition not met within {deadline:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    Ok(tether_testkit::wait::eventually("condition", deadline, || {
+        let value = check();
+        async move { value }
+    })
+    .await?)
 }

@@ -16,7 +16,7 @@ CREATE TABLE role_definitions (
     definition TEXT,                    -- the role as JSON (guard's camelCase form); NULL for built-ins
     created_at BIGINT  NOT NULL
 );
--- The built-in rows are written by the store at open, from tether_guard::rbac::builtin_roles().
+-- The built-in rows are written by the store at open, from tether_auth::rbac::builtin_roles().
 
 CREATE TABLE role_assignments (
     id           TEXT   NOT NULL PRIMARY KEY,

@@ -4,22 +4,92 @@
 //! directory used for group overage.
 //!
 //! [`Store`] is deliberately narrow and backend-neutral (no SQL in its signatures, timestamps as
-//! [`OffsetDateTime`], hashes as [`TokenHash`]) so that a PostgreSQL implementation can sit beside
-//! [`SqliteStore`] when several relay replicas share state. Secrets never reach the store: only SHA-256
-//! hashes of them. Certificates are not stored either, only their fingerprints.
+//! [`OffsetDateTime`], hashes as [`TokenHash`]). Two backends implement it: [`SqliteStore`] (the default, one
+//! relay process) and [`PostgresStore`] (several relay replicas sharing one database); [`open`] picks one from
+//! the URL scheme. Secrets never reach the store: only SHA-256 hashes of them. Certificates are not stored
+//! either, only their fingerprints.
+//!
+//! Every change another replica must act on (a cluster created or deleted, its tags or its guard snapshot
+//! changed) is also appended, in the same transaction, to a change log with a database-wide sequence number;
+//! [`ChangeFeed`] follows that log, woken by PostgreSQL `LISTEN/NOTIFY` where available and by a periodic
+//! re-read in any case, so a lost notification only delays a change, never loses it.
+//!
+//! What it does not do: cache, or decide anything: callers check secrets and permissions.
 
+mod feed;
+
+mod postgres;
 mod sqlite;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use tether_auth::rbac::RoleDefinition;
 use time::OffsetDateTime;
 
+pub use feed::{ChangeFeed, FeedEvent};
+
+pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
+
+/// The storage backend a database URL names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// `sqlite:PATH`, `sqlite://PATH` or `sqlite::memory:`.
+    Sqlite,
+    /// `postgres://…` or `postgresql://…`.
+    Postgres,
+}
+
+impl Backend {
+    /// The backend `url` names; [`StoreError::UnsupportedUrl`] for any other scheme. Cheap and offline, for
+    /// validating configuration before anything is opened.
+    pub fn of_url(url: &str) -> Result<Backend, StoreError> {
+        let lower = url.to_ascii_lowercase();
+        if lower.starts_with("sqlite:") {
+            Ok(Backend::Sqlite)
+        } else if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
+            Ok(Backend::Postgres)
+        } else {
+            Err(StoreError::UnsupportedUrl(redact_url(url)))
+        }
+    }
+}
+
+/// `url` without a password, for error messages and logs.
+fn redact_url(url: &str) -> String {
+    // scheme://user:password@host… → scheme://user:***@host…
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+            if userinfo.contains(':') {
+                format!("{scheme}://{user}:***@{host}{tail}")
+            } else {
+                url.to_owned()
+            }
+        }
+        None => url.to_owned(),
+    }
+}
+
+/// Opens the store `url` names and applies its migrations: SQLite for `sqlite:…`, PostgreSQL for
+/// `postgres://…` / `postgresql://…`; [`StoreError::UnsupportedUrl`] for anything else.
+pub async fn open(url: &str) -> Result<Arc<dyn Store>, StoreError> {
+    match Backend::of_url(url)? {
+        Backend::Sqlite => Ok(Arc::new(SqliteStore::open(url).await?)),
+        Backend::Postgres => Ok(Arc::new(PostgresStore::open(url).await?)),
+    }
+}
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +113,11 @@ pub enum StoreError {
     /// Something the operation refers to does not exist (a cluster, a role); the text says what.
     #[error("{0}")]
     NotFound(String),
+    /// The database URL names no supported backend (the URL is shown without its password).
+    #[error(
+        "unsupported database URL {0:?}: expected sqlite:PATH, sqlite::memory:, postgres://… or postgresql://…"
+    )]
+    UnsupportedUrl(String),
 }
 
 impl From<sqlx::Error> for StoreError {
@@ -283,6 +358,81 @@ pub struct DirectoryEntry {
     pub updated_at: OffsetDateTime,
 }
 
+/// What happened to a cluster, as the change log records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChangeKind {
+    /// The cluster was registered (created or imported).
+    Created,
+    /// The cluster was deleted: its identity is revoked, its tunnels must close.
+    Deleted,
+    /// Its tags changed.
+    Tags,
+    /// Its guard snapshot changed (a role or deny assignment was made or removed); the new version.
+    Guard(u64),
+}
+
+impl ChangeKind {
+    /// The form stored in the log's `kind` column.
+    fn as_db(self) -> &'static str {
+        match self {
+            ChangeKind::Created => "created",
+            ChangeKind::Deleted => "deleted",
+            ChangeKind::Tags => "tags",
+            ChangeKind::Guard(_) => "guard",
+        }
+    }
+
+    /// The stored version of a guard change, if this is one.
+    fn guard_version(self) -> Option<u64> {
+        match self {
+            ChangeKind::Guard(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Parses the stored form.
+    fn from_db(kind: &str, guard_version: Option<u64>) -> Result<Self, StoreError> {
+        match (kind, guard_version) {
+            ("created", _) => Ok(ChangeKind::Created),
+            ("deleted", _) => Ok(ChangeKind::Deleted),
+            ("tags", _) => Ok(ChangeKind::Tags),
+            ("guard", Some(v)) => Ok(ChangeKind::Guard(v)),
+            (other, v) => Err(StoreError::Corrupt(format!(
+                "change kind {other:?} ({v:?})"
+            ))),
+        }
+    }
+}
+
+/// One entry of the change log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterChange {
+    /// Its position in the log: database-wide, gapless, in commit order.
+    pub seq: u64,
+    /// The cluster it is about.
+    pub cluster: String,
+    /// What happened.
+    pub kind: ChangeKind,
+    /// When (by the clock of the replica that made it).
+    pub at: OffsetDateTime,
+}
+
+/// A page of the change log, read at one instant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChangePage {
+    /// Entries after the cursor asked for, in order (at most the limit asked for).
+    pub changes: Vec<ClusterChange>,
+    /// The newest entry's sequence number at the time of the read (0 for an empty log).
+    pub head: u64,
+    /// True when the log no longer holds everything after the cursor (pruned, or the cursor is from another
+    /// database): `changes` is empty and the reader must reload all state, then continue from `head`.
+    pub reset: bool,
+}
+
+/// Wake-ups from a backend that pushes change notifications: each item means "the log may have grown".
+/// Items carry no data; readers always re-read the log, so a lost or merged wake-up costs nothing but delay.
+pub type ChangeSignals = BoxStream<'static, ()>;
+
 /// Persistent relay state. Implementations must be safe to share between tasks; every method is one atomic
 /// operation.
 pub trait Store: Send + Sync + 'static {
@@ -419,6 +569,25 @@ pub trait Store: Send + Sync + 'static {
     /// Removes a user from the directory; false if there was no entry.
     fn delete_directory_entry<'a>(&'a self, oid: &'a str) -> StoreFuture<'a, bool>;
 
+    /// Replaces a cluster's tags (and logs a [`ChangeKind::Tags`] change); false for an unknown cluster.
+    fn set_cluster_tags<'a>(
+        &'a self,
+        name: &'a str,
+        tags: &'a BTreeMap<String, String>,
+    ) -> StoreFuture<'a, bool>;
+
+    /// The change log after `after` (at most `limit` entries), with the log's head; see [`ChangePage`].
+    fn changes_since(&self, after: u64, limit: u32) -> StoreFuture<'_, ChangePage>;
+
+    /// Removes the log entries made before `before` (each replica re-reads the log every few seconds, so an
+    /// hour of history is plenty); returns how many were removed. A reader whose cursor falls in the removed
+    /// part gets [`ChangePage::reset`].
+    fn prune_changes(&self, before: OffsetDateTime) -> StoreFuture<'_, u64>;
+
+    /// Push notifications of log growth, when the backend has them (PostgreSQL `LISTEN`; SQLite: changes made
+    /// through this same handle). `None`: poll [`Store::changes_since`] only.
+    fn change_signals(&self) -> StoreFuture<'_, Option<ChangeSignals>>;
+
     /// Flushes and closes the backend.
     fn close(&self) -> StoreFuture<'_, ()>;
 }
@@ -434,6 +603,50 @@ pub fn next_guard_version(previous: u64, at: OffsetDateTime) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backends_by_scheme() {
+        for url in [
+            "sqlite::memory:",
+            "sqlite:///var/lib/tether/relay.db",
+            "sqlite:relay.db",
+            "SQLITE:x",
+        ] {
+            assert_eq!(Backend::of_url(url).expect(url), Backend::Sqlite, "{url}");
+        }
+        for url in [
+            "postgres://db/tether",
+            "postgresql://u:p@db:5432/tether?sslmode=verify-full",
+        ] {
+            assert_eq!(Backend::of_url(url).expect(url), Backend::Postgres, "{url}");
+        }
+        for url in [
+            "mysql://u:hunter2@db/tether",
+            "postgres:db",
+            "",
+            "relay.db",
+            "http://x",
+        ] {
+            let err = Backend::of_url(url).expect_err(url);
+            assert!(matches!(err, StoreError::UnsupportedUrl(_)), "{url}");
+            assert!(!err.to_string().contains("hunter2"), "{err}");
+        }
+        assert_eq!(
+            redact_url("postgres://relay:s3cret@db:5432/tether"),
+            "postgres://relay:***@db:5432/tether"
+        );
+        assert_eq!(redact_url("postgres://db/x"), "postgres://db/x");
+    }
+
+    #[tokio::test]
+    async fn open_picks_the_backend_and_refuses_others() {
+        let store = open("sqlite::memory:").await.expect("sqlite opens");
+        assert!(store.list_clusters().await.expect("list").is_empty());
+        assert!(matches!(
+            open("mysql://root:pw@127.0.0.1/x").await,
+            Err(StoreError::UnsupportedUrl(u)) if u == "mysql://root:***@127.0.0.1/x"
+        ));
+    }
 
     #[test]
     fn token_hash_roundtrip_and_compare() {

@@ -1,12 +1,19 @@
 //! The default [`Store`]: SQLite through sqlx, WAL mode, embedded migrations.
 //!
-//! Queries are plain runtime SQL with `$n` placeholders, which PostgreSQL understands too.
+//! Queries are plain runtime SQL with `$n` placeholders, which PostgreSQL understands too (the PostgreSQL
+//! store, `postgres.rs`, keeps the same statements wherever the dialects agree).
+//!
+//! Write transactions start with `BEGIN IMMEDIATE`: they take SQLite's write lock first, so two handles on one
+//! file (two pools, or two processes) wait for each other (busy timeout) instead of failing to upgrade a read
+//! lock. Changes through this handle also wake its [`Store::change_signals`] subscribers; changes made through
+//! another handle are found by the change feed's periodic re-read.
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::time::Duration;
 
 use futures_util::FutureExt;
+use futures_util::stream::StreamExt;
 use sqlx::Row;
 use sqlx::error::ErrorKind;
 use sqlx::sqlite::{
@@ -15,17 +22,24 @@ use sqlx::sqlite::{
 };
 use tether_auth::rbac::{RoleDefinition, builtin_roles};
 use time::OffsetDateTime;
+use tokio::sync::watch;
 
 use super::{
-    Activity, ClusterIdentity, ClusterMetadata, ClusterRecord, ClusterSecrets,
-    DenyAssignmentRecord, DirectoryEntry, GuardState, NewCluster, NewIdentity,
-    RoleAssignmentRecord, Store, StoreError, StoreFuture, TokenHash, next_guard_version,
+    Activity, ChangeKind, ChangePage, ChangeSignals, ClusterChange, ClusterIdentity,
+    ClusterMetadata, ClusterRecord, ClusterSecrets, DenyAssignmentRecord, DirectoryEntry,
+    GuardState, NewCluster, NewIdentity, RoleAssignmentRecord, Store, StoreError, StoreFuture,
+    TokenHash, next_guard_version,
 };
+
+/// Starts a write transaction holding the write lock.
+const BEGIN_WRITE: &str = "BEGIN IMMEDIATE";
 
 /// SQLite implementation of [`Store`].
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    /// Bumped after each commit that logged a change through this handle.
+    changed: watch::Sender<u64>,
 }
 
 impl SqliteStore {
@@ -67,8 +81,52 @@ impl SqliteStore {
             .execute(&pool)
             .await?;
         }
-        Ok(Self { pool })
+        Ok(Self {
+            pool,
+            changed: watch::Sender::new(0),
+        })
     }
+
+    /// Wakes this handle's change subscribers (after a commit that logged a change).
+    fn signal_change(&self) {
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
+/// Appends `kind` for `cluster` to the change log, inside the transaction that makes the change.
+async fn record_change(
+    conn: &mut SqliteConnection,
+    cluster: &str,
+    kind: ChangeKind,
+    at: OffsetDateTime,
+) -> Result<u64, StoreError> {
+    let seq: i64 =
+        sqlx::query_scalar("UPDATE change_log_head SET seq = seq + 1 WHERE id = 1 RETURNING seq")
+            .fetch_one(&mut *conn)
+            .await?;
+    sqlx::query(
+        "INSERT INTO cluster_changes (seq, cluster, kind, guard_version, changed_at) \
+         VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(seq)
+    .bind(cluster)
+    .bind(kind.as_db())
+    .bind(kind.guard_version().map(version_to_db))
+    .bind(ts(at))
+    .execute(&mut *conn)
+    .await?;
+    version_from_db(seq)
+}
+
+fn change_from_row(row: &SqliteRow) -> Result<ClusterChange, StoreError> {
+    let kind: String = row.try_get("kind")?;
+    let version: Option<i64> = row.try_get("guard_version")?;
+    Ok(ClusterChange {
+        seq: version_from_db(row.try_get("seq")?)?,
+        cluster: row.try_get("cluster")?,
+        kind: ChangeKind::from_db(&kind, version.map(version_from_db).transpose()?)?,
+        at: from_ts(row.try_get("changed_at")?)?,
+    })
 }
 
 fn is_unique_violation(e: &sqlx::Error) -> bool {
@@ -309,6 +367,27 @@ fn new_record(new: &NewCluster) -> Result<ClusterRecord, StoreError> {
     })
 }
 
+/// Inserts a new cluster's row; [`StoreError::AlreadyExists`] if the name is taken.
+async fn insert_cluster(conn: &mut SqliteConnection, new: &NewCluster) -> Result<(), StoreError> {
+    let result = sqlx::query(
+        "INSERT INTO clusters (name, tags, created_at, onboarding_token_hash, onboarding_used, \
+         guard_version) VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(&new.name)
+    .bind(to_json(&new.tags, "tags")?)
+    .bind(ts(new.created_at))
+    .bind(new.onboarding_token_hash.to_hex())
+    .bind(false)
+    .bind(version_to_db(next_guard_version(0, new.created_at)))
+    .execute(&mut *conn)
+    .await;
+    match result {
+        Ok(_) => Ok(()),
+        Err(e) if is_unique_violation(&e) => Err(StoreError::AlreadyExists(new.name.clone())),
+        Err(e) => Err(e.into()),
+    }
+}
+
 fn cluster_from_row(row: &SqliteRow) -> Result<ClusterRecord, StoreError> {
     let tags: String = row.try_get("tags")?;
     let tags: BTreeMap<String, String> =
@@ -340,26 +419,17 @@ fn cluster_from_row(row: &SqliteRow) -> Result<ClusterRecord, StoreError> {
 impl Store for SqliteStore {
     fn create_cluster<'a>(&'a self, new: &'a NewCluster) -> StoreFuture<'a, ClusterRecord> {
         async move {
-            let tags = to_json(&new.tags, "tags")?;
-            let result = sqlx::query(
-                "INSERT INTO clusters (name, tags, created_at, onboarding_token_hash, onboarding_used, \
-                 guard_version) VALUES ($1, $2, $3, $4, $5, $6)",
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
+            insert_cluster(&mut tx, new).await?;
+            record_change(
+                &mut tx,
+                &new.name,
+                ChangeKind::Created,
+                OffsetDateTime::now_utc(),
             )
-            .bind(&new.name)
-            .bind(tags)
-            .bind(ts(new.created_at))
-            .bind(new.onboarding_token_hash.to_hex())
-            .bind(false)
-            .bind(version_to_db(next_guard_version(0, new.created_at)))
-            .execute(&self.pool)
-            .await;
-            match result {
-                Ok(_) => {}
-                Err(e) if is_unique_violation(&e) => {
-                    return Err(StoreError::AlreadyExists(new.name.clone()));
-                }
-                Err(e) => return Err(e.into()),
-            }
+            .await?;
+            tx.commit().await?;
+            self.signal_change();
             new_record(new)
         }
         .boxed()
@@ -396,11 +466,24 @@ impl Store for SqliteStore {
 
     fn delete_cluster<'a>(&'a self, name: &'a str) -> StoreFuture<'a, bool> {
         async move {
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
             let done = sqlx::query("DELETE FROM clusters WHERE name = $1")
                 .bind(name)
-                .execute(&self.pool)
+                .execute(&mut *tx)
                 .await?;
-            Ok(done.rows_affected() > 0)
+            if done.rows_affected() == 0 {
+                return Ok(false);
+            }
+            record_change(
+                &mut tx,
+                name,
+                ChangeKind::Deleted,
+                OffsetDateTime::now_utc(),
+            )
+            .await?;
+            tx.commit().await?;
+            self.signal_change();
+            Ok(true)
         }
         .boxed()
     }
@@ -516,7 +599,7 @@ impl Store for SqliteStore {
             if batch.is_empty() {
                 return Ok(());
             }
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
             for a in batch {
                 let health = a.health.as_ref().map(|h| to_json(h, "health")).transpose()?;
                 // COALESCE keeps what the batch does not carry; CASE keeps last_seen monotonic.
@@ -618,14 +701,23 @@ impl Store for SqliteStore {
         assignment: &'a RoleAssignmentRecord,
     ) -> StoreFuture<'a, u64> {
         async move {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
             let version = bump_guard_version(&mut tx, &assignment.cluster)
                 .await?
                 .ok_or_else(|| {
                     StoreError::NotFound(format!("clusters \"{}\" not found", assignment.cluster))
                 })?;
             insert_assignment(&mut tx, assignment).await?;
+            let now = OffsetDateTime::now_utc();
+            record_change(
+                &mut tx,
+                &assignment.cluster,
+                ChangeKind::Guard(version),
+                now,
+            )
+            .await?;
             tx.commit().await?;
+            self.signal_change();
             Ok(version)
         }
         .boxed()
@@ -664,7 +756,7 @@ impl Store for SqliteStore {
 
     fn delete_role_assignment<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<(String, u64)>> {
         async move {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
             let cluster: Option<String> =
                 sqlx::query_scalar("DELETE FROM role_assignments WHERE id = $1 RETURNING cluster")
                     .bind(id)
@@ -673,9 +765,14 @@ impl Store for SqliteStore {
             let Some(cluster) = cluster else {
                 return Ok(None);
             };
-            let version = bump_guard_version(&mut tx, &cluster).await?;
+            let Some(version) = bump_guard_version(&mut tx, &cluster).await? else {
+                return Ok(None);
+            };
+            let now = OffsetDateTime::now_utc();
+            record_change(&mut tx, &cluster, ChangeKind::Guard(version), now).await?;
             tx.commit().await?;
-            Ok(version.map(|v| (cluster, v)))
+            self.signal_change();
+            Ok(Some((cluster, version)))
         }
         .boxed()
     }
@@ -685,14 +782,17 @@ impl Store for SqliteStore {
         deny: &'a DenyAssignmentRecord,
     ) -> StoreFuture<'a, u64> {
         async move {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
             let version = bump_guard_version(&mut tx, &deny.cluster)
                 .await?
                 .ok_or_else(|| {
                     StoreError::NotFound(format!("clusters \"{}\" not found", deny.cluster))
                 })?;
             insert_deny(&mut tx, deny).await?;
+            let now = OffsetDateTime::now_utc();
+            record_change(&mut tx, &deny.cluster, ChangeKind::Guard(version), now).await?;
             tx.commit().await?;
+            self.signal_change();
             Ok(version)
         }
         .boxed()
@@ -723,7 +823,7 @@ impl Store for SqliteStore {
 
     fn delete_deny_assignment<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<(String, u64)>> {
         async move {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
             let cluster: Option<String> =
                 sqlx::query_scalar("DELETE FROM deny_assignments WHERE id = $1 RETURNING cluster")
                     .bind(id)
@@ -732,9 +832,14 @@ impl Store for SqliteStore {
             let Some(cluster) = cluster else {
                 return Ok(None);
             };
-            let version = bump_guard_version(&mut tx, &cluster).await?;
+            let Some(version) = bump_guard_version(&mut tx, &cluster).await? else {
+                return Ok(None);
+            };
+            let now = OffsetDateTime::now_utc();
+            record_change(&mut tx, &cluster, ChangeKind::Guard(version), now).await?;
             tx.commit().await?;
-            Ok(version.map(|v| (cluster, v)))
+            self.signal_change();
+            Ok(Some((cluster, version)))
         }
         .boxed()
     }
@@ -797,26 +902,8 @@ impl Store for SqliteStore {
         denies: &'a [DenyAssignmentRecord],
     ) -> StoreFuture<'a, ClusterRecord> {
         async move {
-            let mut tx = self.pool.begin().await?;
-            let result = sqlx::query(
-                "INSERT INTO clusters (name, tags, created_at, onboarding_token_hash, onboarding_used, \
-                 guard_version) VALUES ($1, $2, $3, $4, $5, $6)",
-            )
-            .bind(&new.name)
-            .bind(to_json(&new.tags, "tags")?)
-            .bind(ts(new.created_at))
-            .bind(new.onboarding_token_hash.to_hex())
-            .bind(false)
-            .bind(version_to_db(next_guard_version(0, new.created_at)))
-            .execute(&mut *tx)
-            .await;
-            match result {
-                Ok(_) => {}
-                Err(e) if is_unique_violation(&e) => {
-                    return Err(StoreError::AlreadyExists(new.name.clone()));
-                }
-                Err(e) => return Err(e.into()),
-            }
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
+            insert_cluster(&mut tx, new).await?;
             for role in roles {
                 insert_role(&mut tx, role, new.created_at, true).await?;
             }
@@ -826,7 +913,15 @@ impl Store for SqliteStore {
             for d in denies {
                 insert_deny(&mut tx, d).await?;
             }
+            record_change(
+                &mut tx,
+                &new.name,
+                ChangeKind::Created,
+                OffsetDateTime::now_utc(),
+            )
+            .await?;
             tx.commit().await?;
+            self.signal_change();
             new_record(new)
         }
         .boxed()
@@ -882,6 +977,107 @@ impl Store for SqliteStore {
         .boxed()
     }
 
+    fn set_cluster_tags<'a>(
+        &'a self,
+        name: &'a str,
+        tags: &'a BTreeMap<String, String>,
+    ) -> StoreFuture<'a, bool> {
+        async move {
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
+            let done = sqlx::query("UPDATE clusters SET tags = $1 WHERE name = $2")
+                .bind(to_json(tags, "tags")?)
+                .bind(name)
+                .execute(&mut *tx)
+                .await?;
+            if done.rows_affected() == 0 {
+                return Ok(false);
+            }
+            record_change(&mut tx, name, ChangeKind::Tags, OffsetDateTime::now_utc()).await?;
+            tx.commit().await?;
+            self.signal_change();
+            Ok(true)
+        }
+        .boxed()
+    }
+
+    fn changes_since(&self, after: u64, limit: u32) -> StoreFuture<'_, ChangePage> {
+        async move {
+            // One read transaction: the head, the pruning mark and the entries are from the same instant.
+            let mut tx = self.pool.begin().await?;
+            let (head, pruned_through): (i64, i64) =
+                sqlx::query_as("SELECT seq, pruned_through FROM change_log_head WHERE id = 1")
+                    .fetch_one(&mut *tx)
+                    .await?;
+            let head = version_from_db(head)?;
+            let pruned_through = version_from_db(pruned_through)?;
+            if after < pruned_through || after > head {
+                return Ok(ChangePage {
+                    changes: Vec::new(),
+                    head,
+                    reset: true,
+                });
+            }
+            let rows = sqlx::query(
+                "SELECT seq, cluster, kind, guard_version, changed_at FROM cluster_changes \
+                 WHERE seq > $1 ORDER BY seq LIMIT $2",
+            )
+            .bind(version_to_db(after))
+            .bind(i64::from(limit))
+            .fetch_all(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok(ChangePage {
+                changes: rows.iter().map(change_from_row).collect::<Result<_, _>>()?,
+                head,
+                reset: false,
+            })
+        }
+        .boxed()
+    }
+
+    fn prune_changes(&self, before: OffsetDateTime) -> StoreFuture<'_, u64> {
+        async move {
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
+            let through: Option<i64> =
+                sqlx::query_scalar("SELECT MAX(seq) FROM cluster_changes WHERE changed_at < $1")
+                    .bind(ts(before))
+                    .fetch_one(&mut *tx)
+                    .await?;
+            let Some(through) = through else {
+                return Ok(0);
+            };
+            // Entries are appended in time order per replica, but clocks differ: remove everything up to
+            // the newest old entry, so the log stays a suffix and `pruned_through` stays exact.
+            let done = sqlx::query("DELETE FROM cluster_changes WHERE seq <= $1")
+                .bind(through)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(
+                "UPDATE change_log_head SET pruned_through = $1 WHERE id = 1 AND pruned_through < $2",
+            )
+            .bind(through)
+            .bind(through)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok(done.rows_affected())
+        }
+        .boxed()
+    }
+
+    fn change_signals(&self) -> StoreFuture<'_, Option<ChangeSignals>> {
+        async move {
+            let mut rx = self.changed.subscribe();
+            rx.mark_unchanged();
+            let signals = futures_util::stream::unfold(rx, |mut rx| async move {
+                rx.changed().await.ok()?;
+                Some(((), rx))
+            });
+            Ok(Some(signals.boxed()))
+        }
+        .boxed()
+    }
+
     fn close(&self) -> StoreFuture<'_, ()> {
         async move {
             self.pool.close().await;
@@ -893,8 +1089,9 @@ impl Store for SqliteStore {
 
 #[cfg(test)]
 mod tests {
+    // The backend-neutral cases live in tests/store.rs, run against SQLite and PostgreSQL; this is what only
+    // SQLite has.
     use super::*;
-    use crate::store::AgentHealth;
 
     fn new_cluster(name: &str, token: &str) -> NewCluster {
         NewCluster {
@@ -904,536 +1101,6 @@ mod tests {
             created_at: OffsetDateTime::from_unix_timestamp(1_700_000_000)
                 .expect("valid timestamp"),
         }
-    }
-
-    async fn memory() -> SqliteStore {
-        SqliteStore::open("sqlite::memory:")
-            .await
-            .expect("in-memory store opens")
-    }
-
-    #[tokio::test]
-    async fn create_get_list_delete() {
-        let store = memory().await;
-        let created = store
-            .create_cluster(&new_cluster("b", "t1"))
-            .await
-            .expect("create b");
-        store
-            .create_cluster(&new_cluster("a", "t2"))
-            .await
-            .expect("create a");
-        assert!(matches!(
-            store.create_cluster(&new_cluster("a", "t3")).await,
-            Err(StoreError::AlreadyExists(n)) if n == "a"
-        ));
-        let got = store.cluster("b").await.expect("query").expect("b exists");
-        assert_eq!(got, created);
-        assert_eq!(got.tags["env"], "test");
-        let names: Vec<_> = store
-            .list_clusters()
-            .await
-            .expect("list")
-            .into_iter()
-            .map(|c| c.name)
-            .collect();
-        assert_eq!(names, ["a", "b"]);
-        assert!(store.delete_cluster("a").await.expect("delete"));
-        assert!(!store.delete_cluster("a").await.expect("delete again"));
-        assert!(store.cluster("a").await.expect("query").is_none());
-        assert!(store.secrets("a").await.expect("query").is_none());
-    }
-
-    fn identity(fingerprint: &str) -> NewIdentity {
-        NewIdentity {
-            fingerprint: fingerprint.into(),
-            not_after: OffsetDateTime::from_unix_timestamp(1_900_000_000).expect("valid"),
-        }
-    }
-
-    #[tokio::test]
-    async fn onboarding_token_redeems_once() {
-        let store = memory().await;
-        store
-            .create_cluster(&new_cluster("c", "token"))
-            .await
-            .expect("create");
-        let now = OffsetDateTime::now_utc();
-        let first = identity("aa");
-        assert!(
-            !store
-                .redeem_onboarding_token("c", &TokenHash::of("wrong"), &first, now)
-                .await
-                .expect("redeem")
-        );
-        assert!(
-            !store
-                .redeem_onboarding_token("nope", &TokenHash::of("token"), &first, now)
-                .await
-                .expect("redeem")
-        );
-        assert!(
-            store
-                .redeem_onboarding_token("c", &TokenHash::of("token"), &first, now)
-                .await
-                .expect("redeem")
-        );
-        assert!(
-            !store
-                .redeem_onboarding_token("c", &TokenHash::of("token"), &identity("bb"), now)
-                .await
-                .expect("redeem")
-        );
-        let secrets = store.secrets("c").await.expect("query").expect("exists");
-        assert!(secrets.onboarding_used);
-        let c = store.cluster("c").await.expect("query").expect("exists");
-        assert!(c.onboarded);
-        assert_eq!(
-            c.identity,
-            Some(ClusterIdentity {
-                fingerprint: "aa".into(),
-                not_after: first.not_after,
-                previous_fingerprint: None,
-            })
-        );
-    }
-
-    #[tokio::test]
-    async fn renewal_keeps_the_presented_certificate_until_confirmed() {
-        let store = memory().await;
-        store
-            .create_cluster(&new_cluster("c", "token"))
-            .await
-            .expect("create");
-        let now = OffsetDateTime::now_utc();
-        store
-            .redeem_onboarding_token("c", &TokenHash::of("token"), &identity("a"), now)
-            .await
-            .expect("redeem");
-        assert!(
-            !store
-                .renew_identity("c", "unknown", &identity("x"))
-                .await
-                .expect("renew"),
-            "only the current or previous certificate may renew"
-        );
-        assert!(
-            store
-                .renew_identity("c", "a", &identity("b"))
-                .await
-                .expect("renew")
-        );
-        let id = store
-            .cluster("c")
-            .await
-            .expect("q")
-            .expect("c")
-            .identity
-            .expect("identity");
-        assert!(id.accepts("a") && id.accepts("b") && !id.accepts("x"));
-        // The agent lost "b" and renews again with "a": "a" stays accepted, "b" is gone.
-        assert!(
-            store
-                .renew_identity("c", "a", &identity("c"))
-                .await
-                .expect("renew")
-        );
-        let id = store
-            .cluster("c")
-            .await
-            .expect("q")
-            .expect("c")
-            .identity
-            .expect("identity");
-        assert!(id.accepts("a") && id.accepts("c") && !id.accepts("b"));
-        // Confirming with the previous certificate changes nothing; with the current one forgets the previous.
-        store.confirm_identity("c", "a").await.expect("confirm");
-        let id = store
-            .cluster("c")
-            .await
-            .expect("q")
-            .expect("c")
-            .identity
-            .expect("identity");
-        assert_eq!(id.previous_fingerprint.as_deref(), Some("a"));
-        store.confirm_identity("c", "c").await.expect("confirm");
-        let id = store
-            .cluster("c")
-            .await
-            .expect("q")
-            .expect("c")
-            .identity
-            .expect("identity");
-        assert!(!id.accepts("a") && id.accepts("c"));
-        assert!(
-            !store
-                .renew_identity("gone", "c", &identity("d"))
-                .await
-                .expect("renew")
-        );
-    }
-
-    #[tokio::test]
-    async fn connection_facts() {
-        let store = memory().await;
-        store
-            .create_cluster(&new_cluster("c", "token"))
-            .await
-            .expect("create");
-        let t1 = OffsetDateTime::from_unix_timestamp(1_800_000_000).expect("valid");
-        let t2 = OffsetDateTime::from_unix_timestamp(1_800_000_060).expect("valid");
-        store
-            .record_connected("c", "v1.2.3", t1)
-            .await
-            .expect("connected");
-        let c = store.cluster("c").await.expect("query").expect("exists");
-        assert_eq!(
-            (c.connected_since, c.last_seen, c.agent_version.as_deref()),
-            (Some(t1), Some(t1), Some("v1.2.3"))
-        );
-        let health = AgentHealth {
-            uptime_seconds: 5,
-            memory_bytes: 1 << 20,
-            cpu_seconds: 0.25,
-            reconnects: 2,
-            tunnel_rtt_millis: Some(1.5),
-            reported_at: t2,
-        };
-        store
-            .record_activity(&[
-                Activity {
-                    name: "c".into(),
-                    seen_at: t2,
-                    health: Some(health.clone()),
-                    agent_version: Some("v1.2.4".into()),
-                },
-                Activity {
-                    name: "unknown".into(),
-                    seen_at: t2,
-                    health: None,
-                    agent_version: None,
-                },
-            ])
-            .await
-            .expect("activity");
-        let c = store.cluster("c").await.expect("query").expect("exists");
-        assert_eq!(c.last_seen, Some(t2));
-        assert_eq!(c.health.as_ref(), Some(&health));
-        assert_eq!(c.agent_version.as_deref(), Some("v1.2.4"));
-        // An older time does not move last-seen back; a batch without health keeps the stored one.
-        store
-            .record_activity(&[Activity {
-                name: "c".into(),
-                seen_at: t1,
-                health: None,
-                agent_version: None,
-            }])
-            .await
-            .expect("activity");
-        let c = store.cluster("c").await.expect("query").expect("exists");
-        assert_eq!((c.last_seen, c.health.as_ref()), (Some(t2), Some(&health)));
-
-        let metadata = ClusterMetadata {
-            kubernetes_version: "v1.33.1".into(),
-            node_count: 3,
-            total_cpu_millis: 6000,
-            total_memory_bytes: 8 << 30,
-            distribution: "kind".into(),
-            infrastructure: "generic".into(),
-            reported_at: t2,
-        };
-        store
-            .record_metadata("c", &metadata, "v1.2.5")
-            .await
-            .expect("metadata");
-        store.record_disconnected("c").await.expect("disconnected");
-        let c = store.cluster("c").await.expect("query").expect("exists");
-        assert_eq!((c.connected_since, c.last_seen), (None, Some(t2)));
-        assert_eq!(c.metadata, Some(metadata));
-        assert_eq!(c.agent_version.as_deref(), Some("v1.2.5"));
-    }
-
-    fn custom_role(id: &str, name: &str) -> RoleDefinition {
-        RoleDefinition {
-            id: id.into(),
-            name: name.into(),
-            description: String::new(),
-            data_actions: vec!["Microsoft.Kubernetes/connectedClusters/pods/read".into()],
-            not_data_actions: Vec::new(),
-        }
-    }
-
-    fn assignment(id: &str, role: &str, cluster: &str, ns: Option<&str>) -> RoleAssignmentRecord {
-        RoleAssignmentRecord {
-            id: id.into(),
-            role_id: role.into(),
-            principal_id: "0f1e2d3c-0000-4000-8000-000000000001".into(),
-            cluster: cluster.into(),
-            namespace: ns.map(str::to_owned),
-            created_at: OffsetDateTime::from_unix_timestamp(1_700_000_000).expect("valid"),
-        }
-    }
-
-    fn deny(id: &str, cluster: &str) -> DenyAssignmentRecord {
-        DenyAssignmentRecord {
-            id: id.into(),
-            name: "no secrets".into(),
-            data_actions: vec!["Microsoft.Kubernetes/connectedClusters/secrets/*".into()],
-            not_data_actions: Vec::new(),
-            principals: vec!["*".into()],
-            exclude_principals: vec!["x".into()],
-            cluster: cluster.into(),
-            namespace: Some("prod".into()),
-            created_at: OffsetDateTime::from_unix_timestamp(1_700_000_000).expect("valid"),
-        }
-    }
-
-    const VIEWER: &str = "63f0a09d-1495-4db4-a681-037d84835eb4";
-
-    #[tokio::test]
-    async fn role_definitions_are_unique_and_builtins_are_reserved() {
-        let store = memory().await;
-        let at = OffsetDateTime::now_utc();
-        assert!(store.role_definitions().await.expect("list").is_empty());
-        store
-            .create_role_definition(&custom_role("pod-reader", "Pod Reader"), at)
-            .await
-            .expect("create");
-        for dup in [
-            custom_role("POD-READER", "Other"),
-            custom_role("other", "pod reader"),
-            custom_role(VIEWER, "Mine"),
-            custom_role("mine", "Azure Arc Kubernetes Viewer"),
-        ] {
-            assert!(
-                matches!(
-                    store.create_role_definition(&dup, at).await,
-                    Err(StoreError::Conflict(_))
-                ),
-                "{dup:?}"
-            );
-        }
-        let roles = store.role_definitions().await.expect("list");
-        assert_eq!(roles, vec![custom_role("pod-reader", "Pod Reader")]);
-        assert!(!store.delete_role_definition(VIEWER).await.expect("delete"));
-        assert!(
-            store
-                .delete_role_definition("Pod-Reader")
-                .await
-                .expect("delete")
-        );
-        assert!(
-            !store
-                .delete_role_definition("pod-reader")
-                .await
-                .expect("delete")
-        );
-    }
-
-    #[tokio::test]
-    async fn assignments_raise_versions_reference_roles_and_go_with_their_cluster() {
-        let store = memory().await;
-        store
-            .create_cluster(&new_cluster("c", "t"))
-            .await
-            .expect("create");
-        store
-            .create_cluster(&new_cluster("d", "t2"))
-            .await
-            .expect("create");
-        let at = OffsetDateTime::now_utc();
-        store
-            .create_role_definition(&custom_role("pod-reader", "Pod Reader"), at)
-            .await
-            .expect("role");
-        let v0 = store
-            .guard_state("c")
-            .await
-            .expect("state")
-            .expect("exists")
-            .version;
-        assert!(
-            v0 >= 1_700_000_000_000,
-            "versions start at the creation time in ms: {v0}"
-        );
-
-        assert!(matches!(
-            store.create_role_assignment(&assignment("a0", VIEWER, "nope", None)).await,
-            Err(StoreError::NotFound(m)) if m.contains("nope")
-        ));
-        assert!(matches!(
-            store.create_role_assignment(&assignment("a0", "ghost", "c", None)).await,
-            Err(StoreError::NotFound(m)) if m.contains("ghost")
-        ));
-        let v1 = store
-            .create_role_assignment(&assignment("a1", VIEWER, "c", Some("dev")))
-            .await
-            .expect("assign");
-        let v2 = store
-            .create_role_assignment(&assignment("a2", "pod-reader", "c", None))
-            .await
-            .expect("assign");
-        store
-            .create_role_assignment(&assignment("a3", VIEWER, "d", None))
-            .await
-            .expect("assign");
-        assert!(v0 < v1 && v1 < v2, "{v0} {v1} {v2}");
-        assert!(matches!(
-            store
-                .create_role_assignment(&assignment("a4", VIEWER, "c", Some("dev")))
-                .await,
-            Err(StoreError::Conflict(_))
-        ));
-        let refused = store.delete_role_definition("pod-reader").await;
-        assert!(
-            matches!(refused, Err(StoreError::Conflict(_))),
-            "{refused:?}"
-        );
-        let v3 = store
-            .create_deny_assignment(&deny("d1", "c"))
-            .await
-            .expect("deny");
-        assert!(v3 > v2);
-
-        let state = store
-            .guard_state("c")
-            .await
-            .expect("state")
-            .expect("exists");
-        assert_eq!(state.version, v3);
-        assert_eq!(state.roles, vec![custom_role("pod-reader", "Pod Reader")]);
-        assert_eq!(
-            state.assignments,
-            vec![
-                assignment("a1", VIEWER, "c", Some("dev")),
-                assignment("a2", "pod-reader", "c", None)
-            ]
-        );
-        assert_eq!(state.deny_assignments, vec![deny("d1", "c")]);
-        assert_eq!(store.role_assignments(None).await.expect("list").len(), 3);
-        assert_eq!(
-            store.role_assignments(Some("d")).await.expect("list").len(),
-            1
-        );
-        assert_eq!(
-            store.deny_assignments(Some("d")).await.expect("list").len(),
-            0
-        );
-
-        let (cluster, v4) = store
-            .delete_role_assignment("a2")
-            .await
-            .expect("delete")
-            .expect("existed");
-        assert_eq!(cluster, "c");
-        assert!(v4 > v3);
-        assert!(
-            store
-                .delete_role_assignment("a2")
-                .await
-                .expect("delete")
-                .is_none()
-        );
-        assert!(
-            store
-                .delete_role_definition("pod-reader")
-                .await
-                .expect("delete")
-        );
-        let (_, v5) = store
-            .delete_deny_assignment("d1")
-            .await
-            .expect("delete")
-            .expect("existed");
-        assert!(v5 > v4);
-
-        // Deleting a cluster deletes its assignments, and nothing of the others'.
-        store
-            .create_deny_assignment(&deny("d2", "c"))
-            .await
-            .expect("deny");
-        assert!(store.delete_cluster("c").await.expect("delete"));
-        assert!(store.guard_state("c").await.expect("state").is_none());
-        let left: Vec<_> = store
-            .role_assignments(None)
-            .await
-            .expect("list")
-            .into_iter()
-            .map(|a| a.id)
-            .collect();
-        assert_eq!(left, ["a3"]);
-        assert!(store.deny_assignments(None).await.expect("list").is_empty());
-    }
-
-    #[tokio::test]
-    async fn import_is_all_or_nothing() {
-        let store = memory().await;
-        let new = new_cluster("moved", "t");
-        let role = custom_role("pod-reader", "Pod Reader");
-        let bad = [assignment("a1", "ghost", "moved", None)];
-        assert!(matches!(
-            store.import_cluster(&new, &[], &bad, &[]).await,
-            Err(StoreError::NotFound(_))
-        ));
-        assert!(store.cluster("moved").await.expect("query").is_none());
-        let good = [
-            assignment("a1", "pod-reader", "moved", None),
-            assignment("a2", VIEWER, "moved", Some("ns")),
-        ];
-        let record = store
-            .import_cluster(
-                &new,
-                std::slice::from_ref(&role),
-                &good,
-                &[deny("d1", "moved")],
-            )
-            .await
-            .expect("import");
-        assert_eq!(record.name, "moved");
-        let state = store
-            .guard_state("moved")
-            .await
-            .expect("state")
-            .expect("exists");
-        assert_eq!(
-            (state.assignments.len(), state.deny_assignments.len()),
-            (2, 1)
-        );
-        assert_eq!(state.roles, vec![role.clone()]);
-        // The role existed already this time: not an error.
-        assert!(matches!(
-            store.import_cluster(&new, &[role], &[], &[]).await,
-            Err(StoreError::AlreadyExists(_))
-        ));
-        let other = new_cluster("other", "t");
-        store
-            .import_cluster(&other, &[custom_role("pod-reader", "Pod Reader")], &[], &[])
-            .await
-            .expect("import with an existing role");
-    }
-
-    #[tokio::test]
-    async fn directory_entries() {
-        let store = memory().await;
-        let at = OffsetDateTime::from_unix_timestamp(1_700_000_000).expect("valid");
-        assert!(store.directory_entry("u").await.expect("get").is_none());
-        let mut entry = DirectoryEntry {
-            oid: "u".into(),
-            tid: Some("t".into()),
-            groups: vec!["g1".into(), "g2".into()],
-            updated_at: at,
-        };
-        store.set_directory_entry(&entry).await.expect("set");
-        assert_eq!(
-            store.directory_entry("u").await.expect("get"),
-            Some(entry.clone())
-        );
-        entry.groups = vec!["g3".into()];
-        entry.tid = None;
-        store.set_directory_entry(&entry).await.expect("replace");
-        assert_eq!(store.directory_entry("u").await.expect("get"), Some(entry));
-        assert!(store.delete_directory_entry("u").await.expect("delete"));
-        assert!(!store.delete_directory_entry("u").await.expect("delete"));
     }
 
     #[tokio::test]

@@ -1,4 +1,4 @@
-"""Mints Entra-shaped test tokens with PyJWT (an implementation independent of guard's).
+"""Mints Entra-shaped test tokens with PyJWT (an implementation independent of tether-auth), for tether_testkit::idp.
 
 Reads one JSON object from argv[1]: now, tid, other_tid, aud, v2_iss, v1_iss, other_iss.
 Prints {"jwks": {kid: public JWK}, "tokens": {case: compact JWS}}: the keys are generated here, so the Rust

@@ -1,0 +1,21 @@
+# syntax=docker/dockerfile:1
+# The relay: `tether-relay` on a distroless base (glibc, CA roots, no shell, no package manager), as user 65532.
+# Build from the repository root:  docker build -f deploy/docker/tether-relay.Dockerfile -t tether/tether-relay .
+# (or buildah bud; deploy/docker/build-local.sh builds the same image FROM scratch from a local cargo build.)
+# The binary path and entrypoint are the ones deploy/charts use and relay/tests/chart.rs checks.
+ARG RUST_VERSION=1.95
+
+FROM docker.io/library/rust:${RUST_VERSION}-bookworm AS build
+WORKDIR /src
+COPY . .
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked -p tether-relay --bin tether-relay \
+    && install -D -m 0755 target/release/tether-relay /out/tether-relay
+
+# Debian 12, like the build stage, so the binary's glibc matches.
+FROM gcr.io/distroless/cc-debian12:nonroot
+COPY --from=build /out/tether-relay /usr/local/bin/tether-relay
+USER 65532:65532
+EXPOSE 8443
+ENTRYPOINT ["/usr/local/bin/tether-relay"]

@@ -1,0 +1,372 @@
+//! A throwaway PostgreSQL server for tests: `initdb` in a temporary directory, `postgres` on a free loopback
+//! port (and a Unix socket in that directory), databases made with `createdb`, and the server stopped when the
+//! [`Postgres`] value is dropped (also when a test panics).
+//!
+//! The binaries are found in `$TETHER_PG_BINDIR`, else `pg_config --bindir`, else the newest
+//! `/usr/lib/postgresql/NN/bin` (Debian's layout), else `PATH`. PostgreSQL refuses to run as root, so when the
+//! tests run as root the server runs as the `postgres` user (`runuser`), and the directory is given to it.
+//!
+//! ```no_run
+//! # fn demo() -> Result<(), tether_testkit::postgres::PostgresError> {
+//! use tether_testkit::postgres::Postgres;
+//! // `None`: PostgreSQL is not installed and `CI` is unset (the reason was printed); under `CI`, an error.
+//! let Some(pg) = Postgres::start_or_skip("my test")? else { return Ok(()) };
+//! let url = pg.create_database("relay")?; // postgres://postgres@127.0.0.1:PORT/relay
+//! # let _ = url; Ok(()) }
+//! ```
+//!
+//! Authentication is `trust` on loopback: the server is reachable only from this machine, for the test's life.
+
+use std::net::{Ipv4Addr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Why the test PostgreSQL could not be found, started or used; the text includes the tool's output.
+#[derive(Debug, thiserror::Error)]
+#[error("test PostgreSQL: {0}")]
+pub struct PostgresError(String);
+
+/// The user `initdb` creates as superuser, and the one the server runs as when the tests run as root.
+const SUPERUSER: &str = "postgres";
+
+/// A running PostgreSQL server, stopped on drop.
+#[derive(Debug)]
+pub struct Postgres {
+    bindir: PathBuf,
+    /// Owns the data and socket directories; removed after the server stopped.
+    dir: tempfile::TempDir,
+    port: u16,
+    /// Run the PostgreSQL binaries as this user (`runuser`), when the tests run as root.
+    run_as: Option<String>,
+}
+
+impl Postgres {
+    /// Starts a server, or returns `Ok(None)` after printing why when PostgreSQL is not installed and the
+    /// environment variable `CI` is unset. Under `CI` a missing PostgreSQL is an error: tests never pass
+    /// without running.
+    pub fn start_or_skip(test: &str) -> Result<Option<Postgres>, PostgresError> {
+        start_found(bindir(), std::env::var_os("CI").is_some(), test)
+    }
+
+    /// Starts a server with the binaries in `bindir`.
+    pub fn start_in(bindir: PathBuf) -> Result<Postgres, PostgresError> {
+        let run_as = is_root().then(|| SUPERUSER.to_owned());
+        let dir = tempfile::Builder::new()
+            .prefix("tether-pg-")
+            .tempdir()
+            .map_err(|e| harness(format!("cannot create a temporary directory: {e}")))?;
+        if run_as.is_some() {
+            // PostgreSQL will not run as root; its directory must belong to the user it runs as.
+            run(Command::new("chown")
+                .arg(format!("{SUPERUSER}:"))
+                .arg(dir.path()))?;
+        }
+        let mut pg = Postgres {
+            bindir,
+            dir,
+            port: 0,
+            run_as,
+        };
+        let data = pg.data_dir();
+        pg.run_tool(
+            "initdb",
+            &[
+                "--pgdata",
+                path_str(&data)?,
+                "--username",
+                SUPERUSER,
+                "--auth",
+                "trust",
+                "--encoding",
+                "UTF8",
+                "--locale",
+                "C",
+                "--no-sync",
+            ],
+        )?;
+        // A port found free may be taken before the server binds it: try a few.
+        let mut last = None;
+        for _ in 0..5 {
+            pg.port = free_port()?;
+            match pg.start_server() {
+                Ok(()) => return Ok(pg),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| harness("PostgreSQL did not start".into())))
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn start_server(&self) -> Result<(), PostgresError> {
+        let data = self.data_dir();
+        let log = self.dir.path().join("server.log");
+        let options = format!(
+            "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off -c synchronous_commit=off \
+             -c full_page_writes=off -c max_connections=200",
+            self.port,
+            path_str(self.dir.path())?
+        );
+        let started = self.run_tool(
+            "pg_ctl",
+            &[
+                "--pgdata",
+                path_str(&data)?,
+                "--log",
+                path_str(&log)?,
+                "--options",
+                &options,
+                "--wait",
+                "--timeout",
+                "60",
+                "start",
+            ],
+        );
+        if let Err(e) = started {
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            // pg_ctl may have left a half-started server behind.
+            self.stop();
+            return Err(harness(format!("{e}\nserver log:\n{log}")));
+        }
+        Ok(())
+    }
+
+    /// The loopback port the server listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The URL of `database` on this server, as the superuser.
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://{SUPERUSER}@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// Creates a database and returns its URL.
+    pub fn create_database(&self, name: &str) -> Result<String, PostgresError> {
+        let port = self.port.to_string();
+        self.run_tool(
+            "createdb",
+            &[
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port,
+                "--username",
+                SUPERUSER,
+                name,
+            ],
+        )?;
+        Ok(self.url(name))
+    }
+
+    /// Creates a database with a name not used before in this process, and returns its URL.
+    pub fn fresh_database(&self) -> Result<String, PostgresError> {
+        static NEXT: AtomicU32 = AtomicU32::new(1);
+        self.create_database(&format!("test_{}", NEXT.fetch_add(1, Ordering::Relaxed)))
+    }
+
+    /// Stops the server now (fast shutdown: sessions are disconnected). Also done on drop.
+    pub fn stop(&self) {
+        let data = self.data_dir();
+        let Some(data) = data.to_str() else { return };
+        if !self.data_dir().join("postmaster.pid").exists() {
+            return;
+        }
+        if let Err(e) = self.run_tool(
+            "pg_ctl",
+            &[
+                "--pgdata",
+                data,
+                "--mode",
+                "fast",
+                "--wait",
+                "--timeout",
+                "30",
+                "stop",
+            ],
+        ) {
+            eprintln!("stopping the test PostgreSQL failed: {e}");
+            // Last resort, so that no server outlives the test.
+            let _ = self.run_tool("pg_ctl", &["--pgdata", data, "--mode", "immediate", "stop"]);
+        }
+    }
+
+    /// Runs one of the PostgreSQL binaries (as the server's user), failing with its output on error.
+    fn run_tool(&self, tool: &str, args: &[&str]) -> Result<Output, PostgresError> {
+        let program = self.bindir.join(tool);
+        let mut command = match &self.run_as {
+            Some(user) => {
+                let mut c = Command::new("runuser");
+                c.args(["-u", user, "--"]).arg(&program);
+                c
+            }
+            None => Command::new(&program),
+        };
+        command
+            .args(args)
+            // Keep the caller's PG* settings (PGHOST, PGPASSWORD…) out of it.
+            .env_remove("PGHOST")
+            .env_remove("PGPORT")
+            .env_remove("PGUSER")
+            .env_remove("PGDATABASE")
+            .env_remove("PGPASSWORD")
+            .env("LC_ALL", "C")
+            .current_dir(self.dir.path());
+        run(&mut command)
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The directory holding `initdb`, `pg_ctl` and `createdb`, if PostgreSQL is installed.
+pub fn bindir() -> Option<PathBuf> {
+    let has_tools = |dir: &Path| {
+        ["initdb", "pg_ctl", "createdb"]
+            .iter()
+            .all(|t| dir.join(t).is_file())
+    };
+    if let Some(dir) = std::env::var_os("TETHER_PG_BINDIR").filter(|d| !d.is_empty()) {
+        return Some(PathBuf::from(dir));
+    }
+    let from_pg_config = Command::new("pg_config")
+        .arg("--bindir")
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+    if let Some(dir) = from_pg_config.filter(|d| has_tools(d)) {
+        return Some(dir);
+    }
+    let debian = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let major: u32 = e.file_name().to_str()?.parse().ok()?;
+            Some((major, e.path().join("bin")))
+        })
+        .filter(|(_, bin)| has_tools(bin))
+        .max_by_key(|(major, _)| *major)
+        .map(|(_, bin)| bin);
+    if debian.is_some() {
+        return debian;
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .find(|dir| has_tools(dir))
+}
+
+/// [`Postgres::start_or_skip`] with what was found and whether `CI` is set.
+fn start_found(
+    bindir: Option<PathBuf>,
+    ci: bool,
+    test: &str,
+) -> Result<Option<Postgres>, PostgresError> {
+    match bindir {
+        Some(bindir) => Postgres::start_in(bindir).map(Some),
+        None if !ci => {
+            eprintln!(
+                "skipping {test}: PostgreSQL not found (install the Debian package `postgresql`, or set \
+                 TETHER_PG_BINDIR; scripts/install-test-deps.sh does it); with CI set this fails"
+            );
+            Ok(None)
+        }
+        None => Err(PostgresError(format!(
+            "{test} needs PostgreSQL (initdb, pg_ctl, createdb), which is not installed: run \
+             scripts/install-test-deps.sh"
+        ))),
+    }
+}
+
+fn is_root() -> bool {
+    // No libc here: ask `id`, which every machine running these tests has.
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .ok()
+        .is_some_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+fn free_port() -> Result<u16, PostgresError> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .map_err(|e| harness(format!("cannot find a free port: {e}")))?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|e| harness(format!("cannot find a free port: {e}")))
+}
+
+fn path_str(path: &Path) -> Result<&str, PostgresError> {
+    path.to_str()
+        .ok_or_else(|| harness(format!("non-UTF-8 path {}", path.display())))
+}
+
+fn run(command: &mut Command) -> Result<Output, PostgresError> {
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| harness(format!("cannot run {command:?}: {e}")))?;
+    if !output.status.success() {
+        return Err(harness(format!(
+            "{command:?} failed ({}):\n{}{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )));
+    }
+    Ok(output)
+}
+
+fn harness(message: String) -> PostgresError {
+    PostgresError(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpStream;
+
+    use super::*;
+
+    #[test]
+    fn missing_postgres_fails_under_ci_and_skips_otherwise() {
+        assert!(start_found(None, true, "t").is_err());
+        assert!(start_found(None, false, "t").expect("skips").is_none());
+    }
+
+    #[test]
+    fn starts_creates_databases_and_stops_on_drop() {
+        let Some(pg) = Postgres::start_or_skip("the PostgreSQL harness test").expect("starts")
+        else {
+            return;
+        };
+        let port = pg.port();
+        let url = pg.fresh_database().expect("createdb");
+        assert!(
+            url.starts_with(&format!("postgres://postgres@127.0.0.1:{port}/test_")),
+            "{url}"
+        );
+        assert!(pg.create_database("same").is_ok());
+        assert!(
+            pg.create_database("same").is_err(),
+            "createdb errors are reported"
+        );
+        let dir = pg.dir.path().to_owned();
+        assert!(TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok());
+        drop(pg);
+        assert!(
+            TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err(),
+            "the server is stopped"
+        );
+        assert!(!dir.exists(), "its directory is removed");
+    }
+}
