@@ -5,7 +5,7 @@
 //! | `POST /authenticate` | apiserver (client certificate with a pinned subject) | TokenReview v1 / v1beta1 |
 //! | `POST /authorize` | apiserver (client certificate with a pinned subject) | SubjectAccessReview v1 / v1beta1 |
 //! | `PUT /snapshot`, `GET /snapshot` | snapshot pusher (bearer push token, and a client certificate with a pinned subject when configured; 404 when no token is configured) | replace / show the RBAC snapshot |
-//! | `GET /metrics` | a client certificate with a webhook or metrics subject (or anyone, if made public); or anyone on the separate [`run_metrics`] listener, bound to loopback by the program | Prometheus text |
+//! | `GET /metrics` | a client certificate with a webhook or metrics subject (or anyone, if made public); or anyone on the separate [`run_metrics`] listener (`--metrics-listen`, off by default, meant for loopback) | Prometheus text |
 //! | `GET /healthz` | anyone | `ok` |
 //!
 //! The client certificate is verified against the configured client CA during the handshake, and its subject
@@ -293,9 +293,9 @@ pub async fn run(
     Ok(())
 }
 
-/// Serves `/metrics` and `/healthz` in plain HTTP on `listener` (the program binds it to loopback by default:
-/// `--metrics-listen`) until `shutdown`, for a local scraper without a client certificate. Nothing else is
-/// served there.
+/// Serves `/metrics` and `/healthz` in plain HTTP on `listener` until `shutdown`, for a local scraper without a
+/// client certificate (the program's `--metrics-listen`, off by default and meant for a loopback address).
+/// Nothing else is served there.
 pub async fn run_metrics(
     guard: Arc<Guard>,
     listener: TcpListener,
