@@ -527,13 +527,22 @@ fn create_object_with(
             meta.remove(server_set);
         }
     }
+    resources::normalize(resource, &mut obj);
     resources::validate(resource, &obj)?;
     resources::default_on_create(
         resource,
         &mut obj,
         &util::timestamp(time::OffsetDateTime::now_utc()),
     );
-    store.create(resource, obj, dry_run)
+    let created = store.create(resource, obj, dry_run)?;
+    if resource == Resource::Namespaces && !dry_run {
+        // The service account controller's job in a real cluster.
+        let sa = resources::default_service_account(&name);
+        if let Err(e) = create_object(store, Resource::ServiceAccounts, sa) {
+            tracing::debug!(namespace = %name, error = %e.message, "no default service account");
+        }
+    }
+    Ok(created)
 }
 
 fn get(
@@ -671,7 +680,20 @@ fn create(
 
 /// Status is owned by controllers (and the status subresource), not by writes to the main resource.
 fn keep_status(resource: Resource, next: &mut Value, current: &Value) {
-    if resource == Resource::ConfigMaps {
+    if resource == Resource::Services {
+        // spec.clusterIP is immutable and allocated once; an update that leaves it out keeps it.
+        for field in ["clusterIP", "clusterIPs"] {
+            if next["spec"][field].is_null()
+                && let (Some(spec), Some(v)) = (
+                    next.get_mut("spec").and_then(Value::as_object_mut),
+                    current["spec"].get(field),
+                )
+            {
+                spec.insert(field.into(), v.clone());
+            }
+        }
+    }
+    if !resource.has_status() {
         return;
     }
     if let Some(map) = next.as_object_mut() {
@@ -712,6 +734,7 @@ fn update(
         |cur| {
             let mut next = obj;
             keep_status(resource, &mut next, cur);
+            resources::normalize(resource, &mut next);
             resources::validate(resource, &next)?;
             Ok(next)
         },
@@ -780,6 +803,7 @@ fn patch(
             resources::check_decodable(resource, &next)?;
             place(resource, &mut next, t.namespace.as_deref())?;
             keep_status(resource, &mut next, cur);
+            resources::normalize(resource, &mut next);
             resources::validate(resource, &next)?;
             Ok(next)
         })?;

@@ -15,17 +15,25 @@ pub(crate) const NODE_NAME: &str = "sample-node-1";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) enum Resource {
     ConfigMaps,
+    Events,
     Namespaces,
     Nodes,
     Pods,
+    Secrets,
+    ServiceAccounts,
+    Services,
 }
 
 impl Resource {
-    pub(crate) const ALL: [Resource; 4] = [
+    pub(crate) const ALL: [Resource; 8] = [
         Resource::ConfigMaps,
+        Resource::Events,
         Resource::Namespaces,
         Resource::Nodes,
         Resource::Pods,
+        Resource::Secrets,
+        Resource::ServiceAccounts,
+        Resource::Services,
     ];
 
     pub(crate) fn from_plural(plural: &str) -> Option<Resource> {
@@ -35,41 +43,65 @@ impl Resource {
     pub(crate) fn plural(self) -> &'static str {
         match self {
             Resource::ConfigMaps => "configmaps",
+            Resource::Events => "events",
             Resource::Namespaces => "namespaces",
             Resource::Nodes => "nodes",
             Resource::Pods => "pods",
+            Resource::Secrets => "secrets",
+            Resource::ServiceAccounts => "serviceaccounts",
+            Resource::Services => "services",
         }
     }
 
     pub(crate) fn singular(self) -> &'static str {
         match self {
             Resource::ConfigMaps => "configmap",
+            Resource::Events => "event",
             Resource::Namespaces => "namespace",
             Resource::Nodes => "node",
             Resource::Pods => "pod",
+            Resource::Secrets => "secret",
+            Resource::ServiceAccounts => "serviceaccount",
+            Resource::Services => "service",
         }
     }
 
     pub(crate) fn kind(self) -> &'static str {
         match self {
             Resource::ConfigMaps => "ConfigMap",
+            Resource::Events => "Event",
             Resource::Namespaces => "Namespace",
             Resource::Nodes => "Node",
             Resource::Pods => "Pod",
+            Resource::Secrets => "Secret",
+            Resource::ServiceAccounts => "ServiceAccount",
+            Resource::Services => "Service",
         }
     }
 
     pub(crate) fn short_names(self) -> &'static [&'static str] {
         match self {
             Resource::ConfigMaps => &["cm"],
+            Resource::Events => &["ev"],
             Resource::Namespaces => &["ns"],
             Resource::Nodes => &["no"],
             Resource::Pods => &["po"],
+            Resource::Secrets => &[],
+            Resource::ServiceAccounts => &["sa"],
+            Resource::Services => &["svc"],
         }
     }
 
     pub(crate) fn namespaced(self) -> bool {
-        matches!(self, Resource::ConfigMaps | Resource::Pods)
+        !matches!(self, Resource::Namespaces | Resource::Nodes)
+    }
+
+    /// Whether the kind has a `status` that writes to the main resource leave alone.
+    pub(crate) fn has_status(self) -> bool {
+        matches!(
+            self,
+            Resource::Namespaces | Resource::Nodes | Resource::Pods | Resource::Services
+        )
     }
 
     fn verbs(self) -> &'static [&'static str] {
@@ -159,7 +191,7 @@ pub(crate) fn api_resource_list() -> Value {
             "verbs": r.verbs(),
             "shortNames": r.short_names(),
         });
-        if r == Resource::Pods {
+        if matches!(r, Resource::Pods | Resource::Services) {
             entry["categories"] = json!(["all"]);
         }
         resources.push(entry);
@@ -279,15 +311,65 @@ pub(crate) fn check_decodable(resource: Resource, body: &Value) -> Result<(), Ap
             ));
         }
     }
-    if resource == Resource::ConfigMaps {
-        for field in ["data", "binaryData"] {
-            if let Some(v) = map.get(field) {
-                string_map(v, &format!("ConfigMap.{field}"), resource)?;
-            }
+    let string_maps: &[&str] = match resource {
+        Resource::ConfigMaps => &["data", "binaryData"],
+        Resource::Secrets => &["data", "stringData"],
+        _ => &[],
+    };
+    for field in string_maps {
+        if let Some(v) = map.get(*field) {
+            string_map(v, &format!("{}.{field}", resource.kind()), resource)?;
         }
+    }
+    if resource == Resource::Secrets
+        && map
+            .get("type")
+            .is_some_and(|t| !t.is_string() && !t.is_null())
+    {
+        return Err(decode_error(resource, "Secret.type"));
     }
     Ok(())
 }
+
+/// What kube-apiserver's conversion does to every write before validation: a Secret's `stringData` is merged
+/// into `data` (base64) and dropped, and its `type` defaults to `Opaque`.
+pub(crate) fn normalize(resource: Resource, obj: &mut Value) {
+    if resource != Resource::Secrets {
+        return;
+    }
+    use base64::Engine as _;
+    let string_data = obj
+        .as_object_mut()
+        .and_then(|m| m.remove("stringData"))
+        .and_then(|v| match v {
+            Value::Object(m) => Some(m),
+            _ => None,
+        });
+    if let Some(string_data) = string_data
+        && let Some(data) = ensure_object(obj, "data")
+    {
+        for (k, v) in string_data {
+            let text = v.as_str().unwrap_or_default();
+            data.insert(
+                k,
+                json!(base64::engine::general_purpose::STANDARD.encode(text)),
+            );
+        }
+    }
+    if obj["type"].as_str().is_none_or(str::is_empty) {
+        set(obj, "type", json!("Opaque"));
+    }
+}
+
+/// A configmap or secret key: `[-._a-zA-Z0-9]+`, at most 253 characters.
+fn is_config_key(k: &str) -> bool {
+    !k.is_empty()
+        && k.len() <= 253
+        && k.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+const CONFIG_KEY_MSG: &str = "a valid config key must consist of alphanumeric characters, '-', '_' or '.' (e.g. 'key.name',  or 'KEY_NAME',  or 'key-name', regex used for validation is '[-._a-zA-Z0-9]+')";
 
 fn decode_error(resource: Resource, field: &str) -> ApiError {
     ApiError::bad_request(format!(
@@ -319,13 +401,12 @@ pub(crate) fn validate(resource: Resource, obj: &Value) -> Result<(), ApiError> 
                 if let Some(map) = obj[field].as_object() {
                     for (k, v) in map {
                         total += v.as_str().map_or(0, str::len);
-                        let key_ok = !k.is_empty()
-                            && k.len() <= 253
-                            && k.bytes().all(|b| {
-                                b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')
-                            });
-                        if !key_ok {
-                            errors.push(FieldError::invalid(&format!("{field}[{k}]"), k, "a valid config key must consist of alphanumeric characters, '-', '_' or '.' (e.g. 'key.name',  or 'KEY_NAME',  or 'key-name', regex used for validation is '[-._a-zA-Z0-9]+')"));
+                        if !is_config_key(k) {
+                            errors.push(FieldError::invalid(
+                                &format!("{field}[{k}]"),
+                                k,
+                                CONFIG_KEY_MSG,
+                            ));
                         }
                         if field == "binaryData"
                             && v.as_str().is_some_and(|s| base64_decode(s).is_none())
@@ -377,7 +458,49 @@ pub(crate) fn validate(resource: Resource, obj: &Value) -> Result<(), ApiError> 
             }
             _ => errors.push(FieldError::required("spec.containers", "")),
         },
-        Resource::Namespaces | Resource::Nodes => {}
+        Resource::Secrets => {
+            let mut total = 0usize;
+            for (k, v) in obj["data"].as_object().into_iter().flatten() {
+                if !is_config_key(k) {
+                    errors.push(FieldError::invalid(
+                        &format!("data[{k}]"),
+                        k,
+                        CONFIG_KEY_MSG,
+                    ));
+                }
+                match v.as_str().map(base64_decode) {
+                    Some(Some(bytes)) => total += bytes.len(),
+                    _ => errors.push(FieldError::invalid(
+                        &format!("data[{k}]"),
+                        "<secret contents redacted>",
+                        "illegal base64 data",
+                    )),
+                }
+            }
+            if total > 1024 * 1024 {
+                errors.push(FieldError::too_long("data", 1024 * 1024));
+            }
+        }
+        Resource::Services => {
+            let headless = obj["spec"]["clusterIP"] == "None";
+            let external_name = obj["spec"]["type"] == "ExternalName";
+            match obj["spec"]["ports"].as_array() {
+                Some(ports) if !ports.is_empty() => {
+                    for (i, p) in ports.iter().enumerate() {
+                        if !p["port"].as_u64().is_some_and(|n| (1..=65535).contains(&n)) {
+                            errors.push(FieldError::invalid(
+                                &format!("spec.ports[{i}].port"),
+                                &p["port"].to_string(),
+                                "must be between 1 and 65535, inclusive",
+                            ));
+                        }
+                    }
+                }
+                _ if headless || external_name => {}
+                _ => errors.push(FieldError::required("spec.ports", "")),
+            }
+        }
+        Resource::Namespaces | Resource::Nodes | Resource::ServiceAccounts | Resource::Events => {}
     }
     if errors.is_empty() {
         Ok(())
@@ -430,8 +553,58 @@ pub(crate) fn default_on_create(resource: Resource, obj: &mut Value, now: &str) 
             }
         }
         Resource::Pods => default_pod(obj, now),
-        Resource::ConfigMaps | Resource::Nodes => {}
+        Resource::Services => default_service(obj),
+        Resource::Events => {
+            let involved = obj["involvedObject"].clone();
+            if let Some(meta) = ensure_object(obj, "metadata")
+                && !meta.contains_key("namespace")
+            {
+                meta.insert("namespace".into(), involved["namespace"].clone());
+            }
+            for field in ["firstTimestamp", "lastTimestamp"] {
+                if obj[field].is_null() {
+                    set(obj, field, json!(now));
+                }
+            }
+            if obj["count"].is_null() {
+                set(obj, "count", json!(1));
+            }
+        }
+        Resource::ConfigMaps | Resource::Nodes | Resource::Secrets | Resource::ServiceAccounts => {}
     }
+}
+
+fn default_service(obj: &mut Value) {
+    let Some(spec) = ensure_object(obj, "spec") else {
+        return;
+    };
+    spec.entry("type").or_insert(json!("ClusterIP"));
+    spec.entry("sessionAffinity").or_insert(json!("None"));
+    if spec.get("type") != Some(&json!("ExternalName")) {
+        let ip = spec
+            .entry("clusterIP")
+            .or_insert_with(|| {
+                json!(format!(
+                    "10.96.{}.{}",
+                    rand::random_range(0..255u8),
+                    rand::random_range(2..255u8)
+                ))
+            })
+            .clone();
+        spec.entry("clusterIPs").or_insert(json!([ip]));
+        spec.entry("ipFamilies").or_insert(json!(["IPv4"]));
+        spec.entry("ipFamilyPolicy").or_insert(json!("SingleStack"));
+        spec.entry("internalTrafficPolicy")
+            .or_insert(json!("Cluster"));
+    }
+    if let Some(ports) = spec.get_mut("ports").and_then(Value::as_array_mut) {
+        for p in ports.iter_mut().filter_map(Value::as_object_mut) {
+            p.entry("protocol").or_insert(json!("TCP"));
+            let port = p.get("port").cloned().unwrap_or(Value::Null);
+            p.entry("targetPort").or_insert(port);
+        }
+    }
+    set(obj, "status", json!({"loadBalancer": {}}));
 }
 
 fn default_pod(obj: &mut Value, now: &str) {
@@ -559,6 +732,50 @@ pub(crate) fn demo_pod() -> Value {
         "kind": "Pod",
         "metadata": {"name": "demo", "namespace": "default", "labels": {"app": "demo"}},
         "spec": {"containers": [{"name": "main", "image": "tether/sample-demo:1.0"}]},
+    })
+}
+
+/// The `default/kubernetes` service every cluster has.
+pub(crate) fn kubernetes_service() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "kubernetes", "namespace": "default",
+                     "labels": {"component": "apiserver", "provider": "kubernetes"}},
+        "spec": {"clusterIP": "10.96.0.1", "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": 6443}]},
+    })
+}
+
+/// The seeded service `default/demo` in front of the demo pod (HTTP on 80, echo on 7).
+pub(crate) fn demo_service() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "demo", "namespace": "default", "labels": {"app": "demo"}},
+        "spec": {"selector": {"app": "demo"}, "ports": [
+            {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 80},
+            {"name": "echo", "port": 7, "protocol": "TCP", "targetPort": 7},
+        ]},
+    })
+}
+
+/// The seeded secret `default/demo-credentials`: what a Viewer must not read.
+pub(crate) fn demo_secret() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "demo-credentials", "namespace": "default"},
+        "type": "Opaque",
+        "stringData": {"username": "demo", "password": "sample-password-not-a-secret"},
+    })
+}
+
+/// The `default` service account a namespace gets when it is created.
+pub(crate) fn default_service_account(namespace: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": "default", "namespace": namespace},
     })
 }
 
@@ -713,11 +930,142 @@ fn columns(resource: Resource) -> &'static [Column] {
             "The readiness gates of this pod",
         ),
     ];
+    const SECRETS: &[Column] = &[
+        NAME,
+        col("Type", "string", "", 0, "The type of the secret"),
+        col(
+            "Data",
+            "string",
+            "",
+            0,
+            "The number of data items in the secret",
+        ),
+        AGE,
+    ];
+    const SERVICE_ACCOUNTS: &[Column] = &[
+        NAME,
+        col(
+            "Secrets",
+            "string",
+            "",
+            0,
+            "The number of secrets referenced by the service account",
+        ),
+        AGE,
+    ];
+    const SERVICES: &[Column] = &[
+        NAME,
+        col(
+            "Type",
+            "string",
+            "",
+            0,
+            "The type of the service (ClusterIP, NodePort, LoadBalancer, ExternalName).",
+        ),
+        col(
+            "Cluster-IP",
+            "string",
+            "",
+            0,
+            "The IP address assigned to the service in the cluster.",
+        ),
+        col(
+            "External-IP",
+            "string",
+            "",
+            0,
+            "The external IP addresses of the service.",
+        ),
+        col(
+            "Port(s)",
+            "string",
+            "",
+            0,
+            "The list of ports exposed by the service.",
+        ),
+        AGE,
+        col(
+            "Selector",
+            "string",
+            "",
+            1,
+            "Route service traffic to pods with label keys and values matching this selector.",
+        ),
+    ];
+    const EVENTS: &[Column] = &[
+        col(
+            "Last Seen",
+            "string",
+            "",
+            0,
+            "The time at which the most recent occurrence of this event was recorded.",
+        ),
+        col(
+            "Type",
+            "string",
+            "",
+            0,
+            "Type of this event (Normal, Warning).",
+        ),
+        col(
+            "Reason",
+            "string",
+            "",
+            0,
+            "A short, machine understandable string that gives the reason for the transition into the object's current status.",
+        ),
+        col(
+            "Object",
+            "string",
+            "",
+            0,
+            "The object that this event is about.",
+        ),
+        col(
+            "Message",
+            "string",
+            "",
+            0,
+            "A human-readable description of the status of this operation.",
+        ),
+        col(
+            "Source",
+            "string",
+            "",
+            1,
+            "The component reporting this event.",
+        ),
+        col(
+            "First Seen",
+            "string",
+            "",
+            1,
+            "The time at which the event was first recorded.",
+        ),
+        col(
+            "Count",
+            "string",
+            "",
+            1,
+            "The number of times this event has occurred.",
+        ),
+        col(
+            "Name",
+            "string",
+            "name",
+            1,
+            "Name must be unique within a namespace.",
+        ),
+    ];
     match resource {
         Resource::ConfigMaps => CONFIGMAPS,
+        Resource::Events => EVENTS,
         Resource::Namespaces => NAMESPACES,
         Resource::Nodes => NODES,
         Resource::Pods => PODS,
+        Resource::Secrets => SECRETS,
+        Resource::ServiceAccounts => SERVICE_ACCOUNTS,
+        Resource::Services => SERVICES,
     }
 }
 
@@ -734,6 +1082,78 @@ fn cells(resource: Resource, obj: &Value) -> Vec<Value> {
             vec![name, json!(count), age]
         }
         Resource::Namespaces => vec![name, s(&obj["status"]["phase"]), age],
+        Resource::Secrets => {
+            let count = obj["data"].as_object().map_or(0, Map::len);
+            vec![name, s(&obj["type"]), json!(count), age]
+        }
+        Resource::ServiceAccounts => {
+            let count = obj["secrets"].as_array().map_or(0, Vec::len);
+            vec![name, json!(count), age]
+        }
+        Resource::Services => {
+            let spec = &obj["spec"];
+            let ports: Vec<String> = spec["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| {
+                    let proto = p["protocol"].as_str().unwrap_or("TCP");
+                    match p["nodePort"].as_u64() {
+                        Some(node) => format!("{}:{node}/{proto}", p["port"]),
+                        None => format!("{}/{proto}", p["port"]),
+                    }
+                })
+                .collect();
+            let selector: Vec<String> = spec["selector"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+                .collect();
+            let join = |v: Vec<String>| {
+                if v.is_empty() {
+                    "<none>".to_string()
+                } else {
+                    v.join(",")
+                }
+            };
+            vec![
+                name,
+                s(&spec["type"]),
+                s(&spec["clusterIP"]),
+                json!("<none>"),
+                json!(join(ports)),
+                age,
+                json!(join(selector)),
+            ]
+        }
+        Resource::Events => {
+            let involved = &obj["involvedObject"];
+            let kind = involved["kind"]
+                .as_str()
+                .unwrap_or_default()
+                .to_ascii_lowercase();
+            let last = obj["lastTimestamp"].as_str().or(obj["eventTime"].as_str());
+            let source = [&obj["source"]["component"], &obj["source"]["host"]]
+                .iter()
+                .filter_map(|v| v.as_str())
+                .collect::<Vec<_>>()
+                .join(", ");
+            vec![
+                json!(util::age(last)),
+                s(&obj["type"]),
+                s(&obj["reason"]),
+                json!(format!(
+                    "{kind}/{}",
+                    involved["name"].as_str().unwrap_or_default()
+                )),
+                s(&obj["message"]),
+                json!(source),
+                json!(util::age(obj["firstTimestamp"].as_str())),
+                json!(obj["count"].as_u64().unwrap_or(1).to_string()),
+                name,
+            ]
+        }
         Resource::Nodes => {
             let ready = obj["status"]["conditions"]
                 .as_array()

@@ -82,6 +82,18 @@ impl Shared {
                 crate::resources::Resource::Pods,
                 crate::resources::demo_pod(),
             ),
+            (
+                crate::resources::Resource::Services,
+                crate::resources::kubernetes_service(),
+            ),
+            (
+                crate::resources::Resource::Services,
+                crate::resources::demo_service(),
+            ),
+            (
+                crate::resources::Resource::Secrets,
+                crate::resources::demo_secret(),
+            ),
         ];
         let mut demo_uid = String::new();
         for (resource, obj) in seeded {

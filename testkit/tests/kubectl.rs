@@ -355,3 +355,73 @@ async fn auth_whoami_names_the_token_user() -> anyhow::Result<()> {
     assert_eq!(out.stdout, "bob");
     Ok(())
 }
+
+#[tokio::test]
+async fn secrets_services_and_service_accounts_with_kubectl() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let k = kubectl(&fx)?;
+    let ok = |out: &tether_testkit::kubectl::Output| -> anyhow::Result<()> {
+        ensure!(out.success(), "{out}");
+        Ok(())
+    };
+    // `create secret` and `create serviceaccount` write protobuf.
+    let out = k
+        .run(&[
+            "create",
+            "secret",
+            "generic",
+            "db",
+            "--from-literal=password=hunter2",
+        ])
+        .await?;
+    ok(&out)?;
+    assert_eq!(out.stdout.trim(), "secret/db created");
+    let out = k.run(&["get", "secrets"]).await?;
+    ok(&out)?;
+    let row = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("db "))
+        .context("no db row")?;
+    assert_eq!(
+        row.split_whitespace().take(3).collect::<Vec<_>>(),
+        ["db", "Opaque", "1"]
+    );
+    let out = k
+        .run(&["get", "secret", "db", "-o", "jsonpath={.data.password}"])
+        .await?;
+    ok(&out)?;
+    assert_eq!(out.stdout.trim(), "aHVudGVyMg==");
+    let out = k.run(&["describe", "secret", "db"]).await?;
+    ok(&out)?;
+    assert!(out.stdout.contains("password:  7 bytes"), "{out}");
+
+    let out = k
+        .run(&["create", "service", "clusterip", "web", "--tcp=8080:80"])
+        .await?;
+    ok(&out)?;
+    let out = k.run(&["get", "svc"]).await?;
+    ok(&out)?;
+    let web = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("web "))
+        .context("no web row")?;
+    let cells: Vec<&str> = web.split_whitespace().collect();
+    assert_eq!(cells[1], "ClusterIP");
+    assert_eq!(cells[4], "8080/TCP");
+    assert!(out.stdout.contains("kubernetes "), "{out}");
+    let out = k.run(&["describe", "svc", "demo"]).await?;
+    ok(&out)?;
+    assert!(out.stdout.contains("app=demo"), "{out}");
+
+    let out = k.run(&["create", "serviceaccount", "robot"]).await?;
+    ok(&out)?;
+    let out = k.run(&["get", "sa", "-o", "name"]).await?;
+    ok(&out)?;
+    let names: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(names, ["serviceaccount/default", "serviceaccount/robot"]);
+    let out = k.run(&["get", "events", "-A"]).await?;
+    ok(&out)?;
+    Ok(())
+}
