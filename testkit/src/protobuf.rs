@@ -481,7 +481,7 @@ mod tests {
         assert!(decode(b"").is_err());
         assert!(decode(b"k8s\0\x0a\xff\xff\xff").is_err());
         assert_eq!(
-            decode(&envelope("Secret", b"")).map_err(|e| e.code),
+            decode(&envelope("Deployment", b"")).map_err(|e| e.code),
             Err(415)
         );
         for n in 0..64u8 {
