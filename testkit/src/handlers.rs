@@ -316,16 +316,11 @@ async fn dispatch(
         (Some("exec"), &Method::GET | &Method::POST, true) if resource == Resource::Pods => {
             crate::exec::handle(shared, &target, &query.0, req)
         }
+        (Some("portforward"), &Method::GET | &Method::POST, true) if resource == Resource::Pods => {
+            crate::portforward::handle(shared, &target, req)
+        }
         (
-            Some(
-                "attach"
-                | "portforward"
-                | "proxy"
-                | "eviction"
-                | "binding"
-                | "ephemeralcontainers"
-                | "resize",
-            ),
+            Some("attach" | "proxy" | "eviction" | "binding" | "ephemeralcontainers" | "resize"),
             _,
             true,
         ) if resource == Resource::Pods => Err(ApiError::method_not_allowed(
@@ -364,8 +359,12 @@ fn attributes(method: &Method, path: &str, target: Option<&Target>, query: &Quer
         (&Method::DELETE, false) => "deletecollection",
         _ => "",
     };
-    // kube-apiserver authorizes exec as "create" whatever the method (KEP-4006).
-    let verb = if t.subresource.as_deref() == Some("exec") {
+    // kube-apiserver authorizes exec, attach and portforward as "create" whatever the method (KEP-4006: a
+    // WebSocket upgrade is a GET, and still needs `create`).
+    let verb = if matches!(
+        t.subresource.as_deref(),
+        Some("exec" | "attach" | "portforward")
+    ) {
         "create"
     } else {
         verb

@@ -10,9 +10,12 @@
 //! and exec over WebSocket (`v5.channel.k8s.io` / `v4.channel.k8s.io`). It serves HTTPS only, HTTP/1.1 and h2.
 //! [`dev_issuer`] is a development-only token issuer shaped like Entra ID, for the quickstart and tests.
 //!
+//! Also secrets, services, service accounts and events, and `kubectl port-forward` over SPDY/3.1 and over SPDY
+//! tunneled in a WebSocket (pod ports are answered by loopback servers: HTTP on 80, echo elsewhere).
+//!
 //! What it does not do: persistence (everything lives in memory), API groups other than core `v1`, admission,
-//! full RBAC (roles and bindings objects; only [`RbacRule`]s added in code), real CEL, protobuf, SPDY (kubectl ≥
-//! 1.30 uses WebSockets for exec), port-forward and attach. It is test support, never used by the relay or the
+//! full RBAC (roles and bindings objects; only [`RbacRule`]s added in code), real CEL, protobuf answers, exec over
+//! SPDY (kubectl ≥ 1.30 uses WebSockets for exec), and attach. It is test support, never used by the relay or the
 //! agent.
 
 pub mod auth;
@@ -26,10 +29,12 @@ pub mod kubectl;
 mod logs;
 mod openapi;
 mod patch;
+mod portforward;
 mod protobuf;
 mod resources;
 mod selector;
 mod server;
+mod spdy;
 mod status;
 mod store;
 mod util;
@@ -210,12 +215,19 @@ impl SampleApiserver {
         let token = opts.token.clone().unwrap_or_else(util::random_token);
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
+        let pod_network = portforward::PodNetwork::start(&shutdown, &tracker)
+            .await
+            .map_err(|source| TestkitError::Bind {
+                addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+                source,
+            })?;
         let shared = Arc::new(Shared::new(
             addr,
             shutdown.clone(),
             tracker.clone(),
             authn,
             authz,
+            pod_network,
         ));
         shared
             .authn

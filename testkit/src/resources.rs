@@ -198,6 +198,7 @@ pub(crate) fn api_resource_list() -> Value {
         if r == Resource::Pods {
             resources.push(json!({"name": "pods/exec", "singularName": "", "namespaced": true, "kind": "PodExecOptions", "verbs": ["create", "get"]}));
             resources.push(json!({"name": "pods/log", "singularName": "", "namespaced": true, "kind": "Pod", "verbs": ["get"]}));
+            resources.push(json!({"name": "pods/portforward", "singularName": "", "namespaced": true, "kind": "PodPortForwardOptions", "verbs": ["create", "get"]}));
         }
     }
     json!({"kind": "APIResourceList", "groupVersion": "v1", "resources": resources})

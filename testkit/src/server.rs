@@ -49,6 +49,8 @@ pub(crate) struct Shared {
     pub(crate) started_wall: time::OffsetDateTime,
     /// The uid of the seeded `default/demo` pod, whose log ticks every second.
     pub(crate) demo_uid: String,
+    /// The loopback servers that answer for pod ports (port-forward).
+    pub(crate) pod_network: crate::portforward::PodNetwork,
     /// Cancelled on shutdown: every connection, watch, log stream and exec session ends.
     pub(crate) shutdown: CancellationToken,
     /// Tracks every background task (connections, exec sessions, streams) so shutdown can wait for them.
@@ -63,6 +65,7 @@ impl Shared {
         tracker: TaskTracker,
         authn: Authenticator,
         authz: Authorizer,
+        pod_network: crate::portforward::PodNetwork,
     ) -> Shared {
         let store = Store::new();
         for ns in ["default", "kube-system", "kube-public"] {
@@ -119,6 +122,7 @@ impl Shared {
             started: Instant::now(),
             started_wall: time::OffsetDateTime::now_utc(),
             demo_uid,
+            pod_network,
             shutdown,
             tracker,
         }

@@ -425,3 +425,75 @@ async fn secrets_services_and_service_accounts_with_kubectl() -> anyhow::Result<
     ok(&out)?;
     Ok(())
 }
+
+/// Sends `data` through `addr` (a forwarded echo port), half-closes, and returns what came back.
+async fn echo_through(addr: std::net::SocketAddr, data: &[u8]) -> anyhow::Result<Vec<u8>> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let (mut rd, mut wr) = tcp.into_split();
+    let send = async {
+        wr.write_all(data).await?;
+        wr.shutdown().await?;
+        anyhow::Ok(())
+    };
+    let receive = async {
+        let mut back = Vec::with_capacity(data.len());
+        rd.read_to_end(&mut back).await?;
+        anyhow::Ok(back)
+    };
+    let (sent, back) = tokio::time::timeout(DEADLINE, async { tokio::join!(send, receive) })
+        .await
+        .context("echo through port-forward timed out")?;
+    sent?;
+    back
+}
+
+async fn port_forward_10_mib(binary: Option<std::path::PathBuf>) -> anyhow::Result<()> {
+    let fx = start().await?;
+    let mut k = kubectl(&fx)?;
+    if let Some(binary) = binary {
+        k = k.with_binary(binary);
+    }
+    let mut child = k.spawn(&["port-forward", "pod/demo", ":7", ":80"])?;
+    let echo = child.forwarded_address(DEADLINE).await?;
+    let data: Vec<u8> = (0..10 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let back = echo_through(echo, &data).await?;
+    assert_eq!(back.len(), data.len());
+    assert!(back == data, "10 MiB came back altered");
+    // A second connection through the same session, to the HTTP port.
+    let http = child.forwarded_address(DEADLINE).await?;
+    let reply = echo_through(
+        http,
+        b"GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await?;
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(
+        reply.starts_with("HTTP/1.1 200 OK"),
+        "{reply}; stderr: {}",
+        child.stderr()
+    );
+    assert!(reply.contains("GET /hello"), "{reply}");
+    child.kill().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn port_forward_over_websocket_carries_10_mib_exactly() -> anyhow::Result<()> {
+    port_forward_10_mib(None).await
+}
+
+#[tokio::test]
+async fn port_forward_over_spdy_carries_10_mib_exactly() -> anyhow::Result<()> {
+    let Some(old) = tether_testkit::kubectl::versioned(29) else {
+        anyhow::ensure!(
+            std::env::var_os("CI").is_none(),
+            "kubectl 1.29 is missing (scripts/install-test-deps.sh installs the Cloud SDK kubectls)"
+        );
+        eprintln!("skipping: no kubectl.1.29");
+        return Ok(());
+    };
+    port_forward_10_mib(Some(old)).await
+}
