@@ -208,39 +208,49 @@ async fn dispatch(
         }
         _ => None,
     };
-    let self_review = matches!(
-        segments.as_slice(),
-        [
-            "apis",
-            resources::AUTHENTICATION_GROUP,
-            "v1",
-            "selfsubjectreviews"
-        ]
-    );
+    let self_review = match segments.as_slice() {
+        ["apis", group, "v1", resource]
+            if matches!(
+                (*group, *resource),
+                (resources::AUTHENTICATION_GROUP, "selfsubjectreviews")
+                    | (
+                        resources::AUTHORIZATION_GROUP,
+                        "selfsubjectaccessreviews" | "selfsubjectrulesreviews"
+                    )
+            ) =>
+        {
+            Some((group.to_string(), resource.to_string()))
+        }
+        _ => None,
+    };
     let mut attrs = attributes(&method, &path, target.as_ref(), &query);
-    if self_review {
+    if let Some((group, resource)) = &self_review {
         attrs = Attributes {
             verb: "create".into(),
             resource_request: true,
-            api_group: resources::AUTHENTICATION_GROUP.into(),
+            api_group: group.clone(),
             api_version: "v1".into(),
-            resource: "selfsubjectreviews".into(),
+            resource: resource.clone(),
             ..attrs
         };
     }
     shared.authz.check(user, &attrs).await?;
-    if self_review {
+    if let Some((_, resource)) = self_review {
         if method != Method::POST {
             return Err(ApiError::method_not_allowed(format!(
                 "the server does not allow this method on the requested resource: {method}"
             )));
         }
-        // The body (a SelfSubjectReview, protobuf from kubectl) carries nothing the answer depends on.
-        read_body(req).await?;
-        return Ok(json_response(
-            StatusCode::CREATED,
-            &resources::self_subject_review(user),
-        ));
+        let (headers, body) = read_body(req).await?;
+        let answer = match resource.as_str() {
+            // The body (a SelfSubjectReview, protobuf from kubectl) carries nothing the answer depends on.
+            "selfsubjectreviews" => resources::self_subject_review(user),
+            "selfsubjectaccessreviews" => {
+                crate::reviews::access_review(&shared.authz, user, decode(&headers, &body)?).await?
+            }
+            _ => crate::reviews::rules_review(&shared.authz, user, decode(&headers, &body)?)?,
+        };
+        return Ok(json_response(StatusCode::CREATED, &answer));
     }
 
     let Some(target) = target else {
@@ -272,6 +282,14 @@ async fn dispatch(
             ["apis", resources::AUTHENTICATION_GROUP, "v1"] => Ok(json_response(
                 StatusCode::OK,
                 &resources::authentication_resource_list(),
+            )),
+            ["apis", resources::AUTHORIZATION_GROUP] => Ok(json_response(
+                StatusCode::OK,
+                &resources::authorization_api_group(),
+            )),
+            ["apis", resources::AUTHORIZATION_GROUP, "v1"] => Ok(json_response(
+                StatusCode::OK,
+                &resources::authorization_resource_list(),
             )),
             ["openapi", rest @ ..] => crate::openapi::handle(rest, req.uri().query()),
             _ => Err(ApiError::path_not_found()),

@@ -32,6 +32,7 @@ mod patch;
 mod portforward;
 mod protobuf;
 mod resources;
+mod reviews;
 mod selector;
 mod server;
 mod spdy;

@@ -2,8 +2,8 @@
 //!
 //! kubectl's typed clients send protobuf when they write (`kubectl create configmap`, `create namespace`, `run`),
 //! while accepting JSON answers. So only decoding is needed, and only for the kinds kubectl's `create`
-//! subcommands write: ConfigMap, Namespace, Secret, ServiceAccount, Service, and the parts of Pod that `kubectl
-//! run` fills in. Fields not in the schemas below are skipped, as any protobuf
+//! subcommands write: ConfigMap, Namespace, Secret, ServiceAccount, Service, the parts of Pod that `kubectl
+//! run` fills in, and the SelfSubjectAccessReview/SelfSubjectRulesReview of `kubectl auth can-i`. Fields not in the schemas below are skipped, as any protobuf
 //! reader skips unknown fields. Field numbers come from `k8s.io/api/core/v1/generated.proto` and
 //! `k8s.io/apimachinery/pkg/apis/meta/v1/generated.proto`.
 //!
@@ -152,6 +152,53 @@ const INT_OR_STRING: &[Field] = &[
     (3, "strVal", Kind::String, false),
 ];
 
+const RESOURCE_ATTRIBUTES: &[Field] = &[
+    (1, "namespace", Kind::String, false),
+    (2, "verb", Kind::String, false),
+    (3, "group", Kind::String, false),
+    (4, "version", Kind::String, false),
+    (5, "resource", Kind::String, false),
+    (6, "subresource", Kind::String, false),
+    (7, "name", Kind::String, false),
+];
+const NON_RESOURCE_ATTRIBUTES: &[Field] = &[
+    (1, "path", Kind::String, false),
+    (2, "verb", Kind::String, false),
+];
+const SELF_SUBJECT_ACCESS_REVIEW_SPEC: &[Field] = &[
+    (
+        1,
+        "resourceAttributes",
+        Kind::Message(RESOURCE_ATTRIBUTES),
+        false,
+    ),
+    (
+        2,
+        "nonResourceAttributes",
+        Kind::Message(NON_RESOURCE_ATTRIBUTES),
+        false,
+    ),
+];
+const SELF_SUBJECT_ACCESS_REVIEW: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (
+        2,
+        "spec",
+        Kind::Message(SELF_SUBJECT_ACCESS_REVIEW_SPEC),
+        false,
+    ),
+];
+const SELF_SUBJECT_RULES_REVIEW_SPEC: &[Field] = &[(1, "namespace", Kind::String, false)];
+const SELF_SUBJECT_RULES_REVIEW: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (
+        2,
+        "spec",
+        Kind::Message(SELF_SUBJECT_RULES_REVIEW_SPEC),
+        false,
+    ),
+];
+
 const TYPE_META: &[Field] = &[
     (1, "apiVersion", Kind::String, false),
     (2, "kind", Kind::String, false),
@@ -212,9 +259,11 @@ pub(crate) fn decode(body: &[u8]) -> Result<Value, ApiError> {
         ("v1", "Secret") => SECRET,
         ("v1", "ServiceAccount") => SERVICE_ACCOUNT,
         ("v1", "Service") => SERVICE,
+        ("authorization.k8s.io/v1", "SelfSubjectAccessReview") => SELF_SUBJECT_ACCESS_REVIEW,
+        ("authorization.k8s.io/v1", "SelfSubjectRulesReview") => SELF_SUBJECT_RULES_REVIEW,
         _ => {
             return Err(ApiError::unsupported_media_type(&format!(
-                "application/vnd.kubernetes.protobuf ({api_version}, Kind={kind}: only ConfigMap, Namespace, Pod, Secret, Service and ServiceAccount are decoded)"
+                "application/vnd.kubernetes.protobuf ({api_version}, Kind={kind}: only ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount and self subject reviews are decoded)"
             )));
         }
     };

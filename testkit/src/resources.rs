@@ -145,9 +145,40 @@ fn authentication_group() -> Value {
     json!({"name": AUTHENTICATION_GROUP, "versions": [version], "preferredVersion": version})
 }
 
+/// `authorization.k8s.io/v1`, for `kubectl auth can-i`.
+pub(crate) const AUTHORIZATION_GROUP: &str = "authorization.k8s.io";
+
+fn authorization_group() -> Value {
+    let version = json!({"groupVersion": "authorization.k8s.io/v1", "version": "v1"});
+    json!({"name": AUTHORIZATION_GROUP, "versions": [version], "preferredVersion": version})
+}
+
+/// `GET /apis/authorization.k8s.io`.
+pub(crate) fn authorization_api_group() -> Value {
+    let mut group = authorization_group();
+    group["kind"] = json!("APIGroup");
+    group["apiVersion"] = json!("v1");
+    group
+}
+
+/// `GET /apis/authorization.k8s.io/v1`.
+pub(crate) fn authorization_resource_list() -> Value {
+    let review = |name: &str, kind: &str| {
+        json!({"name": name, "singularName": name.trim_end_matches('s'), "namespaced": false, "kind": kind,
+               "verbs": ["create"]})
+    };
+    json!({
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": "authorization.k8s.io/v1",
+        "resources": [review("selfsubjectaccessreviews", "SelfSubjectAccessReview"),
+                      review("selfsubjectrulesreviews", "SelfSubjectRulesReview")],
+    })
+}
+
 /// `GET /apis`.
 pub(crate) fn api_group_list() -> Value {
-    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [authentication_group()]})
+    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [authentication_group(), authorization_group()]})
 }
 
 /// `GET /apis/authentication.k8s.io`.
