@@ -159,3 +159,39 @@ async fn port_forward_over_spdy_through_the_relay() -> anyhow::Result<()> {
     env.up.shutdown().await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cp_5_mib_both_ways_and_attach_through_the_relay() -> anyhow::Result<()> {
+    let env = Env::start().await?;
+    let k = env.kubectl()?;
+    let upload = env.dir.path().join("upload.bin");
+    let data: Vec<u8> = (0..5 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2_246_822_519) >> 9) as u8)
+        .collect();
+    std::fs::write(&upload, &data)?;
+    ok(
+        &k,
+        &["cp", &upload.display().to_string(), "demo:/tmp/upload.bin"],
+    )
+    .await?;
+    let download = env.dir.path().join("download.bin");
+    ok(
+        &k,
+        &[
+            "cp",
+            "demo:/tmp/upload.bin",
+            &download.display().to_string(),
+        ],
+    )
+    .await?;
+    let back = std::fs::read(&download)?;
+    assert_eq!(back.len(), data.len());
+    assert!(back == data, "the 5 MiB file came back altered");
+    let out = k
+        .run_with_stdin(&["attach", "-i", "demo"], b"through the tunnel\n")
+        .await?;
+    ensure!(out.success(), "attach: {out}");
+    assert!(out.stdout.contains("through the tunnel"), "{out}");
+    env.up.shutdown().await?;
+    Ok(())
+}

@@ -331,7 +331,9 @@ async fn dispatch(
         (Some("log"), &Method::GET, true) if resource == Resource::Pods => {
             crate::logs::handle(shared, &target, &query.0)
         }
-        (Some("exec"), &Method::GET | &Method::POST, true) if resource == Resource::Pods => {
+        (Some("exec" | "attach"), &Method::GET | &Method::POST, true)
+            if resource == Resource::Pods =>
+        {
             crate::exec::handle(shared, &target, &query.0, req)
         }
         (Some("portforward"), &Method::GET | &Method::POST, true) if resource == Resource::Pods => {

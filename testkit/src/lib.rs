@@ -10,12 +10,14 @@
 //! and exec over WebSocket (`v5.channel.k8s.io` / `v4.channel.k8s.io`). It serves HTTPS only, HTTP/1.1 and h2.
 //! [`dev_issuer`] is a development-only token issuer shaped like Entra ID, for the quickstart and tests.
 //!
-//! Also secrets, services, service accounts and events, and `kubectl port-forward` over SPDY/3.1 and over SPDY
-//! tunneled in a WebSocket (pod ports are answered by loopback servers: HTTP on 80, echo elsewhere).
+//! Also secrets, services, service accounts and events; `kubectl port-forward` over SPDY/3.1 and over SPDY
+//! tunneled in a WebSocket (pod ports are answered by loopback servers: HTTP on 80, echo elsewhere); `kubectl cp`
+//! (exec's `tar` is the machine's GNU tar confined to a scratch directory per pod) and `kubectl attach`; and
+//! SelfSubjectAccessReview/SelfSubjectRulesReview decided by the authorizer chain (`kubectl auth can-i`).
 //!
 //! What it does not do: persistence (everything lives in memory), API groups other than core `v1`, admission,
 //! full RBAC (roles and bindings objects; only [`RbacRule`]s added in code), real CEL, protobuf answers, exec over
-//! SPDY (kubectl ≥ 1.30 uses WebSockets for exec), and attach. It is test support, never used by the relay or the
+//! SPDY (kubectl ≥ 1.30 uses WebSockets for exec). It is test support, never used by the relay or the
 //! agent.
 
 pub mod auth;
@@ -29,6 +31,7 @@ pub mod kubectl;
 mod logs;
 mod openapi;
 mod patch;
+mod podfs;
 mod portforward;
 mod protobuf;
 mod resources;
@@ -229,6 +232,7 @@ impl SampleApiserver {
             authn,
             authz,
             pod_network,
+            opts.dir.join("pods"),
         ));
         shared
             .authn

@@ -51,6 +51,8 @@ pub(crate) struct Shared {
     pub(crate) demo_uid: String,
     /// The loopback servers that answer for pod ports (port-forward).
     pub(crate) pod_network: crate::portforward::PodNetwork,
+    /// Where each pod's scratch filesystem lives (`DIR/pods`), for `kubectl cp`.
+    pub(crate) pods_dir: std::path::PathBuf,
     /// Cancelled on shutdown: every connection, watch, log stream and exec session ends.
     pub(crate) shutdown: CancellationToken,
     /// Tracks every background task (connections, exec sessions, streams) so shutdown can wait for them.
@@ -66,6 +68,7 @@ impl Shared {
         authn: Authenticator,
         authz: Authorizer,
         pod_network: crate::portforward::PodNetwork,
+        pods_dir: std::path::PathBuf,
     ) -> Shared {
         let store = Store::new();
         for ns in ["default", "kube-system", "kube-public"] {
@@ -123,6 +126,7 @@ impl Shared {
             started_wall: time::OffsetDateTime::now_utc(),
             demo_uid,
             pod_network,
+            pods_dir,
             shutdown,
             tracker,
         }

@@ -497,3 +497,99 @@ async fn port_forward_over_spdy_carries_10_mib_exactly() -> anyhow::Result<()> {
     };
     port_forward_10_mib(Some(old)).await
 }
+
+#[tokio::test]
+async fn cp_5_mib_both_ways_and_attach() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let k = kubectl(&fx)?;
+    let local = fx.dir.path().join("upload.bin");
+    let data: Vec<u8> = (0..5 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2_246_822_519) >> 7) as u8)
+        .collect();
+    std::fs::write(&local, &data)?;
+    let local_arg = local.display().to_string();
+    let out = k.run(&["cp", &local_arg, "demo:/tmp/upload.bin"]).await?;
+    ensure!(out.success(), "cp to pod: {out}");
+    let back = fx.dir.path().join("download.bin");
+    let back_arg = back.display().to_string();
+    let out = k.run(&["cp", "demo:/tmp/upload.bin", &back_arg]).await?;
+    ensure!(out.success(), "cp from pod: {out}");
+    let got = std::fs::read(&back)?;
+    assert_eq!(got.len(), data.len());
+    assert!(got == data, "the 5 MiB file came back altered");
+    // Into a directory: the file keeps its name.
+    let out = k.run(&["cp", &local_arg, "demo:/tmp"]).await?;
+    ensure!(out.success(), "cp into a directory: {out}");
+    let out = k
+        .run(&["exec", "demo", "--", "test", "-f", "/tmp/upload.bin"])
+        .await?;
+    ensure!(out.success(), "{out}");
+
+    let out = k
+        .run_with_stdin(&["attach", "-i", "demo"], b"hello attach\n")
+        .await?;
+    ensure!(out.success(), "attach: {out}");
+    assert!(out.stdout.contains("hello attach"), "{out}");
+    Ok(())
+}
+
+/// What a hostile archive or path could do with `kubectl cp`, refused inside the pod's scratch directory.
+#[tokio::test]
+async fn cp_cannot_escape_the_pod_filesystem() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let k = kubectl(&fx)?;
+    let outside = fx.dir.path().join("outside");
+    std::fs::create_dir_all(&outside)?;
+    std::fs::write(outside.join("secret"), "host file")?;
+    // An archive with a symlink out of the pod, then a file through it.
+    let staging = tempfile::tempdir()?;
+    std::os::unix::fs::symlink(&outside, staging.path().join("evil"))?;
+    let archive = fx.dir.path().join("evil.tar");
+    let status = std::process::Command::new("tar")
+        .arg("-cf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(staging.path())
+        .arg("evil")
+        .status()?;
+    ensure!(status.success());
+    std::fs::remove_file(staging.path().join("evil"))?;
+    std::fs::create_dir(staging.path().join("evil"))?;
+    std::fs::write(staging.path().join("evil/pwned"), "pwned")?;
+    let status = std::process::Command::new("tar")
+        .arg("-rf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(staging.path())
+        .arg("evil/pwned")
+        .status()?;
+    ensure!(status.success());
+    let tar_bytes = std::fs::read(&archive)?;
+    let out = k
+        .run_with_stdin(
+            &["exec", "-i", "demo", "--", "tar", "-xmf", "-", "-C", "/tmp"],
+            &tar_bytes,
+        )
+        .await?;
+    assert!(
+        !out.success(),
+        "extracting through a symlink must fail: {out}"
+    );
+    assert!(!outside.join("pwned").exists(), "tar wrote outside the pod");
+    // Reading through the planted symlink, or with .., or with options that run programs.
+    for args in [
+        &["tar", "cf", "-", "/tmp/evil/secret"][..],
+        &["tar", "cf", "-", "/tmp/../../outside"],
+        &["tar", "-cf", "-", "--to-command=sh", "/tmp"],
+        &["tar", "-xf", "/etc/passwd"],
+    ] {
+        let mut full = vec!["exec", "demo", "--"];
+        full.extend_from_slice(args);
+        let out = k.run(&full).await?;
+        assert!(!out.success(), "{args:?} must fail: {out}");
+        assert!(!out.stdout.contains("host file"), "{args:?} leaked: {out}");
+    }
+    let out = k.run(&["cp", "demo:/tmp/evil/secret", "x"]).await?;
+    assert!(!out.success() || !fx.dir.path().join("x").exists(), "{out}");
+    Ok(())
+}
