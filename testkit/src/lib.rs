@@ -124,7 +124,13 @@ pub struct SampleOptions {
     /// A structured `AuthorizationConfiguration` (`--authorization-config`); None allows every authenticated
     /// request.
     pub authz_config: Option<PathBuf>,
+    /// HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS` per connection (`--http2-max-streams-per-connection`); 0 means
+    /// kube-apiserver's default, [`DEFAULT_HTTP2_MAX_STREAMS`].
+    pub http2_max_streams_per_connection: u32,
 }
+
+/// kube-apiserver's default HTTP/2 concurrent streams per connection (since the rapid-reset fixes).
+pub const DEFAULT_HTTP2_MAX_STREAMS: u32 = 100;
 
 impl SampleOptions {
     /// Options for a test: `dir`, `127.0.0.1:0`, a random token.
@@ -136,6 +142,7 @@ impl SampleOptions {
             authn_webhook: None,
             authn_cache_ttl: auth::DEFAULT_AUTHN_CACHE_TTL,
             authz_config: None,
+            http2_max_streams_per_connection: DEFAULT_HTTP2_MAX_STREAMS,
         }
     }
 }
@@ -263,10 +270,15 @@ impl SampleApiserver {
             "tether-agent",
             &agent_token,
         )?;
+        let max_streams = match opts.http2_max_streams_per_connection {
+            0 => DEFAULT_HTTP2_MAX_STREAMS,
+            n => n,
+        };
         tracker.spawn(server::accept_loop(
             listener,
             tokio_rustls::TlsAcceptor::from(tls),
             shared.clone(),
+            max_streams,
         ));
         tracing::info!(%url, dir = %opts.dir.display(), "sample apiserver listening");
         Ok(SampleApiserver {

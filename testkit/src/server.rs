@@ -134,7 +134,12 @@ impl Shared {
 }
 
 /// Accepts TCP connections until shutdown; each one is served in its own tracked task.
-pub(crate) async fn accept_loop(listener: TcpListener, acceptor: TlsAcceptor, shared: Arc<Shared>) {
+pub(crate) async fn accept_loop(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    shared: Arc<Shared>,
+    max_streams: u32,
+) {
     loop {
         let accepted = tokio::select! {
             _ = shared.shutdown.cancelled() => return,
@@ -148,6 +153,7 @@ pub(crate) async fn accept_loop(listener: TcpListener, acceptor: TlsAcceptor, sh
                     peer,
                     acceptor.clone(),
                     shared.clone(),
+                    max_streams,
                 ));
             }
             Err(error) => {
@@ -167,6 +173,7 @@ async fn serve_connection(
     peer: SocketAddr,
     acceptor: TlsAcceptor,
     shared: Arc<Shared>,
+    max_streams: u32,
 ) {
     let tls = match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
         Ok(Ok(tls)) => tls,
@@ -189,7 +196,7 @@ async fn serve_connection(
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(MAX_HEADER_BYTES as u32)
-        .max_concurrent_streams(250)
+        .max_concurrent_streams(max_streams)
         .keep_alive_interval(Duration::from_secs(30));
     let service_shared = shared.clone();
     let service = hyper::service::service_fn(move |req| {

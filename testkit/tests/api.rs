@@ -742,3 +742,39 @@ async fn secrets_store_base64_data_and_refuse_racing_writers() -> anyhow::Result
     }
     Ok(())
 }
+
+/// The server's HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS, read with a raw h2 client after one request.
+async fn max_concurrent_streams(server: &tether_testkit::SampleApiserver) -> anyhow::Result<usize> {
+    let tls = tether_testkit::certs::client_config(server.ca_pem().as_bytes(), &[b"h2"])?;
+    let tcp = tokio::net::TcpStream::connect(server.addr()).await?;
+    let tls = tokio_rustls::TlsConnector::from(tls)
+        .connect(
+            rustls::pki_types::ServerName::try_from("localhost")?.to_owned(),
+            tcp,
+        )
+        .await?;
+    let (client, connection) = h2::client::handshake(tls).await?;
+    tokio::spawn(connection);
+    let mut client = client.ready().await?;
+    let request = http::Request::builder()
+        .uri("https://localhost/version")
+        .header("authorization", format!("Bearer {}", server.token()))
+        .body(())?;
+    let (response, _) = client.send_request(request, true)?;
+    let response = response.await?;
+    assert_eq!(response.status(), StatusCode::OK);
+    Ok(client.current_max_send_streams())
+}
+
+#[tokio::test]
+async fn http2_streams_per_connection_default_to_kube_apiservers_100() -> anyhow::Result<()> {
+    let fx = start().await?;
+    assert_eq!(max_concurrent_streams(&fx.server).await?, 100);
+    let dir = tempfile::tempdir()?;
+    let mut opts = tether_testkit::SampleOptions::new(dir.path());
+    opts.http2_max_streams_per_connection = 7;
+    let seven = tether_testkit::SampleApiserver::start(opts).await?;
+    assert_eq!(max_concurrent_streams(&seven).await?, 7);
+    seven.shutdown().await;
+    Ok(())
+}
