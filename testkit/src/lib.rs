@@ -41,6 +41,7 @@ mod server;
 mod spdy;
 mod status;
 mod store;
+mod tour;
 mod util;
 pub mod webhook;
 
@@ -57,6 +58,7 @@ pub use auth::User;
 pub use authz::{RbacRule, Subject};
 use resources::Resource;
 use server::Shared;
+pub use tour::{TOUR_USER, TourOptions, tour};
 
 /// Why the sample apiserver (or a testkit helper) failed.
 #[derive(Debug, thiserror::Error)]
