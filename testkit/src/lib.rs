@@ -10,25 +10,28 @@
 //! and exec over WebSocket (`v5.channel.k8s.io` / `v4.channel.k8s.io`). It serves HTTPS only, HTTP/1.1 and h2.
 //! [`dev_issuer`] is a development-only token issuer shaped like Entra ID, for the quickstart and tests.
 //!
-//! Also secrets, services, service accounts and events; `kubectl port-forward` over SPDY/3.1 and over SPDY
-//! tunneled in a WebSocket (pod ports are answered by loopback servers: HTTP on 80, echo elsewhere); `kubectl cp`
-//! (exec's `tar` is the machine's GNU tar confined to a scratch directory per pod) and `kubectl attach`; and
-//! SelfSubjectAccessReview/SelfSubjectRulesReview decided by the authorizer chain (`kubectl auth can-i`).
+//! Also secrets, services, service accounts and events; `apps/v1` Deployments and ReplicaSets (with `scale` and
+//! a trivial controller that makes their pods); RBAC objects (stored only); `kubectl port-forward` over SPDY/3.1
+//! and over SPDY tunneled in a WebSocket (pod ports are answered by loopback servers: HTTP on 80, echo elsewhere);
+//! `kubectl cp` (exec's `tar` is the machine's GNU tar confined to a scratch directory per pod) and `kubectl
+//! attach`; SelfSubjectAccessReview/SelfSubjectRulesReview decided by the authorizer chain (`kubectl auth can-i`).
 //!
-//! What it does not do: persistence (everything lives in memory), API groups other than core `v1`, admission,
-//! full RBAC (roles and bindings objects; only [`RbacRule`]s added in code), real CEL, protobuf answers, exec over
-//! SPDY (kubectl ≥ 1.30 uses WebSockets for exec). It is test support, never used by the relay or the
-//! agent.
+//! What it does not do: persistence (everything lives in memory), custom resources (CRDs are stored, their
+//! resources are not served yet), aggregated discovery, admission, rolling updates, RBAC objects as an authorizer
+//! (only [`RbacRule`]s added in code decide), real CEL, protobuf answers, exec over SPDY (kubectl ≥ 1.30 uses
+//! WebSockets for exec). It is test support, never used by the relay or the agent.
 
 pub mod auth;
 pub mod authz;
 mod body;
 pub mod certs;
+mod controller;
 pub mod dev_issuer;
 mod exec;
 mod handlers;
 pub mod kubectl;
 mod logs;
+mod objects;
 mod openapi;
 mod patch;
 mod podfs;
@@ -373,7 +376,7 @@ impl SampleApiserver {
         if !store.exists(Resource::Namespaces, "", namespace) {
             let ns =
                 json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}});
-            if let Err(e) = handlers::create_object(store, Resource::Namespaces, ns) {
+            if let Err(e) = objects::create_object(store, Resource::Namespaces, ns) {
                 tracing::warn!(namespace, error = %e.message, "cannot create namespace for seeding");
                 return;
             }
@@ -385,7 +388,7 @@ impl SampleApiserver {
                 "metadata": {"name": format!("{prefix}{i}"), "namespace": namespace, "labels": {"seeded": "true"}},
                 "data": {"index": i.to_string()},
             });
-            match handlers::create_object(store, Resource::ConfigMaps, cm) {
+            match objects::create_object(store, Resource::ConfigMaps, cm) {
                 Ok(_) => {}
                 Err(e) if e.reason == "AlreadyExists" => {}
                 Err(e) => {
@@ -423,7 +426,7 @@ impl SampleApiserver {
         provider_id: &str,
     ) -> Result<(), TestkitError> {
         let node = resources::node(name, cpu, memory, labels, provider_id);
-        handlers::create_object(&self.shared.store, Resource::Nodes, node)
+        objects::create_object(&self.shared.store, Resource::Nodes, node)
             .map(|_| ())
             .map_err(|e| TestkitError::Create(e.message))
     }

@@ -152,6 +152,49 @@ const INT_OR_STRING: &[Field] = &[
     (3, "strVal", Kind::String, false),
 ];
 
+const LABEL_SELECTOR: &[Field] = &[(1, "matchLabels", Kind::StringMap, false)];
+const POD_TEMPLATE_SPEC: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (2, "spec", Kind::Message(POD_SPEC), false),
+];
+const DEPLOYMENT_SPEC: &[Field] = &[
+    (1, "replicas", Kind::Int, false),
+    (2, "selector", Kind::Message(LABEL_SELECTOR), false),
+    (3, "template", Kind::Message(POD_TEMPLATE_SPEC), false),
+];
+const DEPLOYMENT: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (2, "spec", Kind::Message(DEPLOYMENT_SPEC), false),
+];
+
+const POLICY_RULE: &[Field] = &[
+    (1, "verbs", Kind::String, true),
+    (2, "apiGroups", Kind::String, true),
+    (3, "resources", Kind::String, true),
+    (4, "resourceNames", Kind::String, true),
+    (5, "nonResourceURLs", Kind::String, true),
+];
+const ROLE: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (2, "rules", Kind::Message(POLICY_RULE), true),
+];
+const RBAC_SUBJECT: &[Field] = &[
+    (1, "kind", Kind::String, false),
+    (2, "apiGroup", Kind::String, false),
+    (3, "name", Kind::String, false),
+    (4, "namespace", Kind::String, false),
+];
+const ROLE_REF: &[Field] = &[
+    (1, "apiGroup", Kind::String, false),
+    (2, "kind", Kind::String, false),
+    (3, "name", Kind::String, false),
+];
+const ROLE_BINDING: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (2, "subjects", Kind::Message(RBAC_SUBJECT), true),
+    (3, "roleRef", Kind::Message(ROLE_REF), false),
+];
+
 const RESOURCE_ATTRIBUTES: &[Field] = &[
     (1, "namespace", Kind::String, false),
     (2, "verb", Kind::String, false),
@@ -259,11 +302,14 @@ pub(crate) fn decode(body: &[u8]) -> Result<Value, ApiError> {
         ("v1", "Secret") => SECRET,
         ("v1", "ServiceAccount") => SERVICE_ACCOUNT,
         ("v1", "Service") => SERVICE,
+        ("apps/v1", "Deployment") => DEPLOYMENT,
+        ("rbac.authorization.k8s.io/v1", "Role" | "ClusterRole") => ROLE,
+        ("rbac.authorization.k8s.io/v1", "RoleBinding" | "ClusterRoleBinding") => ROLE_BINDING,
         ("authorization.k8s.io/v1", "SelfSubjectAccessReview") => SELF_SUBJECT_ACCESS_REVIEW,
         ("authorization.k8s.io/v1", "SelfSubjectRulesReview") => SELF_SUBJECT_RULES_REVIEW,
         _ => {
             return Err(ApiError::unsupported_media_type(&format!(
-                "application/vnd.kubernetes.protobuf ({api_version}, Kind={kind}: only ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount and self subject reviews are decoded)"
+                "application/vnd.kubernetes.protobuf ({api_version}, Kind={kind}: only ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount, Deployment, RBAC objects and self subject reviews are decoded)"
             )));
         }
     };
@@ -530,7 +576,7 @@ mod tests {
         assert!(decode(b"").is_err());
         assert!(decode(b"k8s\0\x0a\xff\xff\xff").is_err());
         assert_eq!(
-            decode(&envelope("Deployment", b"")).map_err(|e| e.code),
+            decode(&envelope("StatefulSet", b"")).map_err(|e| e.code),
             Err(415)
         );
         for n in 0..64u8 {

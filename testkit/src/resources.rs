@@ -14,35 +14,82 @@ pub(crate) const NODE_NAME: &str = "sample-node-1";
 /// A served resource.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) enum Resource {
+    ClusterRoleBindings,
+    ClusterRoles,
     ConfigMaps,
+    CustomResourceDefinitions,
+    Deployments,
     Events,
     Namespaces,
     Nodes,
     Pods,
+    ReplicaSets,
+    RoleBindings,
+    Roles,
     Secrets,
     ServiceAccounts,
     Services,
 }
 
 impl Resource {
-    pub(crate) const ALL: [Resource; 8] = [
+    pub(crate) const ALL: [Resource; 15] = [
+        Resource::ClusterRoleBindings,
+        Resource::ClusterRoles,
         Resource::ConfigMaps,
+        Resource::CustomResourceDefinitions,
+        Resource::Deployments,
         Resource::Events,
         Resource::Namespaces,
         Resource::Nodes,
         Resource::Pods,
+        Resource::ReplicaSets,
+        Resource::RoleBindings,
+        Resource::Roles,
         Resource::Secrets,
         Resource::ServiceAccounts,
         Resource::Services,
     ];
 
-    pub(crate) fn from_plural(plural: &str) -> Option<Resource> {
-        Resource::ALL.into_iter().find(|r| r.plural() == plural)
+    /// The resource named `plural` in API group `group` ("" for the core group).
+    pub(crate) fn from_plural(group: &str, plural: &str) -> Option<Resource> {
+        Resource::ALL
+            .into_iter()
+            .find(|r| r.plural() == plural && r.group() == group)
+    }
+
+    /// The API group: "" for core, `apps`, `rbac.authorization.k8s.io`, `apiextensions.k8s.io`.
+    pub(crate) fn group(self) -> &'static str {
+        match self {
+            Resource::Deployments | Resource::ReplicaSets => APPS_GROUP,
+            Resource::Roles
+            | Resource::RoleBindings
+            | Resource::ClusterRoles
+            | Resource::ClusterRoleBindings => RBAC_GROUP,
+            Resource::CustomResourceDefinitions => APIEXTENSIONS_GROUP,
+            _ => "",
+        }
+    }
+
+    /// `v1` for the core group, `GROUP/v1` otherwise (every served group has only v1).
+    pub(crate) fn api_version(self) -> &'static str {
+        match self.group() {
+            APPS_GROUP => "apps/v1",
+            RBAC_GROUP => "rbac.authorization.k8s.io/v1",
+            APIEXTENSIONS_GROUP => "apiextensions.k8s.io/v1",
+            _ => "v1",
+        }
     }
 
     pub(crate) fn plural(self) -> &'static str {
         match self {
+            Resource::ClusterRoleBindings => "clusterrolebindings",
+            Resource::ClusterRoles => "clusterroles",
             Resource::ConfigMaps => "configmaps",
+            Resource::CustomResourceDefinitions => "customresourcedefinitions",
+            Resource::Deployments => "deployments",
+            Resource::ReplicaSets => "replicasets",
+            Resource::RoleBindings => "rolebindings",
+            Resource::Roles => "roles",
             Resource::Events => "events",
             Resource::Namespaces => "namespaces",
             Resource::Nodes => "nodes",
@@ -55,7 +102,14 @@ impl Resource {
 
     pub(crate) fn singular(self) -> &'static str {
         match self {
+            Resource::ClusterRoleBindings => "clusterrolebinding",
+            Resource::ClusterRoles => "clusterrole",
             Resource::ConfigMaps => "configmap",
+            Resource::CustomResourceDefinitions => "customresourcedefinition",
+            Resource::Deployments => "deployment",
+            Resource::ReplicaSets => "replicaset",
+            Resource::RoleBindings => "rolebinding",
+            Resource::Roles => "role",
             Resource::Events => "event",
             Resource::Namespaces => "namespace",
             Resource::Nodes => "node",
@@ -68,7 +122,14 @@ impl Resource {
 
     pub(crate) fn kind(self) -> &'static str {
         match self {
+            Resource::ClusterRoleBindings => "ClusterRoleBinding",
+            Resource::ClusterRoles => "ClusterRole",
             Resource::ConfigMaps => "ConfigMap",
+            Resource::CustomResourceDefinitions => "CustomResourceDefinition",
+            Resource::Deployments => "Deployment",
+            Resource::ReplicaSets => "ReplicaSet",
+            Resource::RoleBindings => "RoleBinding",
+            Resource::Roles => "Role",
             Resource::Events => "Event",
             Resource::Namespaces => "Namespace",
             Resource::Nodes => "Node",
@@ -82,6 +143,13 @@ impl Resource {
     pub(crate) fn short_names(self) -> &'static [&'static str] {
         match self {
             Resource::ConfigMaps => &["cm"],
+            Resource::CustomResourceDefinitions => &["crd", "crds"],
+            Resource::Deployments => &["deploy"],
+            Resource::ReplicaSets => &["rs"],
+            Resource::ClusterRoleBindings
+            | Resource::ClusterRoles
+            | Resource::RoleBindings
+            | Resource::Roles => &[],
             Resource::Events => &["ev"],
             Resource::Namespaces => &["ns"],
             Resource::Nodes => &["no"],
@@ -93,14 +161,27 @@ impl Resource {
     }
 
     pub(crate) fn namespaced(self) -> bool {
-        !matches!(self, Resource::Namespaces | Resource::Nodes)
+        !matches!(
+            self,
+            Resource::Namespaces
+                | Resource::Nodes
+                | Resource::ClusterRoles
+                | Resource::ClusterRoleBindings
+                | Resource::CustomResourceDefinitions
+        )
     }
 
     /// Whether the kind has a `status` that writes to the main resource leave alone.
     pub(crate) fn has_status(self) -> bool {
         matches!(
             self,
-            Resource::Namespaces | Resource::Nodes | Resource::Pods | Resource::Services
+            Resource::Namespaces
+                | Resource::Nodes
+                | Resource::Pods
+                | Resource::Services
+                | Resource::Deployments
+                | Resource::ReplicaSets
+                | Resource::CustomResourceDefinitions
         )
     }
 
@@ -127,6 +208,13 @@ impl Resource {
         self == Resource::Namespaces
     }
 }
+
+/// The `apps` group (Deployments, ReplicaSets).
+pub(crate) const APPS_GROUP: &str = "apps";
+/// RBAC objects (stored; the built-in authorizer stays [`crate::RbacRule`]s).
+pub(crate) const RBAC_GROUP: &str = "rbac.authorization.k8s.io";
+/// CustomResourceDefinitions.
+pub(crate) const APIEXTENSIONS_GROUP: &str = "apiextensions.k8s.io";
 
 /// `GET /api`.
 pub(crate) fn api_versions(server_address: &str) -> Value {
@@ -176,9 +264,27 @@ pub(crate) fn authorization_resource_list() -> Value {
     })
 }
 
+fn served_group(name: &str) -> Value {
+    let version = json!({"groupVersion": format!("{name}/v1"), "version": "v1"});
+    json!({"name": name, "versions": [version], "preferredVersion": version})
+}
+
+/// The groups of built-in resources besides core.
+pub(crate) const RESOURCE_GROUPS: [&str; 3] = [APPS_GROUP, RBAC_GROUP, APIEXTENSIONS_GROUP];
+
 /// `GET /apis`.
 pub(crate) fn api_group_list() -> Value {
-    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [authentication_group(), authorization_group()]})
+    let mut groups = vec![authentication_group(), authorization_group()];
+    groups.extend(RESOURCE_GROUPS.iter().map(|g| served_group(g)));
+    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups})
+}
+
+/// `GET /apis/GROUP` for a group of [`RESOURCE_GROUPS`].
+pub(crate) fn api_group(name: &str) -> Value {
+    let mut group = served_group(name);
+    group["kind"] = json!("APIGroup");
+    group["apiVersion"] = json!("v1");
+    group
 }
 
 /// `GET /apis/authentication.k8s.io`.
@@ -210,10 +316,10 @@ pub(crate) fn self_subject_review(user: &crate::auth::User) -> Value {
     })
 }
 
-/// `GET /api/v1`.
-pub(crate) fn api_resource_list() -> Value {
+/// `GET /api/v1` (group "") or `GET /apis/GROUP/v1`.
+pub(crate) fn api_resource_list(group: &str) -> Value {
     let mut resources: Vec<Value> = Vec::new();
-    for r in Resource::ALL {
+    for r in Resource::ALL.into_iter().filter(|r| r.group() == group) {
         let mut entry = json!({
             "name": r.plural(),
             "singularName": r.singular(),
@@ -222,17 +328,31 @@ pub(crate) fn api_resource_list() -> Value {
             "verbs": r.verbs(),
             "shortNames": r.short_names(),
         });
-        if matches!(r, Resource::Pods | Resource::Services) {
+        if matches!(
+            r,
+            Resource::Pods | Resource::Services | Resource::Deployments | Resource::ReplicaSets
+        ) {
             entry["categories"] = json!(["all"]);
         }
         resources.push(entry);
+        if matches!(r, Resource::Deployments | Resource::ReplicaSets) {
+            resources.push(json!({"name": format!("{}/scale", r.plural()), "singularName": "", "namespaced": true,
+                "group": "autoscaling", "version": "v1", "kind": "Scale", "verbs": ["get", "patch", "update"]}));
+            resources.push(json!({"name": format!("{}/status", r.plural()), "singularName": "", "namespaced": true,
+                "kind": r.kind(), "verbs": ["get", "patch", "update"]}));
+        }
         if r == Resource::Pods {
             resources.push(json!({"name": "pods/exec", "singularName": "", "namespaced": true, "kind": "PodExecOptions", "verbs": ["create", "get"]}));
             resources.push(json!({"name": "pods/log", "singularName": "", "namespaced": true, "kind": "Pod", "verbs": ["get"]}));
             resources.push(json!({"name": "pods/portforward", "singularName": "", "namespaced": true, "kind": "PodPortForwardOptions", "verbs": ["create", "get"]}));
         }
     }
-    json!({"kind": "APIResourceList", "groupVersion": "v1", "resources": resources})
+    let group_version = if group.is_empty() {
+        "v1".to_string()
+    } else {
+        format!("{group}/v1")
+    };
+    json!({"kind": "APIResourceList", "groupVersion": group_version, "resources": resources})
 }
 
 /// `GET /version`.
@@ -297,10 +417,14 @@ pub(crate) fn check_decodable(resource: Resource, body: &Value) -> Result<(), Ap
             "the body of the request must be a JSON object",
         ));
     };
-    if let Some(v) = map.get("apiVersion").filter(|v| v.as_str() != Some("v1")) {
+    if let Some(v) = map
+        .get("apiVersion")
+        .filter(|v| v.as_str() != Some(resource.api_version()))
+    {
         return Err(ApiError::bad_request(format!(
-            "the API version in the data ({}) does not match the expected API version (v1)",
-            v.as_str().unwrap_or_default()
+            "the API version in the data ({}) does not match the expected API version ({})",
+            v.as_str().unwrap_or_default(),
+            resource.api_version()
         )));
     }
     if let Some(k) = map
@@ -308,8 +432,9 @@ pub(crate) fn check_decodable(resource: Resource, body: &Value) -> Result<(), Ap
         .filter(|k| k.as_str() != Some(resource.kind()))
     {
         return Err(ApiError::bad_request(format!(
-            "{} in version \"v1\" cannot be handled as a {}: the object provided is unrecognized",
+            "{} in version \"{}\" cannot be handled as a {}: the object provided is unrecognized",
             k.as_str().unwrap_or_default(),
+            resource.api_version(),
             resource.kind()
         )));
     }
@@ -463,33 +588,11 @@ pub(crate) fn validate(resource: Resource, obj: &Value) -> Result<(), ApiError> 
                 errors.push(FieldError::too_long("data", 1024 * 1024));
             }
         }
-        Resource::Pods => match obj["spec"]["containers"].as_array() {
-            Some(containers) if !containers.is_empty() => {
-                for (i, c) in containers.iter().enumerate() {
-                    match c["name"].as_str() {
-                        None | Some("") => errors.push(FieldError::required(
-                            &format!("spec.containers[{i}].name"),
-                            "",
-                        )),
-                        Some(n) if !is_dns1123_label(n) => {
-                            errors.push(FieldError::invalid(
-                                &format!("spec.containers[{i}].name"),
-                                n,
-                                DNS1123_LABEL_MSG,
-                            ));
-                        }
-                        Some(_) => {}
-                    }
-                    if c["image"].as_str().is_none_or(str::is_empty) {
-                        errors.push(FieldError::required(
-                            &format!("spec.containers[{i}].image"),
-                            "",
-                        ));
-                    }
-                }
+        Resource::Pods => {
+            if let Err(e) = validate_pod_spec(obj, "") {
+                errors.extend(e);
             }
-            _ => errors.push(FieldError::required("spec.containers", "")),
-        },
+        }
         Resource::Secrets => {
             let mut total = 0usize;
             for (k, v) in obj["data"].as_object().into_iter().flatten() {
@@ -532,12 +635,121 @@ pub(crate) fn validate(resource: Resource, obj: &Value) -> Result<(), ApiError> 
                 _ => errors.push(FieldError::required("spec.ports", "")),
             }
         }
-        Resource::Namespaces | Resource::Nodes | Resource::ServiceAccounts | Resource::Events => {}
+        Resource::Deployments | Resource::ReplicaSets => {
+            let selector = &obj["spec"]["selector"]["matchLabels"];
+            let labels = &obj["spec"]["template"]["metadata"]["labels"];
+            match selector.as_object() {
+                Some(m) if !m.is_empty() => {
+                    if m.iter().any(|(k, v)| labels.get(k) != Some(v)) {
+                        errors.push(FieldError::invalid(
+                            "spec.template.metadata.labels",
+                            &labels.to_string(),
+                            "`selector` does not match template `labels`",
+                        ));
+                    }
+                }
+                _ => errors.push(FieldError::required("spec.selector", "")),
+            }
+            if obj["spec"]["replicas"]
+                .as_i64()
+                .is_some_and(|n| !(0..=10_000).contains(&n))
+            {
+                errors.push(FieldError::invalid(
+                    "spec.replicas",
+                    &obj["spec"]["replicas"].to_string(),
+                    "must be between 0 and 10000 in the sample cluster",
+                ));
+            }
+            let pod = json!({"spec": obj["spec"]["template"]["spec"]});
+            if let Err(e) = validate_pod_spec(&pod, "spec.template.") {
+                errors.extend(e);
+            }
+        }
+        Resource::RoleBindings | Resource::ClusterRoleBindings => {
+            for field in ["kind", "name"] {
+                if obj["roleRef"][field].as_str().is_none_or(str::is_empty) {
+                    errors.push(FieldError::required(&format!("roleRef.{field}"), ""));
+                }
+            }
+        }
+        Resource::CustomResourceDefinitions => {
+            let spec = &obj["spec"];
+            let group = spec["group"].as_str().unwrap_or_default();
+            let plural = spec["names"]["plural"].as_str().unwrap_or_default();
+            if name != format!("{plural}.{group}") {
+                errors.push(FieldError::invalid(
+                    "metadata.name",
+                    name,
+                    "must be spec.names.plural+\".\"+spec.group",
+                ));
+            }
+            if spec["names"]["kind"].as_str().is_none_or(str::is_empty) {
+                errors.push(FieldError::required("spec.names.kind", ""));
+            }
+            if !matches!(spec["scope"].as_str(), Some("Namespaced" | "Cluster")) {
+                errors.push(FieldError::required(
+                    "spec.scope",
+                    "must be Namespaced or Cluster",
+                ));
+            }
+            if !spec["versions"]
+                .as_array()
+                .is_some_and(|v| v.iter().any(|v| v["served"] == true))
+            {
+                errors.push(FieldError::required(
+                    "spec.versions",
+                    "at least one served version",
+                ));
+            }
+        }
+        Resource::Namespaces
+        | Resource::Nodes
+        | Resource::ServiceAccounts
+        | Resource::Events
+        | Resource::Roles
+        | Resource::ClusterRoles => {}
     }
     if errors.is_empty() {
         Ok(())
     } else {
         Err(ApiError::invalid(resource.kind(), name, &errors))
+    }
+}
+
+/// The containers of a pod (or pod template) spec; `prefix` goes before `spec.` in field paths.
+fn validate_pod_spec(obj: &Value, prefix: &str) -> Result<(), Vec<FieldError>> {
+    let mut errors = Vec::new();
+    match obj["spec"]["containers"].as_array() {
+        Some(containers) if !containers.is_empty() => {
+            for (i, c) in containers.iter().enumerate() {
+                let field = format!("{prefix}spec.containers[{i}]");
+                match c["name"].as_str() {
+                    None | Some("") => {
+                        errors.push(FieldError::required(&format!("{field}.name"), ""))
+                    }
+                    Some(n) if !is_dns1123_label(n) => {
+                        errors.push(FieldError::invalid(
+                            &format!("{field}.name"),
+                            n,
+                            DNS1123_LABEL_MSG,
+                        ));
+                    }
+                    Some(_) => {}
+                }
+                if c["image"].as_str().is_none_or(str::is_empty) {
+                    errors.push(FieldError::required(&format!("{field}.image"), ""));
+                }
+            }
+        }
+        _ => errors.push(FieldError::required(
+            &format!("{prefix}spec.containers"),
+            "",
+        )),
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
     }
 }
 
@@ -602,7 +814,41 @@ pub(crate) fn default_on_create(resource: Resource, obj: &mut Value, now: &str) 
                 set(obj, "count", json!(1));
             }
         }
-        Resource::ConfigMaps | Resource::Nodes | Resource::Secrets | Resource::ServiceAccounts => {}
+        Resource::Deployments | Resource::ReplicaSets => {
+            if let Some(spec) = ensure_object(obj, "spec") {
+                spec.entry("replicas").or_insert(json!(1));
+                spec.entry("revisionHistoryLimit").or_insert(json!(10));
+                if resource == Resource::Deployments {
+                    spec.entry("progressDeadlineSeconds").or_insert(json!(600));
+                    spec.entry("strategy")
+                        .or_insert(json!({"type": "RollingUpdate",
+                        "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}}));
+                }
+            }
+            if let Some(meta) = ensure_object(obj, "metadata") {
+                meta.insert("generation".into(), json!(1));
+            }
+            set(obj, "status", json!({}));
+        }
+        Resource::CustomResourceDefinitions => {
+            let names = obj["spec"]["names"].clone();
+            set(
+                obj,
+                "status",
+                json!({"acceptedNames": names, "storedVersions": [obj["spec"]["versions"][0]["name"]],
+                       "conditions": [
+                           {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts", "lastTransitionTime": now},
+                           {"type": "Established", "status": "True", "reason": "InitialNamesAccepted", "lastTransitionTime": now}]}),
+            );
+        }
+        Resource::ConfigMaps
+        | Resource::Nodes
+        | Resource::Secrets
+        | Resource::ServiceAccounts
+        | Resource::Roles
+        | Resource::RoleBindings
+        | Resource::ClusterRoles
+        | Resource::ClusterRoleBindings => {}
     }
 }
 
@@ -1089,8 +1335,118 @@ fn columns(resource: Resource) -> &'static [Column] {
             "Name must be unique within a namespace.",
         ),
     ];
+    const DEPLOYMENTS: &[Column] = &[
+        NAME,
+        col(
+            "Ready",
+            "string",
+            "",
+            0,
+            "Number of the pod with ready state",
+        ),
+        col(
+            "Up-to-date",
+            "string",
+            "",
+            0,
+            "Total number of non-terminated pods targeted by this deployment that have the desired template spec.",
+        ),
+        col(
+            "Available",
+            "string",
+            "",
+            0,
+            "Total number of available pods (ready for at least minReadySeconds) targeted by this deployment.",
+        ),
+        AGE,
+        col(
+            "Containers",
+            "string",
+            "",
+            1,
+            "Names of each container in the template.",
+        ),
+        col(
+            "Images",
+            "string",
+            "",
+            1,
+            "Images referenced by each container in the template.",
+        ),
+        col("Selector", "string", "", 1, "Label selector for pods."),
+    ];
+    const REPLICA_SETS: &[Column] = &[
+        NAME,
+        col("Desired", "integer", "", 0, "Number of desired pods."),
+        col(
+            "Current",
+            "integer",
+            "",
+            0,
+            "The most recently observed number of replicas.",
+        ),
+        col(
+            "Ready",
+            "integer",
+            "",
+            0,
+            "The number of ready replicas for this replica set.",
+        ),
+        AGE,
+        col(
+            "Containers",
+            "string",
+            "",
+            1,
+            "Names of each container in the template.",
+        ),
+        col(
+            "Images",
+            "string",
+            "",
+            1,
+            "Images referenced by each container in the template.",
+        ),
+        col("Selector", "string", "", 1, "Label selector for pods."),
+    ];
+    const CREATED_AT: &[Column] = &[
+        NAME,
+        col(
+            "Created At",
+            "date",
+            "",
+            0,
+            "CreationTimestamp is a timestamp representing the server time when this object was created.",
+        ),
+    ];
+    const BINDINGS: &[Column] = &[
+        NAME,
+        col(
+            "Role",
+            "string",
+            "",
+            0,
+            "RoleRef references the role being granted.",
+        ),
+        AGE,
+        col("Users", "string", "", 1, "Users in the binding."),
+        col("Groups", "string", "", 1, "Groups in the binding."),
+        col(
+            "ServiceAccounts",
+            "string",
+            "",
+            1,
+            "ServiceAccounts in the binding.",
+        ),
+    ];
     match resource {
         Resource::ConfigMaps => CONFIGMAPS,
+        Resource::Deployments => DEPLOYMENTS,
+        Resource::ReplicaSets => REPLICA_SETS,
+        Resource::Roles | Resource::ClusterRoles | Resource::CustomResourceDefinitions => {
+            CREATED_AT
+        }
+        Resource::RoleBindings | Resource::ClusterRoleBindings => BINDINGS,
         Resource::Events => EVENTS,
         Resource::Namespaces => NAMESPACES,
         Resource::Nodes => NODES,
@@ -1114,6 +1470,84 @@ fn cells(resource: Resource, obj: &Value) -> Vec<Value> {
             vec![name, json!(count), age]
         }
         Resource::Namespaces => vec![name, s(&obj["status"]["phase"]), age],
+        Resource::Deployments | Resource::ReplicaSets => {
+            let spec = &obj["spec"];
+            let status = &obj["status"];
+            let n = |v: &Value| v.as_i64().unwrap_or(0);
+            let containers = spec["template"]["spec"]["containers"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            let join = |key: &str| {
+                containers
+                    .iter()
+                    .filter_map(|c| c[key].as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            let selector = spec["selector"]["matchLabels"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+                .collect::<Vec<_>>()
+                .join(",");
+            let mut row = if resource == Resource::Deployments {
+                vec![
+                    name,
+                    json!(format!(
+                        "{}/{}",
+                        n(&status["readyReplicas"]),
+                        n(&spec["replicas"])
+                    )),
+                    json!(n(&status["updatedReplicas"])),
+                    json!(n(&status["availableReplicas"])),
+                    age,
+                ]
+            } else {
+                vec![
+                    name,
+                    json!(n(&spec["replicas"])),
+                    json!(n(&status["replicas"])),
+                    json!(n(&status["readyReplicas"])),
+                    age,
+                ]
+            };
+            row.extend([json!(join("name")), json!(join("image")), json!(selector)]);
+            row
+        }
+        Resource::Roles | Resource::ClusterRoles | Resource::CustomResourceDefinitions => {
+            vec![name, obj["metadata"]["creationTimestamp"].clone()]
+        }
+        Resource::RoleBindings | Resource::ClusterRoleBindings => {
+            let of = |kind: &str| {
+                let names: Vec<String> = obj["subjects"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|s| s["kind"] == kind)
+                    .map(|s| match s["namespace"].as_str() {
+                        Some(ns) if kind == "ServiceAccount" => {
+                            format!("{ns}/{}", s["name"].as_str().unwrap_or_default())
+                        }
+                        _ => s["name"].as_str().unwrap_or_default().to_string(),
+                    })
+                    .collect();
+                json!(names.join(", "))
+            };
+            vec![
+                name,
+                json!(format!(
+                    "{}/{}",
+                    obj["roleRef"]["kind"].as_str().unwrap_or_default(),
+                    obj["roleRef"]["name"].as_str().unwrap_or_default()
+                )),
+                age,
+                of("User"),
+                of("Group"),
+                of("ServiceAccount"),
+            ]
+        }
         Resource::Secrets => {
             let count = obj["data"].as_object().map_or(0, Map::len);
             vec![name, s(&obj["type"]), json!(count), age]

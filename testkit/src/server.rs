@@ -74,7 +74,7 @@ impl Shared {
         for ns in ["default", "kube-system", "kube-public"] {
             let obj = serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
             if let Err(e) =
-                crate::handlers::create_object(&store, crate::resources::Resource::Namespaces, obj)
+                crate::objects::create_object(&store, crate::resources::Resource::Namespaces, obj)
             {
                 tracing::error!(ns, error = %e.message, "cannot seed namespace");
             }
@@ -103,7 +103,7 @@ impl Shared {
         ];
         let mut demo_uid = String::new();
         for (resource, obj) in seeded {
-            match crate::handlers::create_object(&store, resource, obj) {
+            match crate::objects::create_object(&store, resource, obj) {
                 Ok(created) if resource == crate::resources::Resource::Pods => {
                     demo_uid = created["metadata"]["uid"]
                         .as_str()

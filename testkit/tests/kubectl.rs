@@ -593,3 +593,144 @@ async fn cp_cannot_escape_the_pod_filesystem() -> anyhow::Result<()> {
     assert!(!out.success() || !fx.dir.path().join("x").exists(), "{out}");
     Ok(())
 }
+
+#[tokio::test]
+async fn deployments_scale_and_rbac_objects_with_kubectl() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let k = kubectl(&fx)?;
+    let ok = |out: &tether_testkit::kubectl::Output| -> anyhow::Result<()> {
+        ensure!(out.success(), "{out}");
+        Ok(())
+    };
+    // `create deployment` writes protobuf.
+    let out = k
+        .run(&[
+            "create",
+            "deployment",
+            "web",
+            "--image=nginx:1.27",
+            "--replicas=2",
+        ])
+        .await?;
+    ok(&out)?;
+    let out = k.run(&["get", "deploy"]).await?;
+    ok(&out)?;
+    let row = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("web "))
+        .context("no web row")?;
+    assert_eq!(
+        row.split_whitespace().take(4).collect::<Vec<_>>(),
+        ["web", "2/2", "2", "2"]
+    );
+    let out = k.run(&["scale", "deploy", "web", "--replicas=4"]).await?;
+    ok(&out)?;
+    assert_eq!(out.stdout.trim(), "deployment.apps/web scaled");
+    let out = k
+        .run(&["get", "pods", "-l", "app=web", "-o", "name"])
+        .await?;
+    ok(&out)?;
+    assert_eq!(out.stdout.lines().count(), 4, "{out}");
+    let out = k.run(&["get", "rs", "-o", "name"]).await?;
+    ok(&out)?;
+    assert_eq!(out.stdout.lines().count(), 1, "{out}");
+    let out = k.run(&["describe", "deploy", "web"]).await?;
+    ok(&out)?;
+    assert!(out.stdout.contains("4 desired"), "{out}");
+    let out = k
+        .run(&[
+            "get",
+            "deploy",
+            "web",
+            "-o",
+            "jsonpath={.status.readyReplicas}",
+        ])
+        .await?;
+    ok(&out)?;
+    assert_eq!(out.stdout.trim(), "4");
+    let out = k.run(&["delete", "deploy", "web"]).await?;
+    ok(&out)?;
+    let out = k
+        .run(&["get", "pods", "-l", "app=web", "-o", "name"])
+        .await?;
+    ok(&out)?;
+    assert_eq!(out.stdout.trim(), "", "pods outlived their deployment");
+
+    // apply a deployment from YAML, then change it.
+    let manifest = fx.dir.path().join("api.yaml");
+    let write = |replicas: u32| {
+        std::fs::write(
+            &manifest,
+            format!(
+                "apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: api\nspec:\n  replicas: {replicas}\n  \
+                 selector:\n    matchLabels:\n      app: api\n  template:\n    metadata:\n      labels:\n        app: api\n    \
+                 spec:\n      containers:\n      - name: api\n        image: api:1\n"
+            ),
+        )
+    };
+    write(1)?;
+    let file = manifest.display().to_string();
+    ok(&k.run(&["apply", "-f", &file]).await?)?;
+    write(3)?;
+    let out = k.run(&["apply", "-f", &file]).await?;
+    ok(&out)?;
+    assert!(
+        out.stdout.contains("deployment.apps/api configured"),
+        "{out}"
+    );
+    let out = k
+        .run(&["get", "pods", "-l", "app=api", "-o", "name"])
+        .await?;
+    assert_eq!(out.stdout.lines().count(), 3, "{out}");
+
+    // RBAC objects are stored (the built-in authorizer does not read them).
+    ok(&k
+        .run(&[
+            "create",
+            "role",
+            "pod-reader",
+            "--verb=get,list",
+            "--resource=pods",
+        ])
+        .await?)?;
+    ok(&k
+        .run(&[
+            "create",
+            "rolebinding",
+            "bob-reads",
+            "--role=pod-reader",
+            "--user=bob",
+        ])
+        .await?)?;
+    ok(&k
+        .run(&[
+            "create",
+            "clusterrole",
+            "node-reader",
+            "--verb=get",
+            "--resource=nodes",
+        ])
+        .await?)?;
+    let out = k.run(&["get", "rolebindings"]).await?;
+    ok(&out)?;
+    assert!(out.stdout.contains("Role/pod-reader"), "{out}");
+    let out = k
+        .run(&[
+            "get",
+            "role",
+            "pod-reader",
+            "-o",
+            "jsonpath={.rules[0].verbs}",
+        ])
+        .await?;
+    ok(&out)?;
+    assert!(out.stdout.contains("list"), "{out}");
+    let out = k.run(&["get", "clusterroles", "-o", "name"]).await?;
+    assert!(
+        out.stdout
+            .contains("clusterrole.rbac.authorization.k8s.io/node-reader"),
+        "{out}"
+    );
+    Ok(())
+}
