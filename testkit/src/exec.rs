@@ -29,10 +29,10 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role};
 
 use crate::body::Body;
-use crate::handlers::Target;
 use crate::resources::Resource;
-use crate::server::Shared;
+use crate::state::Shared;
 use crate::status::ApiError;
+use crate::target::Target;
 
 const STDIN: u8 = 0;
 const STDOUT: u8 = 1;

@@ -15,58 +15,18 @@ use crate::auth::{Attributes, User};
 use crate::body::Body;
 use crate::objects::{bump_generation, create_object_with, keep_status, place};
 use crate::resources::{self, IncludeObject, Resource};
+use crate::respond::{error_response, json_response, text_response};
 use crate::selector::{FieldSelector, LabelSelector};
-use crate::server::{BODY_READ_TIMEOUT, MAX_BODY, Shared};
+use crate::state::{BODY_READ_TIMEOUT, MAX_BODY, Shared};
 use crate::status::{ApiError, FieldError};
 use crate::store::{Event, EventType};
+pub(crate) use crate::target::Target;
 use crate::{patch, util};
 
 type Result<T, E = ApiError> = std::result::Result<T, E>;
 
 /// The namespaces kube-apiserver refuses to delete.
 const PROTECTED_NAMESPACES: [&str; 3] = ["default", "kube-system", "kube-public"];
-
-/// A JSON response.
-pub(crate) fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
-    let mut bytes = serde_json::to_vec(value).unwrap_or_default();
-    bytes.push(b'\n');
-    let mut response = Response::new(Body::full(bytes));
-    *response.status_mut() = status;
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    headers.insert(
-        header::CACHE_CONTROL,
-        HeaderValue::from_static("no-cache, private"),
-    );
-    response
-}
-
-/// The `Status` response for an error: the one place errors become HTTP.
-pub(crate) fn error_response(error: &ApiError) -> Response<Body> {
-    let status = StatusCode::from_u16(error.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    json_response(status, &error.to_status())
-}
-
-fn text_response(text: &'static str) -> Response<Body> {
-    let mut response = Response::new(Body::full(text));
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    response
-}
-
-/// Which object a resource request addresses.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Target {
-    pub(crate) resource: Resource,
-    pub(crate) namespace: Option<String>,
-    pub(crate) name: Option<String>,
-    pub(crate) subresource: Option<String>,
-}
 
 /// Parses the part of a path after `/api/v1/` (group "") or `/apis/GROUP/v1/`.
 fn parse_target(group: &str, rest: &[&str]) -> Option<Target> {

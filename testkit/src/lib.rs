@@ -35,15 +35,19 @@ mod objects;
 mod openapi;
 mod patch;
 mod podfs;
+mod podnet;
 mod portforward;
 mod protobuf;
 mod resources;
+mod respond;
 mod reviews;
 mod selector;
 mod server;
 mod spdy;
+mod state;
 mod status;
 mod store;
+mod target;
 mod tour;
 mod util;
 pub mod webhook;
@@ -60,7 +64,7 @@ use tokio_util::task::TaskTracker;
 pub use auth::User;
 pub use authz::{RbacRule, Subject};
 use resources::Resource;
-use server::Shared;
+use state::Shared;
 pub use tour::{TOUR_USER, TourOptions, tour};
 
 /// Why the sample apiserver (or a testkit helper) failed.
@@ -231,7 +235,7 @@ impl SampleApiserver {
         let token = opts.token.clone().unwrap_or_else(util::random_token);
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
-        let pod_network = portforward::PodNetwork::start(&shutdown, &tracker)
+        let pod_network = podnet::PodNetwork::start(&shutdown, &tracker)
             .await
             .map_err(|source| TestkitError::Bind {
                 addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),

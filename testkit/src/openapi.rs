@@ -12,8 +12,8 @@ use http::{Response, StatusCode};
 use serde_json::{Map, Value, json};
 
 use crate::body::Body;
-use crate::handlers::json_response;
 use crate::resources::{GIT_VERSION, RESOURCE_GROUPS, Resource};
+use crate::respond::json_response;
 use crate::status::ApiError;
 
 /// Changes whenever the document changes (kubectl caches documents by this hash).
