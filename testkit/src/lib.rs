@@ -28,6 +28,7 @@ pub mod certs;
 mod controller;
 pub mod dev_issuer;
 mod exec;
+mod flags;
 mod handlers;
 pub mod kubectl;
 mod logs;
@@ -63,6 +64,7 @@ use tokio_util::task::TaskTracker;
 
 pub use auth::User;
 pub use authz::{RbacRule, Subject};
+pub use flags::SampleFlags;
 use resources::Resource;
 use state::Shared;
 pub use tour::{TOUR_USER, TourOptions, tour};
@@ -448,6 +450,21 @@ impl Drop for SampleApiserver {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
+}
+
+/// Resolves on Ctrl-C or SIGTERM (Ctrl-C only where SIGTERM cannot be listened for): when the sample apiserver
+/// binary stops.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        return;
+    }
+    let _ = tokio::signal::ctrl_c().await;
 }
 
 /// Writes `ca.pem`, `token` and `kubeconfig` into `dir`; returns the kubeconfig path.
