@@ -30,9 +30,14 @@ const PROTECTED_NAMESPACES: [&str; 3] = ["default", "kube-system", "kube-public"
 
 /// Parses the part of a path after `/api/v1/` (group "") or `/apis/GROUP/v1/`.
 fn parse_target(group: &str, rest: &[&str]) -> Option<Target> {
+    parse_target_with(&|plural| Resource::from_plural(group, plural), rest)
+}
+
+/// Parses the part of a path after a group version, resolving resource names with `lookup`.
+fn parse_target_with(lookup: &dyn Fn(&str) -> Option<Resource>, rest: &[&str]) -> Option<Target> {
     let target = |r: &str, ns: Option<&str>, name: Option<&str>, sub: Option<&str>| {
         Some(Target {
-            resource: Resource::from_plural(group, r)?,
+            resource: lookup(r)?,
             namespace: ns.map(str::to_string),
             name: name.map(str::to_string),
             subresource: sub.map(str::to_string),
@@ -40,7 +45,7 @@ fn parse_target(group: &str, rest: &[&str]) -> Option<Target> {
     };
     let namespaced_under = rest.len() >= 3
         && rest[0] == "namespaces"
-        && Resource::from_plural(group, rest[2]).is_some_and(Resource::namespaced);
+        && lookup(rest[2]).is_some_and(Resource::namespaced);
     let t = match rest {
         _ if namespaced_under => match rest {
             [_, ns, r] => target(r, Some(ns), None, None),
@@ -172,6 +177,13 @@ async fn dispatch(
         {
             Some(parse_target(group, rest).ok_or_else(ApiError::path_not_found)?)
         }
+        ["apis", group, version, rest @ ..]
+            if !rest.is_empty()
+                && crate::custom::group_versions(&shared.store, group).contains(version) =>
+        {
+            let lookup = |plural: &str| crate::custom::find(&shared.store, group, version, plural);
+            Some(parse_target_with(&lookup, rest).ok_or_else(ApiError::path_not_found)?)
+        }
         _ => None,
     };
     let self_review = match segments.as_slice() {
@@ -246,7 +258,27 @@ async fn dispatch(
             ["apis", group, "v1"] if resources::RESOURCE_GROUPS.contains(group) => Ok(
                 json_response(StatusCode::OK, &resources::api_resource_list(group)),
             ),
-            ["apis"] => Ok(json_response(StatusCode::OK, &resources::api_group_list())),
+            ["apis"] => {
+                let mut list = resources::api_group_list();
+                if let Some(groups) = list["groups"].as_array_mut() {
+                    groups.extend(crate::custom::groups(&shared.store));
+                }
+                Ok(json_response(StatusCode::OK, &list))
+            }
+            ["apis", group] if !crate::custom::group_versions(&shared.store, group).is_empty() => {
+                Ok(json_response(
+                    StatusCode::OK,
+                    &crate::custom::api_group(&shared.store, group),
+                ))
+            }
+            ["apis", group, version]
+                if crate::custom::group_versions(&shared.store, group).contains(version) =>
+            {
+                Ok(json_response(
+                    StatusCode::OK,
+                    &crate::custom::resource_list(&shared.store, group, version),
+                ))
+            }
             ["apis", resources::AUTHENTICATION_GROUP] => Ok(json_response(
                 StatusCode::OK,
                 &resources::authentication_api_group(),
@@ -340,6 +372,9 @@ async fn dispatch(
     {
         crate::controller::reconcile(&shared.store);
     }
+    if method != Method::GET && resource == Resource::CustomResourceDefinitions {
+        crate::custom::sync(&shared.store);
+    }
     result
 }
 
@@ -389,7 +424,13 @@ fn attributes(method: &Method, path: &str, target: Option<&Target>, query: &Quer
         verb: verb.into(),
         resource_request: true,
         api_group: t.resource.group().into(),
-        api_version: "v1".into(),
+        api_version: t
+            .resource
+            .api_version()
+            .rsplit('/')
+            .next()
+            .unwrap_or("v1")
+            .into(),
         resource: t.resource.plural().into(),
         subresource: t.subresource.clone().unwrap_or_default(),
         namespace,

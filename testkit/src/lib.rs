@@ -11,13 +11,14 @@
 //! [`dev_issuer`] is a development-only token issuer shaped like Entra ID, for the quickstart and tests.
 //!
 //! Also secrets, services, service accounts and events; `apps/v1` Deployments and ReplicaSets (with `scale` and
-//! a trivial controller that makes their pods); RBAC objects (stored only); `kubectl port-forward` over SPDY/3.1
+//! a trivial controller that makes their pods); RBAC objects (stored only); CustomResourceDefinitions whose
+//! resources are served, discovered and listed; `kubectl port-forward` over SPDY/3.1
 //! and over SPDY tunneled in a WebSocket (pod ports are answered by loopback servers: HTTP on 80, echo elsewhere);
 //! `kubectl cp` (exec's `tar` is the machine's GNU tar confined to a scratch directory per pod) and `kubectl
 //! attach`; SelfSubjectAccessReview/SelfSubjectRulesReview decided by the authorizer chain (`kubectl auth can-i`).
 //!
-//! What it does not do: persistence (everything lives in memory), custom resources (CRDs are stored, their
-//! resources are not served yet), aggregated discovery, admission, rolling updates, RBAC objects as an authorizer
+//! What it does not do: persistence (everything lives in memory), CRD schemas, conversion and subresources (one
+//! served version per CRD, objects stored as sent), aggregated discovery, admission, rolling updates, RBAC objects as an authorizer
 //! (only [`RbacRule`]s added in code decide), real CEL, protobuf answers, exec over SPDY (kubectl ≥ 1.30 uses
 //! WebSockets for exec). It is test support, never used by the relay or the agent.
 
@@ -26,10 +27,12 @@ pub mod authz;
 mod body;
 pub mod certs;
 mod controller;
+mod custom;
 pub mod dev_issuer;
 mod exec;
 mod flags;
 mod handlers;
+mod kinds;
 pub mod kubectl;
 mod logs;
 mod objects;

@@ -29,6 +29,8 @@ pub(crate) enum Resource {
     Secrets,
     ServiceAccounts,
     Services,
+    /// A custom resource: the id of its kind in [`crate::kinds`].
+    Custom(u32),
 }
 
 impl Resource {
@@ -66,12 +68,16 @@ impl Resource {
             | Resource::ClusterRoles
             | Resource::ClusterRoleBindings => RBAC_GROUP,
             Resource::CustomResourceDefinitions => APIEXTENSIONS_GROUP,
+            Resource::Custom(id) => crate::kinds::kind(id).map_or("", |k| k.group),
             _ => "",
         }
     }
 
     /// `v1` for the core group, `GROUP/v1` otherwise (every served group has only v1).
     pub(crate) fn api_version(self) -> &'static str {
+        if let Resource::Custom(id) = self {
+            return crate::kinds::kind(id).map_or("", |k| k.api_version);
+        }
         match self.group() {
             APPS_GROUP => "apps/v1",
             RBAC_GROUP => "rbac.authorization.k8s.io/v1",
@@ -97,6 +103,7 @@ impl Resource {
             Resource::Secrets => "secrets",
             Resource::ServiceAccounts => "serviceaccounts",
             Resource::Services => "services",
+            Resource::Custom(id) => crate::kinds::kind(id).map_or("", |k| k.plural),
         }
     }
 
@@ -117,6 +124,7 @@ impl Resource {
             Resource::Secrets => "secret",
             Resource::ServiceAccounts => "serviceaccount",
             Resource::Services => "service",
+            Resource::Custom(id) => crate::kinds::kind(id).map_or("", |k| k.singular),
         }
     }
 
@@ -137,6 +145,7 @@ impl Resource {
             Resource::Secrets => "Secret",
             Resource::ServiceAccounts => "ServiceAccount",
             Resource::Services => "Service",
+            Resource::Custom(id) => crate::kinds::kind(id).map_or("", |k| k.kind),
         }
     }
 
@@ -157,10 +166,14 @@ impl Resource {
             Resource::Secrets => &[],
             Resource::ServiceAccounts => &["sa"],
             Resource::Services => &["svc"],
+            Resource::Custom(id) => crate::kinds::kind(id).map_or(&[], |k| k.short_names),
         }
     }
 
     pub(crate) fn namespaced(self) -> bool {
+        if let Resource::Custom(id) = self {
+            return crate::kinds::kind(id).is_some_and(|k| k.namespaced);
+        }
         !matches!(
             self,
             Resource::Namespaces
@@ -707,7 +720,8 @@ pub(crate) fn validate(resource: Resource, obj: &Value) -> Result<(), ApiError> 
         | Resource::ServiceAccounts
         | Resource::Events
         | Resource::Roles
-        | Resource::ClusterRoles => {}
+        | Resource::ClusterRoles
+        | Resource::Custom(_) => {}
     }
     if errors.is_empty() {
         Ok(())
@@ -848,7 +862,8 @@ pub(crate) fn default_on_create(resource: Resource, obj: &mut Value, now: &str) 
         | Resource::Roles
         | Resource::RoleBindings
         | Resource::ClusterRoles
-        | Resource::ClusterRoleBindings => {}
+        | Resource::ClusterRoleBindings
+        | Resource::Custom(_) => {}
     }
 }
 
@@ -1454,6 +1469,7 @@ fn columns(resource: Resource) -> &'static [Column] {
         Resource::Secrets => SECRETS,
         Resource::ServiceAccounts => SERVICE_ACCOUNTS,
         Resource::Services => SERVICES,
+        Resource::Custom(_) => &[NAME, AGE],
     }
 }
 
@@ -1462,6 +1478,7 @@ fn cells(resource: Resource, obj: &Value) -> Vec<Value> {
     let age = json!(util::age(obj["metadata"]["creationTimestamp"].as_str()));
     let s = |v: &Value| json!(v.as_str().unwrap_or("<none>"));
     match resource {
+        Resource::Custom(_) => vec![name, age],
         Resource::ConfigMaps => {
             let count = ["data", "binaryData"]
                 .iter()

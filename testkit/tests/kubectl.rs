@@ -734,3 +734,73 @@ async fn deployments_scale_and_rbac_objects_with_kubectl() -> anyhow::Result<()>
     );
     Ok(())
 }
+
+const WIDGET_CRD: &str = "apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: widgets.demo.tether.dev
+spec:
+  group: demo.tether.dev
+  scope: Namespaced
+  names:
+    plural: widgets
+    singular: widget
+    kind: Widget
+    shortNames: [wd]
+  versions:
+  - name: v1alpha1
+    served: true
+    storage: true
+    schema:
+      openAPIV3Schema:
+        type: object
+        x-kubernetes-preserve-unknown-fields: true
+";
+
+#[tokio::test]
+async fn a_crd_and_its_custom_resources_with_kubectl() -> anyhow::Result<()> {
+    let fx = start().await?;
+    let k = kubectl(&fx)?;
+    let crd = fx.dir.path().join("crd.yaml");
+    std::fs::write(&crd, WIDGET_CRD)?;
+    let out = k.run(&["apply", "-f", &crd.display().to_string()]).await?;
+    ensure!(out.success(), "{out}");
+    let out = k.run(&["get", "crd"]).await?;
+    ensure!(out.success(), "{out}");
+    assert!(out.stdout.contains("widgets.demo.tether.dev"), "{out}");
+    let widget = fx.dir.path().join("widget.yaml");
+    std::fs::write(
+        &widget,
+        "apiVersion: demo.tether.dev/v1alpha1\nkind: Widget\nmetadata:\n  name: gizmo\nspec:\n  size: 3\n",
+    )?;
+    let out = k
+        .run(&["apply", "-f", &widget.display().to_string()])
+        .await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(out.stdout.trim(), "widget.demo.tether.dev/gizmo created");
+    let out = k.run(&["get", "widgets"]).await?;
+    ensure!(out.success(), "{out}");
+    assert!(out.stdout.lines().any(|l| l.starts_with("gizmo ")), "{out}");
+    let out = k
+        .run(&["get", "wd", "gizmo", "-o", "jsonpath={.spec.size}"])
+        .await?;
+    ensure!(out.success(), "{out}");
+    assert_eq!(out.stdout.trim(), "3");
+    let out = k
+        .run(&["api-resources", "--api-group=demo.tether.dev"])
+        .await?;
+    ensure!(out.success(), "{out}");
+    assert!(out.stdout.contains("widgets"), "{out}");
+    // Deleting the CRD deletes its resources and stops serving them.
+    let out = k.run(&["delete", "crd", "widgets.demo.tether.dev"]).await?;
+    ensure!(out.success(), "{out}");
+    let out = k
+        .run(&[
+            "get",
+            "--raw",
+            "/apis/demo.tether.dev/v1alpha1/namespaces/default/widgets",
+        ])
+        .await?;
+    assert!(!out.success(), "{out}");
+    Ok(())
+}
