@@ -195,3 +195,90 @@ async fn cp_5_mib_both_ways_and_attach_through_the_relay() -> anyhow::Result<()>
     env.up.shutdown().await?;
     Ok(())
 }
+
+const WIDGET_CRD: &str = "apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: widgets.demo.tether.dev
+spec:
+  group: demo.tether.dev
+  scope: Namespaced
+  names: {plural: widgets, singular: widget, kind: Widget, shortNames: [wd]}
+  versions:
+  - name: v1alpha1
+    served: true
+    storage: true
+    schema:
+      openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deployments_scale_crds_and_edit_through_the_relay() -> anyhow::Result<()> {
+    let env = Env::start().await?;
+    let k = env.kubectl()?;
+    ok(
+        &k,
+        &[
+            "create",
+            "deployment",
+            "web",
+            "--image=nginx:1.27",
+            "--replicas=2",
+        ],
+    )
+    .await?;
+    let out = ok(&k, &["get", "deploy"]).await?;
+    assert_eq!(row(&out, "web")?[..4], ["web", "2/2", "2", "2"]);
+    let out = ok(&k, &["scale", "deploy", "web", "--replicas=3"]).await?;
+    assert_eq!(out.stdout.trim(), "deployment.apps/web scaled");
+    let out = ok(&k, &["get", "pods", "-l", "app=web", "-o", "name"]).await?;
+    assert_eq!(out.stdout.lines().count(), 3, "{out}");
+    let out = ok(&k, &["get", "deploy", "web"]).await?;
+    assert_eq!(row(&out, "web")?[1], "3/3");
+
+    // A CRD, then a custom resource of it.
+    let crd = env.dir.path().join("crd.yaml");
+    std::fs::write(&crd, WIDGET_CRD)?;
+    ok(&k, &["apply", "-f", &crd.display().to_string()]).await?;
+    let widget = env.dir.path().join("widget.yaml");
+    std::fs::write(
+        &widget,
+        "apiVersion: demo.tether.dev/v1alpha1\nkind: Widget\nmetadata:\n  name: gizmo\nspec:\n  size: 3\n",
+    )?;
+    let out = ok(&k, &["apply", "-f", &widget.display().to_string()]).await?;
+    assert_eq!(out.stdout.trim(), "widget.demo.tether.dev/gizmo created");
+    let out = ok(&k, &["get", "widgets"]).await?;
+    row(&out, "gizmo")?;
+    let out = ok(&k, &["get", "crd", "widgets.demo.tether.dev", "-o", "name"]).await?;
+    assert!(out.stdout.contains("widgets.demo.tether.dev"), "{out}");
+
+    // kubectl edit: GET, the editor, then a patch.
+    ok(
+        &k,
+        &[
+            "create",
+            "configmap",
+            "settings",
+            "--from-literal=mode=slow",
+        ],
+    )
+    .await?;
+    let mut edit = k.command(&["edit", "configmap", "settings"], Some(WAIT));
+    edit.env("KUBE_EDITOR", "sed -i -e s/mode:\\ slow/mode:\\ fast/");
+    let out = tokio::time::timeout(WAIT, edit.output()).await??;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "edit: {stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("configmap/settings edited"), "{stdout}");
+    let out = ok(
+        &k,
+        &["get", "cm", "settings", "-o", "jsonpath={.data.mode}"],
+    )
+    .await?;
+    assert_eq!(out.stdout.trim(), "fast");
+    env.up.shutdown().await?;
+    Ok(())
+}
