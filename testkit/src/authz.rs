@@ -481,7 +481,7 @@ impl Authorizer {
                         |field: &str, default: Duration| -> Result<Duration, WebhookError> {
                             match w[field].as_str() {
                                 None => Ok(default),
-                                Some(s) => parse_go_duration(s)
+                                Some(s) => crate::util::go_duration(s)
                                     .ok_or_else(|| invalid(at(&format!("invalid {field} {s:?}")))),
                             }
                         };
@@ -586,6 +586,55 @@ impl Authorizer {
             }
         }
         (Verdict::NoOpinion, reasons.join("\n"))
+    }
+
+    /// What `user` may do in `namespace`, as a SelfSubjectRulesReview status: the resource rules and
+    /// non-resource rules the chain can list, and whether the list is incomplete (a webhook cannot list its rules,
+    /// as in kube-apiserver).
+    pub(crate) fn rules_for(&self, user: &User, namespace: &str) -> serde_json::Value {
+        use serde_json::json;
+        let everything = || {
+            json!({
+                "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"]}],
+                "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
+                "incomplete": false,
+            })
+        };
+        let Some(chain) = &self.chain else {
+            return everything();
+        };
+        if user.groups.iter().any(|g| g == "system:masters") {
+            return everything();
+        }
+        let mut resource_rules = Vec::new();
+        let mut non_resource_rules = Vec::new();
+        let mut incomplete = false;
+        for link in chain {
+            match link {
+                Link::AlwaysAllow => return everything(),
+                Link::AlwaysDeny => break,
+                Link::Webhook(_) => incomplete = true,
+                Link::Rbac => {
+                    let rules = self
+                        .rbac
+                        .rules
+                        .read()
+                        .map(|r| r.clone())
+                        .unwrap_or_default();
+                    for rule in rules.iter().filter(|r| r.applies_to(user)) {
+                        if !rule.resources.is_empty()
+                            && rule.namespace.as_deref().is_none_or(|ns| ns == namespace)
+                        {
+                            resource_rules.push(json!({"verbs": rule.verbs, "apiGroups": ["*"], "resources": rule.resources}));
+                        }
+                        if !rule.non_resource_urls.is_empty() {
+                            non_resource_rules.push(json!({"verbs": rule.verbs, "nonResourceURLs": rule.non_resource_urls}));
+                        }
+                    }
+                }
+            }
+        }
+        json!({"resourceRules": resource_rules, "nonResourceRules": non_resource_rules, "incomplete": incomplete})
     }
 
     /// Authorizes `attrs` for `user`; the Forbidden error (kube's message) if not allowed.
@@ -722,41 +771,7 @@ fn percent_decode(s: &str) -> String {
 /// Parses a Go duration as Kubernetes configuration files and flags write them (`3s`, `500ms`, `1m30s`, `2h`,
 /// `1.5s`, `0`).
 pub fn parse_duration(s: &str) -> Option<Duration> {
-    parse_go_duration(s)
-}
-
-fn parse_go_duration(s: &str) -> Option<Duration> {
-    let s = s.trim();
-    if s == "0" {
-        return Some(Duration::ZERO);
-    }
-    let mut total = 0f64;
-    let mut rest = s;
-    if rest.is_empty() {
-        return None;
-    }
-    while !rest.is_empty() {
-        let num_end = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(rest.len());
-        let number: f64 = rest[..num_end].parse().ok()?;
-        rest = &rest[num_end..];
-        let unit_end = rest
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(rest.len());
-        let scale = match &rest[..unit_end] {
-            "ns" => 1e-9,
-            "us" | "µs" => 1e-6,
-            "ms" => 1e-3,
-            "s" => 1.0,
-            "m" => 60.0,
-            "h" => 3600.0,
-            _ => return None,
-        };
-        total += number * scale;
-        rest = &rest[unit_end..];
-    }
-    Duration::try_from_secs_f64(total).ok()
+    crate::util::go_duration(s)
 }
 
 #[cfg(test)]
@@ -784,17 +799,6 @@ mod tests {
             name: String::new(),
             path: format!("/api/v1/namespaces/{namespace}/{resource}"),
         }
-    }
-
-    #[test]
-    fn go_durations() {
-        assert_eq!(parse_go_duration("2s"), Some(Duration::from_secs(2)));
-        assert_eq!(parse_go_duration("1m30s"), Some(Duration::from_secs(90)));
-        assert_eq!(parse_go_duration("500ms"), Some(Duration::from_millis(500)));
-        assert_eq!(parse_go_duration("0"), Some(Duration::ZERO));
-        assert_eq!(parse_go_duration("1.5s"), Some(Duration::from_millis(1500)));
-        assert_eq!(parse_go_duration("3 weeks"), None);
-        assert_eq!(parse_go_duration(""), None);
     }
 
     #[test]

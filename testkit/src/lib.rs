@@ -10,31 +10,52 @@
 //! and exec over WebSocket (`v5.channel.k8s.io` / `v4.channel.k8s.io`). It serves HTTPS only, HTTP/1.1 and h2.
 //! [`dev_issuer`] is a development-only token issuer shaped like Entra ID, for the quickstart and tests.
 //!
-//! What it does not do: persistence (everything lives in memory), API groups other than core `v1`, admission,
-//! full RBAC (roles and bindings objects; only [`RbacRule`]s added in code), real CEL, protobuf, SPDY (kubectl ≥
-//! 1.30 uses WebSockets for exec), port-forward and attach. It is test support, never used by the relay or the
-//! agent.
+//! Also secrets, services, service accounts and events; `apps/v1` Deployments and ReplicaSets (with `scale` and
+//! a trivial controller that makes their pods); RBAC objects (stored only); CustomResourceDefinitions whose
+//! resources are served, discovered and listed; `kubectl port-forward` over SPDY/3.1
+//! and over SPDY tunneled in a WebSocket (pod ports are answered by loopback servers: HTTP on 80, echo elsewhere);
+//! `kubectl cp` (exec's `tar` is the machine's GNU tar confined to a scratch directory per pod) and `kubectl
+//! attach`; SelfSubjectAccessReview/SelfSubjectRulesReview decided by the authorizer chain (`kubectl auth can-i`).
+//!
+//! What it does not do: persistence (everything lives in memory), CRD schemas, conversion and subresources (one
+//! served version per CRD, objects stored as sent), aggregated discovery, admission, rolling updates, RBAC objects as an authorizer
+//! (only [`RbacRule`]s added in code decide), real CEL, protobuf answers, exec over SPDY (kubectl ≥ 1.30 uses
+//! WebSockets for exec). It is test support, never used by the relay or the agent.
 
 pub mod auth;
 pub mod authz;
 mod body;
 pub mod certs;
+mod controller;
+mod custom;
 pub mod dev_issuer;
 mod exec;
+mod flags;
 mod handlers;
 pub mod idp;
+mod kinds;
 pub mod kubectl;
 mod logs;
+mod objects;
 mod openapi;
 mod patch;
+mod podfs;
+mod podnet;
+mod portforward;
 pub mod postgres;
 mod protobuf;
 mod resources;
+mod respond;
+mod reviews;
 mod selector;
 mod server;
+mod spdy;
+mod state;
 mod status;
 mod store;
+mod target;
 pub mod tools;
+mod tour;
 mod util;
 pub mod wait;
 pub mod webhook;
@@ -50,8 +71,10 @@ use tokio_util::task::TaskTracker;
 
 pub use auth::User;
 pub use authz::{RbacRule, Subject};
+pub use flags::SampleFlags;
 use resources::Resource;
-use server::Shared;
+use state::Shared;
+pub use tour::{TOUR_USER, TourOptions, tour};
 
 /// Why the sample apiserver (or a testkit helper) failed.
 #[derive(Debug, thiserror::Error)]
@@ -119,7 +142,13 @@ pub struct SampleOptions {
     /// A structured `AuthorizationConfiguration` (`--authorization-config`); None allows every authenticated
     /// request.
     pub authz_config: Option<PathBuf>,
+    /// HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS` per connection (`--http2-max-streams-per-connection`); 0 means
+    /// kube-apiserver's default, [`DEFAULT_HTTP2_MAX_STREAMS`].
+    pub http2_max_streams_per_connection: u32,
 }
+
+/// kube-apiserver's default HTTP/2 concurrent streams per connection (since the rapid-reset fixes).
+pub const DEFAULT_HTTP2_MAX_STREAMS: u32 = 100;
 
 impl SampleOptions {
     /// Options for a test: `dir`, `127.0.0.1:0`, a random token.
@@ -131,6 +160,7 @@ impl SampleOptions {
             authn_webhook: None,
             authn_cache_ttl: auth::DEFAULT_AUTHN_CACHE_TTL,
             authz_config: None,
+            http2_max_streams_per_connection: DEFAULT_HTTP2_MAX_STREAMS,
         }
     }
 }
@@ -214,12 +244,20 @@ impl SampleApiserver {
         let token = opts.token.clone().unwrap_or_else(util::random_token);
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
+        let pod_network = podnet::PodNetwork::start(&shutdown, &tracker)
+            .await
+            .map_err(|source| TestkitError::Bind {
+                addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+                source,
+            })?;
         let shared = Arc::new(Shared::new(
             addr,
             shutdown.clone(),
             tracker.clone(),
             authn,
             authz,
+            pod_network,
+            opts.dir.join("pods"),
         ));
         shared
             .authn
@@ -250,10 +288,15 @@ impl SampleApiserver {
             "tether-agent",
             &agent_token,
         )?;
+        let max_streams = match opts.http2_max_streams_per_connection {
+            0 => DEFAULT_HTTP2_MAX_STREAMS,
+            n => n,
+        };
         tracker.spawn(server::accept_loop(
             listener,
             tokio_rustls::TlsAcceptor::from(tls),
             shared.clone(),
+            max_streams,
         ));
         tracing::info!(%url, dir = %opts.dir.display(), "sample apiserver listening");
         Ok(SampleApiserver {
@@ -346,7 +389,7 @@ impl SampleApiserver {
         if !store.exists(Resource::Namespaces, "", namespace) {
             let ns =
                 json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}});
-            if let Err(e) = handlers::create_object(store, Resource::Namespaces, ns) {
+            if let Err(e) = objects::create_object(store, Resource::Namespaces, ns) {
                 tracing::warn!(namespace, error = %e.message, "cannot create namespace for seeding");
                 return;
             }
@@ -358,7 +401,7 @@ impl SampleApiserver {
                 "metadata": {"name": format!("{prefix}{i}"), "namespace": namespace, "labels": {"seeded": "true"}},
                 "data": {"index": i.to_string()},
             });
-            match handlers::create_object(store, Resource::ConfigMaps, cm) {
+            match objects::create_object(store, Resource::ConfigMaps, cm) {
                 Ok(_) => {}
                 Err(e) if e.reason == "AlreadyExists" => {}
                 Err(e) => {
@@ -396,7 +439,7 @@ impl SampleApiserver {
         provider_id: &str,
     ) -> Result<(), TestkitError> {
         let node = resources::node(name, cpu, memory, labels, provider_id);
-        handlers::create_object(&self.shared.store, Resource::Nodes, node)
+        objects::create_object(&self.shared.store, Resource::Nodes, node)
             .map(|_| ())
             .map_err(|e| TestkitError::Create(e.message))
     }
@@ -414,6 +457,21 @@ impl Drop for SampleApiserver {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
+}
+
+/// Resolves on Ctrl-C or SIGTERM (Ctrl-C only where SIGTERM cannot be listened for): when the sample apiserver
+/// binary stops.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        return;
+    }
+    let _ = tokio::signal::ctrl_c().await;
 }
 
 /// Writes `ca.pem`, `token` and `kubeconfig` into `dir`; returns the kubeconfig path.

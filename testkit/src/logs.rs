@@ -11,10 +11,10 @@ use serde_json::Value;
 use time::OffsetDateTime;
 
 use crate::body::Body;
-use crate::handlers::Target;
 use crate::resources::Resource;
-use crate::server::Shared;
+use crate::state::Shared;
 use crate::status::ApiError;
+use crate::target::Target;
 use crate::util;
 
 /// At most this many demo ticks are kept (older ones are "rotated away").

@@ -1,5 +1,5 @@
-//! PATCH bodies: JSON merge patch (RFC 7386), a strategic merge patch good enough for `kubectl apply`, and JSON
-//! patch (RFC 6902).
+//! PATCH bodies: JSON merge patch (RFC 7386) and JSON patch (RFC 6902) from the `json-patch` crate, and a
+//! strategic merge patch good enough for `kubectl apply` (no crate implements it without kube's Go schemas).
 //!
 //! The strategic merge patch here is a merge patch that also understands the directives kubectl emits:
 //! `$patch: replace|delete` in maps, `$setElementOrder/…` and `$retainKeys` (ignored), `$deleteFromPrimitiveList/…`,
@@ -11,24 +11,9 @@ use serde_json::{Map, Value};
 
 use crate::status::ApiError;
 
-/// RFC 7386: objects merge recursively, `null` deletes, anything else replaces.
+/// RFC 7386 (the `json-patch` crate's `merge`): objects merge recursively, `null` deletes, anything else replaces.
 pub(crate) fn merge_patch(target: &mut Value, patch: &Value) {
-    let Value::Object(patch_map) = patch else {
-        *target = patch.clone();
-        return;
-    };
-    if !target.is_object() {
-        *target = Value::Object(Map::new());
-    }
-    if let Value::Object(target_map) = target {
-        for (key, value) in patch_map {
-            if value.is_null() {
-                target_map.remove(key);
-            } else {
-                merge_patch(target_map.entry(key.clone()).or_insert(Value::Null), value);
-            }
-        }
-    }
+    json_patch::merge(target, patch);
 }
 
 /// A strategic merge patch, as described in the module documentation.
@@ -139,116 +124,12 @@ fn strip_directives(items: &[Value]) -> Vec<Value> {
         .collect()
 }
 
-/// RFC 6902 JSON patch: add, remove, replace, move, copy, test.
+/// RFC 6902 JSON patch (add, remove, replace, move, copy, test) with the `json-patch` crate: 400 when the body is
+/// not a patch, 422 when it does not apply (the document is left unchanged, as the crate undoes partial work).
 pub(crate) fn json_patch(target: &mut Value, patch: &Value) -> Result<(), ApiError> {
-    let ops = patch
-        .as_array()
-        .ok_or_else(|| ApiError::bad_request("a JSON patch must be a JSON array"))?;
-    for op in ops {
-        let name = op["op"]
-            .as_str()
-            .ok_or_else(|| ApiError::bad_request("JSON patch operation without \"op\""))?;
-        let path = op["path"]
-            .as_str()
-            .ok_or_else(|| ApiError::bad_request("JSON patch operation without \"path\""))?;
-        let value = || {
-            op.get("value").cloned().ok_or_else(|| {
-                ApiError::bad_request(format!("{name} operation does not have a value"))
-            })
-        };
-        let from = || {
-            op["from"].as_str().ok_or_else(|| {
-                ApiError::bad_request(format!("{name} operation does not have a from"))
-            })
-        };
-        match name {
-            "add" => add(target, path, value()?)?,
-            "remove" => {
-                remove(target, path)?;
-            }
-            "replace" => {
-                remove(target, path)?;
-                add(target, path, value()?)?;
-            }
-            "move" => {
-                let moved = remove(target, from()?)?;
-                add(target, path, moved)?;
-            }
-            "copy" => {
-                let copied = target
-                    .pointer(from()?)
-                    .cloned()
-                    .ok_or_else(|| missing(path))?;
-                add(target, path, copied)?;
-            }
-            "test" => {
-                if target.pointer(path) != Some(&value()?) {
-                    return Err(ApiError::unprocessable(format!(
-                        "testing value {path} failed"
-                    )));
-                }
-            }
-            other => {
-                return Err(ApiError::bad_request(format!(
-                    "unexpected JSON patch operation {other:?}"
-                )));
-            }
-        }
-    }
-    Ok(())
-}
-
-fn missing(path: &str) -> ApiError {
-    ApiError::unprocessable(format!(
-        "the server rejected our request due to an error in our request: doc is missing path: {path:?}"
-    ))
-}
-
-fn split_pointer(path: &str) -> Result<(&str, String), ApiError> {
-    let (parent, last) = path.rsplit_once('/').ok_or_else(|| missing(path))?;
-    Ok((parent, last.replace("~1", "/").replace("~0", "~")))
-}
-
-fn add(target: &mut Value, path: &str, value: Value) -> Result<(), ApiError> {
-    if path.is_empty() {
-        *target = value;
-        return Ok(());
-    }
-    let (parent, last) = split_pointer(path)?;
-    match target.pointer_mut(parent) {
-        Some(Value::Object(map)) => {
-            map.insert(last, value);
-            Ok(())
-        }
-        Some(Value::Array(items)) => {
-            let index = if last == "-" {
-                items.len()
-            } else {
-                last.parse::<usize>().map_err(|_| missing(path))?
-            };
-            if index > items.len() {
-                return Err(missing(path));
-            }
-            items.insert(index, value);
-            Ok(())
-        }
-        _ => Err(missing(path)),
-    }
-}
-
-fn remove(target: &mut Value, path: &str) -> Result<Value, ApiError> {
-    let (parent, last) = split_pointer(path)?;
-    match target.pointer_mut(parent) {
-        Some(Value::Object(map)) => map.remove(&last).ok_or_else(|| missing(path)),
-        Some(Value::Array(items)) => {
-            let index = last.parse::<usize>().map_err(|_| missing(path))?;
-            if index >= items.len() {
-                return Err(missing(path));
-            }
-            Ok(items.remove(index))
-        }
-        _ => Err(missing(path)),
-    }
+    let ops: json_patch::Patch = serde_json::from_value(patch.clone())
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON patch: {e}")))?;
+    json_patch::patch(target, &ops).map_err(|e| ApiError::unprocessable(e.to_string()))
 }
 
 #[cfg(test)]

@@ -1,10 +1,10 @@
-//! The HTTPS server: TLS accept loop, one hyper connection (HTTP/1.1 or h2) per client, connection limits, and
-//! the per-request front door (count, authenticate, authorize, log) before [`crate::handlers`] route the request.
+//! The listener: TLS accept loop, one hyper connection (HTTP/1.1 or h2) per client, connection limits, and the
+//! per-request front door (count, authenticate, impersonate, log) before the router ([`crate::handlers`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use http::{Request, Response};
@@ -13,108 +13,24 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
-use crate::auth::Authenticator;
-use crate::authz::Authorizer;
 use crate::body::Body;
-use crate::store::Store;
+use crate::state::Shared;
 
-/// Largest request body accepted (413 beyond).
-pub(crate) const MAX_BODY: usize = 3 * 1024 * 1024;
 /// Largest request head (HTTP/1.1 read buffer, h2 header list).
 const MAX_HEADER_BYTES: usize = 64 * 1024;
 /// How long a client has to finish the TLS handshake.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a client has to send a request head once it started one (and how long an idle keep-alive lasts).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a client has to send a request body.
-pub(crate) const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// State shared by every connection and request.
-pub(crate) struct Shared {
-    pub(crate) store: Store,
-    pub(crate) authn: Authenticator,
-    pub(crate) authz: Authorizer,
-    pub(crate) requests: AtomicU64,
-    /// Requests refused for a missing or unknown bearer token.
-    pub(crate) unauthenticated: AtomicU64,
-    /// Requests per User-Agent product (the part before the first `/`), bounded.
-    pub(crate) user_agents: std::sync::Mutex<std::collections::HashMap<String, u64>>,
-    /// The listen address, for discovery's `serverAddressByClientCIDRs`.
-    pub(crate) addr: SocketAddr,
-    /// When the server started: the demo pod's log ticks count from here.
-    pub(crate) started: Instant,
-    pub(crate) started_wall: time::OffsetDateTime,
-    /// The uid of the seeded `default/demo` pod, whose log ticks every second.
-    pub(crate) demo_uid: String,
-    /// Cancelled on shutdown: every connection, watch, log stream and exec session ends.
-    pub(crate) shutdown: CancellationToken,
-    /// Tracks every background task (connections, exec sessions, streams) so shutdown can wait for them.
-    pub(crate) tracker: TaskTracker,
-}
-
-impl Shared {
-    /// A store seeded with the namespaces `default`, `kube-system`, `kube-public`, the node and the demo pod.
-    pub(crate) fn new(
-        addr: SocketAddr,
-        shutdown: CancellationToken,
-        tracker: TaskTracker,
-        authn: Authenticator,
-        authz: Authorizer,
-    ) -> Shared {
-        let store = Store::new();
-        for ns in ["default", "kube-system", "kube-public"] {
-            let obj = serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
-            if let Err(e) =
-                crate::handlers::create_object(&store, crate::resources::Resource::Namespaces, obj)
-            {
-                tracing::error!(ns, error = %e.message, "cannot seed namespace");
-            }
-        }
-        let seeded = [
-            (
-                crate::resources::Resource::Nodes,
-                crate::resources::sample_node(),
-            ),
-            (
-                crate::resources::Resource::Pods,
-                crate::resources::demo_pod(),
-            ),
-        ];
-        let mut demo_uid = String::new();
-        for (resource, obj) in seeded {
-            match crate::handlers::create_object(&store, resource, obj) {
-                Ok(created) if resource == crate::resources::Resource::Pods => {
-                    demo_uid = created["metadata"]["uid"]
-                        .as_str()
-                        .unwrap_or_default()
-                        .to_string();
-                }
-                Ok(_) => {}
-                Err(e) => tracing::error!(error = %e.message, "cannot seed object"),
-            }
-        }
-        Shared {
-            store,
-            authn,
-            authz,
-            requests: AtomicU64::new(0),
-            unauthenticated: AtomicU64::new(0),
-            user_agents: std::sync::Mutex::new(std::collections::HashMap::new()),
-            addr,
-            started: Instant::now(),
-            started_wall: time::OffsetDateTime::now_utc(),
-            demo_uid,
-            shutdown,
-            tracker,
-        }
-    }
-}
 
 /// Accepts TCP connections until shutdown; each one is served in its own tracked task.
-pub(crate) async fn accept_loop(listener: TcpListener, acceptor: TlsAcceptor, shared: Arc<Shared>) {
+pub(crate) async fn accept_loop(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    shared: Arc<Shared>,
+    max_streams: u32,
+) {
     loop {
         let accepted = tokio::select! {
             _ = shared.shutdown.cancelled() => return,
@@ -128,6 +44,7 @@ pub(crate) async fn accept_loop(listener: TcpListener, acceptor: TlsAcceptor, sh
                     peer,
                     acceptor.clone(),
                     shared.clone(),
+                    max_streams,
                 ));
             }
             Err(error) => {
@@ -147,6 +64,7 @@ async fn serve_connection(
     peer: SocketAddr,
     acceptor: TlsAcceptor,
     shared: Arc<Shared>,
+    max_streams: u32,
 ) {
     let tls = match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
         Ok(Ok(tls)) => tls,
@@ -169,7 +87,7 @@ async fn serve_connection(
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(MAX_HEADER_BYTES as u32)
-        .max_concurrent_streams(250)
+        .max_concurrent_streams(max_streams)
         .keep_alive_interval(Duration::from_secs(30));
     let service_shared = shared.clone();
     let service = hyper::service::service_fn(move |req| {
@@ -201,11 +119,11 @@ async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<Incoming>) -
     let response = match shared.authn.authenticate(req.headers()).await {
         Ok(user) => match crate::authz::impersonate(&shared.authz, user, req.headers()).await {
             Ok(user) => crate::handlers::route(&shared, user, req).await,
-            Err(e) => crate::handlers::error_response(&e),
+            Err(e) => crate::respond::error_response(&e),
         },
         Err(e) => {
             shared.unauthenticated.fetch_add(1, Ordering::Relaxed);
-            crate::handlers::error_response(&e)
+            crate::respond::error_response(&e)
         }
     };
     tracing::debug!(

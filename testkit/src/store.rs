@@ -81,6 +81,8 @@ struct Inner {
 pub(crate) struct Store {
     inner: Mutex<Inner>,
     tx: broadcast::Sender<Arc<Event>>,
+    /// The custom kinds this store serves (ids in [`crate::custom`]'s registry).
+    custom: Mutex<Vec<u32>>,
 }
 
 impl Store {
@@ -94,6 +96,26 @@ impl Store {
                 floor: 1,
             }),
             tx,
+            custom: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The ids of the custom kinds served.
+    pub(crate) fn custom_ids(&self) -> Vec<u32> {
+        self.custom.lock().map(|c| c.clone()).unwrap_or_default()
+    }
+
+    /// Serves custom kind `id`.
+    pub(crate) fn add_custom_id(&self, id: u32) {
+        if let Ok(mut c) = self.custom.lock() {
+            c.push(id);
+        }
+    }
+
+    /// Stops serving custom kind `id`.
+    pub(crate) fn remove_custom_id(&self, id: u32) {
+        if let Ok(mut c) = self.custom.lock() {
+            c.retain(|x| *x != id);
         }
     }
 

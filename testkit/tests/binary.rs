@@ -85,3 +85,34 @@ async fn unusable_webhook_configuration_is_a_configuration_error() -> anyhow::Re
     assert!(stderr.contains("missing.kubeconfig"), "{stderr}");
     Ok(())
 }
+
+#[tokio::test]
+async fn bad_flags_exit_64_and_help_exits_0() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    for bad in [
+        &["--listen", "not-an-address"][..],
+        &["--authentication-token-webhook-cache-ttl", "1d"],
+        &["--http2-max-streams-per-connection", "-1"],
+        &["--no-such-flag"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_tether-sample-apiserver"))
+            .arg("--dir")
+            .arg(dir.path())
+            .args(bad)
+            .output()
+            .await?;
+        assert_eq!(out.status.code(), Some(64), "{bad:?}");
+        ensure!(!out.stderr.is_empty(), "{bad:?} gave no message");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_tether-sample-apiserver"))
+        .arg("--help")
+        .output()
+        .await?;
+    assert_eq!(out.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("--http2-max-streams-per-connection"),
+        "{help}"
+    );
+    Ok(())
+}
