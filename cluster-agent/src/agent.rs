@@ -137,7 +137,8 @@ pub async fn run(
     let relay_ca = config.relay_ca.as_deref().map(tls::read_file).transpose()?;
     let proxy_ca = config.proxy_ca.as_deref().map(tls::read_file).transpose()?;
     let relay_tls = RelayTls { relay_ca, proxy_ca };
-    let proxy = config.proxy.as_ref();
+    let proxy_config = config.proxy_config();
+    let proxy = proxy_config.as_ref();
 
     tracing::info!(
         relay = %config.relay_url,
@@ -319,7 +320,7 @@ async fn ensure_identity(
             "using the stored identity"
         );
         let expired = stored.is_expired(OffsetDateTime::now_utc());
-        if !expired || config.onboarding_token.is_none() {
+        if !expired || config.onboarding_secret().is_none() {
             if expired {
                 tracing::warn!("the stored identity has expired; the relay will refuse it");
             }
@@ -332,7 +333,7 @@ async fn ensure_identity(
             "the stored identity has expired; onboarding again with the given onboarding token"
         );
     }
-    let Some(token) = &config.onboarding_token else {
+    let Some(token) = config.onboarding_secret() else {
         return Err(ConfigError::MissingOnboardingToken {
             relay: config.relay_url.clone(),
             cluster: config.cluster.clone(),
