@@ -26,6 +26,7 @@ use crate::guard_push;
 use crate::identity::{self, Identity, IdentityError};
 use crate::metadata;
 use crate::onboard::{OnboardError, Onboarding};
+use crate::probes::{self, Probes};
 use tether_api::reconnect::{DRAINING_WAIT, Reconnect};
 
 /// The Kubernetes `Status` reason with which the relay refuses an expired identity.
@@ -77,6 +78,15 @@ pub enum AgentError {
     /// The guard CA could not be read or used.
     #[error("cannot set up TLS to guard: {0}")]
     GuardTls(#[source] tls::TlsError),
+    /// The probe port (`--health-listen`) could not be bound.
+    #[error("cannot listen for probes on {addr}: {source}")]
+    HealthListen {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The cluster's certificate expired (the agent could not renew it in time, e.g. it was offline).
     #[error(
         "this cluster's identity expired: delete it at the relay and connect it again ({message})"
@@ -98,6 +108,18 @@ pub async fn run(
     tls::install_crypto_provider();
     let tunnel_url = config.tunnel_url()?;
     let onboard_url = config.onboard_url()?;
+    // Dropped when `run` returns: /livez then answers 503 (or nothing at all once the probe server is gone).
+    let (probes, _liveness) = Probes::start();
+    let _probe_server = match config.health_listen {
+        Some(addr) => {
+            let listener = probes::bind(addr)
+                .await
+                .map_err(|source| AgentError::HealthListen { addr, source })?;
+            tracing::info!(%addr, "serving probes (/readyz, /livez)");
+            Some(probes::serve(listener, probes.clone()))
+        }
+        None => None,
+    };
 
     let mut kube_config = load_kube_config(config.kubeconfig.as_deref()).await?;
     // The apiserver is reached directly, like the forwarded requests (the proxy settings are for the
@@ -203,7 +225,8 @@ pub async fn run(
                 );
                 last_failure = None;
                 reconnect.connected();
-                match serve(
+                probes.set_tunnel_up(true);
+                let ended = serve(
                     conn,
                     &upstream,
                     &mut streams,
@@ -211,8 +234,9 @@ pub async fn run(
                     config.drain_timeout,
                     &mut state,
                 )
-                .await
-                {
+                .await;
+                probes.set_tunnel_up(false);
+                match ended {
                     Ended::Shutdown => return Ok(()),
                     Ended::Disconnected(reason) => {
                         let delay = reconnect.lost(state.reconnect_window.take());

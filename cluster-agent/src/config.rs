@@ -1,6 +1,7 @@
 //! The agent's configuration and its validation.
 
 use std::ffi::OsString;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -77,6 +78,10 @@ pub struct Config {
     /// The kubeconfig naming the apiserver (default: KUBECONFIG, ~/.kube/config, else in-cluster).
     #[arg(long, env = "TETHER_KUBECONFIG", value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
+    /// Serve Kubernetes probes here, plain HTTP: GET /readyz (200 only while a tunnel to the relay is up) and
+    /// GET /livez (200 while the agent runs); nothing else. Off unless set (the Helm chart sets 0.0.0.0:8080).
+    #[arg(long, env = "TETHER_HEALTH_LISTEN", value_name = "ADDR")]
+    pub health_listen: Option<SocketAddr>,
     /// Reconnect pacing (not a flag).
     #[arg(skip)]
     pub backoff: Backoff,

@@ -22,7 +22,8 @@
 //! What it does not do: it is never an open proxy. The upstream URL, CA and TLS server name come from the kube
 //! config only, never from a request; every request without an Entra-style token carries the user's own
 //! `Authorization` (pass-through) and no credential of the agent's. It does not authorize (guard, called by
-//! the apiserver, does), and it does not listen on any port.
+//! the apiserver, does), and it does not listen on any port but, with `--health-listen`, the plain-HTTP probe
+//! port ([`probes`]: `/readyz`, `/livez`, nothing else).
 //!
 //! Entry point: [`run`] with a [`Config`], as called by the `tether-agent` binary and by `tether up`.
 
@@ -37,6 +38,7 @@ mod health;
 pub mod identity;
 pub mod metadata;
 mod onboard;
+pub mod probes;
 
 pub use agent::{AgentError, IDENTITY_EXPIRED_REASON, run};
 pub use config::{Config, ConfigError, EntraConfig, GuardConfig};
