@@ -588,6 +588,55 @@ impl Authorizer {
         (Verdict::NoOpinion, reasons.join("\n"))
     }
 
+    /// What `user` may do in `namespace`, as a SelfSubjectRulesReview status: the resource rules and
+    /// non-resource rules the chain can list, and whether the list is incomplete (a webhook cannot list its rules,
+    /// as in kube-apiserver).
+    pub(crate) fn rules_for(&self, user: &User, namespace: &str) -> serde_json::Value {
+        use serde_json::json;
+        let everything = || {
+            json!({
+                "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"]}],
+                "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
+                "incomplete": false,
+            })
+        };
+        let Some(chain) = &self.chain else {
+            return everything();
+        };
+        if user.groups.iter().any(|g| g == "system:masters") {
+            return everything();
+        }
+        let mut resource_rules = Vec::new();
+        let mut non_resource_rules = Vec::new();
+        let mut incomplete = false;
+        for link in chain {
+            match link {
+                Link::AlwaysAllow => return everything(),
+                Link::AlwaysDeny => break,
+                Link::Webhook(_) => incomplete = true,
+                Link::Rbac => {
+                    let rules = self
+                        .rbac
+                        .rules
+                        .read()
+                        .map(|r| r.clone())
+                        .unwrap_or_default();
+                    for rule in rules.iter().filter(|r| r.applies_to(user)) {
+                        if !rule.resources.is_empty()
+                            && rule.namespace.as_deref().is_none_or(|ns| ns == namespace)
+                        {
+                            resource_rules.push(json!({"verbs": rule.verbs, "apiGroups": ["*"], "resources": rule.resources}));
+                        }
+                        if !rule.non_resource_urls.is_empty() {
+                            non_resource_rules.push(json!({"verbs": rule.verbs, "nonResourceURLs": rule.non_resource_urls}));
+                        }
+                    }
+                }
+            }
+        }
+        json!({"resourceRules": resource_rules, "nonResourceRules": non_resource_rules, "incomplete": incomplete})
+    }
+
     /// Authorizes `attrs` for `user`; the Forbidden error (kube's message) if not allowed.
     pub(crate) async fn check(&self, user: &User, attrs: &Attributes) -> Result<(), ApiError> {
         match self.authorize(user, attrs).await {

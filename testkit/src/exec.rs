@@ -66,6 +66,8 @@ struct ExecRequest {
     stderr: bool,
     tty: bool,
     pod: String,
+    /// The pod's scratch filesystem (`tar`, `test`); None in unit tests.
+    root: Option<std::path::PathBuf>,
 }
 
 fn parse(query: &[(String, String)], pod: &str) -> Result<ExecRequest, ApiError> {
@@ -86,6 +88,7 @@ fn parse(query: &[(String, String)], pod: &str) -> Result<ExecRequest, ApiError>
         stderr: flag("stderr"),
         tty: flag("tty"),
         pod: pod.to_string(),
+        root: None,
     };
     if req.command.is_empty() {
         return Err(ApiError::bad_request(
@@ -136,6 +139,7 @@ pub(crate) fn handle(
     query: &[(String, String)],
     mut req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
+    let attach = t.subresource.as_deref() == Some("attach");
     let namespace = t.namespace.clone().unwrap_or_default();
     let name = t.name.clone().unwrap_or_default();
     let pod = shared.store.get(Resource::Pods, &namespace, &name)?;
@@ -152,7 +156,27 @@ pub(crate) fn handle(
             "cannot exec into a container in a completed pod",
         ));
     }
-    let exec = parse(query, &name)?;
+    let mut exec = if attach {
+        // Attach joins the container's main process: here a `cat` when stdin is attached (what you type comes
+        // back), otherwise a process that prints nothing until the client leaves.
+        let mut query = query.to_vec();
+        let stdin = query
+            .iter()
+            .any(|(k, v)| k == "stdin" && (v == "true" || v == "1"));
+        let main: &[&str] = if stdin { &["cat"] } else { &["sleep", "86400"] };
+        query.retain(|(k, _)| k != "command");
+        query.extend(main.iter().map(|c| ("command".to_string(), c.to_string())));
+        parse(&query, &name)?
+    } else {
+        parse(query, &name)?
+    };
+    exec.root = match crate::podfs::root(&shared.pods_dir, &namespace, &name) {
+        Ok(root) => Some(root),
+        Err(error) => {
+            tracing::warn!(%error, "no scratch filesystem for the pod");
+            None
+        }
+    };
 
     let headers = req.headers();
     let upgrade = headers
@@ -475,6 +499,15 @@ fn run<'a>(
                 io.stdout(&text).await?;
                 Ok(Exit::Code(0))
             }
+            "tar" => tar(args, io).await,
+            "test" | "[" => {
+                let args: Vec<String> = args.iter().filter(|a| *a != "]").cloned().collect();
+                let code = match &io.exec.root {
+                    Some(root) => crate::podfs::test(root, &args),
+                    None => 1,
+                };
+                Ok(Exit::Code(code))
+            }
             "true" => Ok(Exit::Code(0)),
             "false" => Ok(Exit::Code(1)),
             "env" | "printenv" => {
@@ -523,6 +556,90 @@ fn run<'a>(
             }
         }
     })
+}
+
+/// `tar` in the pod's scratch filesystem: the real GNU tar with checked arguments ([`crate::podfs`]); stdin and
+/// stdout are the session's, as `kubectl cp` needs.
+async fn tar(args: &[String], io: &mut Io) -> Result<Exit, Hangup> {
+    use std::process::Stdio;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let Some(root) = io.exec.root.clone() else {
+        io.stderr("tar: the pod has no filesystem\n").await?;
+        return Ok(Exit::Code(2));
+    };
+    let argv = match crate::podfs::tar_args(&root, args) {
+        Ok(argv) => argv,
+        Err(message) => {
+            io.stderr(&format!("tar: {message}\n")).await?;
+            return Ok(Exit::Code(2));
+        }
+    };
+    let child = tokio::process::Command::new("tar")
+        .args(&argv)
+        .current_dir(&root)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn();
+    let mut child = match child {
+        Ok(child) => child,
+        Err(error) => {
+            io.stderr(&format!(
+                "tar: cannot run tar on the sample apiserver's machine: {error}\n"
+            ))
+            .await?;
+            return Ok(Exit::NotFound(
+                "exec: \"tar\": executable file not found in $PATH".into(),
+            ));
+        }
+    };
+    let (Some(mut stdin), Some(stdout), Some(stderr)) =
+        (child.stdin.take(), child.stdout.take(), child.stderr.take())
+    else {
+        return Ok(Exit::Code(2));
+    };
+    let Io {
+        stdin: input,
+        out,
+        exec,
+        ..
+    } = io;
+    let feed = async {
+        while let Some(data) = input.recv().await {
+            if stdin.write_all(&data).await.is_err() {
+                break;
+            }
+        }
+        drop(stdin);
+    };
+    let pump = |channel: u8, wanted: bool| {
+        let out = out.clone();
+        move |mut reader: Box<dyn tokio::io::AsyncRead + Send + Unpin>| async move {
+            let mut buf = vec![0u8; 32 * 1024];
+            loop {
+                match reader.read(&mut buf).await {
+                    Ok(0) | Err(_) => return Ok(()),
+                    Ok(n) if wanted => {
+                        out.send((channel, Bytes::copy_from_slice(&buf[..n])))
+                            .await
+                            .map_err(|_| Hangup)?;
+                    }
+                    Ok(_) => {}
+                }
+            }
+        }
+    };
+    let to_stdout = pump(STDOUT, exec.stdout)(Box::new(stdout));
+    let to_stderr = pump(
+        if exec.tty { STDOUT } else { STDERR },
+        exec.stderr || exec.tty,
+    )(Box::new(stderr));
+    let (_, sent_out, sent_err) = tokio::join!(feed, to_stdout, to_stderr);
+    sent_out?;
+    sent_err?;
+    let status = child.wait().await.ok().and_then(|s| s.code()).unwrap_or(2);
+    Ok(Exit::Code(status))
 }
 
 /// Splits a command line into words: whitespace-separated, with single and double quotes.
@@ -681,6 +798,7 @@ mod tests {
             stderr: !tty,
             tty,
             pod: "demo".into(),
+            root: None,
         }
     }
 

@@ -29,6 +29,13 @@ use crate::TestkitError;
 /// Where the Google Cloud SDK keeps one kubectl per minor version (`/usr/bin/kubectl` there is a dispatcher).
 const SDK_BIN: &str = "/usr/lib/google-cloud-sdk/bin";
 
+/// `kubectl.1.NN` of the Google Cloud SDK, if installed (e.g. 1.29, the last kubectl that port-forwards over SPDY
+/// without trying a WebSocket first).
+pub fn versioned(minor: u32) -> Option<PathBuf> {
+    let path = Path::new(SDK_BIN).join(format!("kubectl.1.{minor}"));
+    path.is_file().then_some(path)
+}
+
 /// The kubectl binary to use: `$TETHER_KUBECTL` if set; else the newest `kubectl.1.NN` of the Google Cloud SDK;
 /// else `kubectl` from `PATH`.
 pub fn binary() -> PathBuf {
@@ -315,6 +322,21 @@ impl KubectlChild {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// For `kubectl port-forward … :REMOTE`: waits for `Forwarding from 127.0.0.1:LOCAL -> REMOTE` and returns
+    /// the local address.
+    pub async fn forwarded_address(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<std::net::SocketAddr, TestkitError> {
+        let line = self
+            .wait_for_line(timeout, |l| l.starts_with("Forwarding from 127.0.0.1:"))
+            .await?;
+        line.strip_prefix("Forwarding from ")
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|addr| addr.parse().ok())
+            .ok_or_else(|| TestkitError::Kubectl(format!("unexpected port-forward line {line:?}")))
     }
 
     /// Every stdout line read so far.

@@ -10,28 +10,41 @@
 //! and exec over WebSocket (`v5.channel.k8s.io` / `v4.channel.k8s.io`). It serves HTTPS only, HTTP/1.1 and h2.
 //! [`dev_issuer`] is a development-only token issuer shaped like Entra ID, for the quickstart and tests.
 //!
-//! What it does not do: persistence (everything lives in memory), API groups other than core `v1`, admission,
-//! full RBAC (roles and bindings objects; only [`RbacRule`]s added in code), real CEL, protobuf, SPDY (kubectl ≥
-//! 1.30 uses WebSockets for exec), port-forward and attach. It is test support, never used by the relay or the
-//! agent.
+//! Also secrets, services, service accounts and events; `apps/v1` Deployments and ReplicaSets (with `scale` and
+//! a trivial controller that makes their pods); RBAC objects (stored only); `kubectl port-forward` over SPDY/3.1
+//! and over SPDY tunneled in a WebSocket (pod ports are answered by loopback servers: HTTP on 80, echo elsewhere);
+//! `kubectl cp` (exec's `tar` is the machine's GNU tar confined to a scratch directory per pod) and `kubectl
+//! attach`; SelfSubjectAccessReview/SelfSubjectRulesReview decided by the authorizer chain (`kubectl auth can-i`).
+//!
+//! What it does not do: persistence (everything lives in memory), custom resources (CRDs are stored, their
+//! resources are not served yet), aggregated discovery, admission, rolling updates, RBAC objects as an authorizer
+//! (only [`RbacRule`]s added in code decide), real CEL, protobuf answers, exec over SPDY (kubectl ≥ 1.30 uses
+//! WebSockets for exec). It is test support, never used by the relay or the agent.
 
 pub mod auth;
 pub mod authz;
 mod body;
 pub mod certs;
+mod controller;
 pub mod dev_issuer;
 mod exec;
 mod handlers;
 pub mod kubectl;
 mod logs;
+mod objects;
 mod openapi;
 mod patch;
+mod podfs;
+mod portforward;
 mod protobuf;
 mod resources;
+mod reviews;
 mod selector;
 mod server;
+mod spdy;
 mod status;
 mod store;
+mod tour;
 mod util;
 pub mod webhook;
 
@@ -48,6 +61,7 @@ pub use auth::User;
 pub use authz::{RbacRule, Subject};
 use resources::Resource;
 use server::Shared;
+pub use tour::{TOUR_USER, TourOptions, tour};
 
 /// Why the sample apiserver (or a testkit helper) failed.
 #[derive(Debug, thiserror::Error)]
@@ -115,7 +129,13 @@ pub struct SampleOptions {
     /// A structured `AuthorizationConfiguration` (`--authorization-config`); None allows every authenticated
     /// request.
     pub authz_config: Option<PathBuf>,
+    /// HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS` per connection (`--http2-max-streams-per-connection`); 0 means
+    /// kube-apiserver's default, [`DEFAULT_HTTP2_MAX_STREAMS`].
+    pub http2_max_streams_per_connection: u32,
 }
+
+/// kube-apiserver's default HTTP/2 concurrent streams per connection (since the rapid-reset fixes).
+pub const DEFAULT_HTTP2_MAX_STREAMS: u32 = 100;
 
 impl SampleOptions {
     /// Options for a test: `dir`, `127.0.0.1:0`, a random token.
@@ -127,6 +147,7 @@ impl SampleOptions {
             authn_webhook: None,
             authn_cache_ttl: auth::DEFAULT_AUTHN_CACHE_TTL,
             authz_config: None,
+            http2_max_streams_per_connection: DEFAULT_HTTP2_MAX_STREAMS,
         }
     }
 }
@@ -210,12 +231,20 @@ impl SampleApiserver {
         let token = opts.token.clone().unwrap_or_else(util::random_token);
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
+        let pod_network = portforward::PodNetwork::start(&shutdown, &tracker)
+            .await
+            .map_err(|source| TestkitError::Bind {
+                addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+                source,
+            })?;
         let shared = Arc::new(Shared::new(
             addr,
             shutdown.clone(),
             tracker.clone(),
             authn,
             authz,
+            pod_network,
+            opts.dir.join("pods"),
         ));
         shared
             .authn
@@ -246,10 +275,15 @@ impl SampleApiserver {
             "tether-agent",
             &agent_token,
         )?;
+        let max_streams = match opts.http2_max_streams_per_connection {
+            0 => DEFAULT_HTTP2_MAX_STREAMS,
+            n => n,
+        };
         tracker.spawn(server::accept_loop(
             listener,
             tokio_rustls::TlsAcceptor::from(tls),
             shared.clone(),
+            max_streams,
         ));
         tracing::info!(%url, dir = %opts.dir.display(), "sample apiserver listening");
         Ok(SampleApiserver {
@@ -342,7 +376,7 @@ impl SampleApiserver {
         if !store.exists(Resource::Namespaces, "", namespace) {
             let ns =
                 json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}});
-            if let Err(e) = handlers::create_object(store, Resource::Namespaces, ns) {
+            if let Err(e) = objects::create_object(store, Resource::Namespaces, ns) {
                 tracing::warn!(namespace, error = %e.message, "cannot create namespace for seeding");
                 return;
             }
@@ -354,7 +388,7 @@ impl SampleApiserver {
                 "metadata": {"name": format!("{prefix}{i}"), "namespace": namespace, "labels": {"seeded": "true"}},
                 "data": {"index": i.to_string()},
             });
-            match handlers::create_object(store, Resource::ConfigMaps, cm) {
+            match objects::create_object(store, Resource::ConfigMaps, cm) {
                 Ok(_) => {}
                 Err(e) if e.reason == "AlreadyExists" => {}
                 Err(e) => {
@@ -392,7 +426,7 @@ impl SampleApiserver {
         provider_id: &str,
     ) -> Result<(), TestkitError> {
         let node = resources::node(name, cpu, memory, labels, provider_id);
-        handlers::create_object(&self.shared.store, Resource::Nodes, node)
+        objects::create_object(&self.shared.store, Resource::Nodes, node)
             .map(|_| ())
             .map_err(|e| TestkitError::Create(e.message))
     }

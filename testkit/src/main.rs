@@ -31,6 +31,9 @@ struct Args {
     /// request is allowed.
     #[arg(long, env = "TETHER_SAMPLE_AUTHZ_CONFIG")]
     authorization_config: Option<PathBuf>,
+    /// HTTP/2 concurrent streams per connection (as kube-apiserver's flag; 0 means its default, 100).
+    #[arg(long, default_value_t = tether_testkit::DEFAULT_HTTP2_MAX_STREAMS)]
+    http2_max_streams_per_connection: u32,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -58,6 +61,7 @@ async fn main() -> anyhow::Result<()> {
         authn_webhook: args.authentication_token_webhook_config_file,
         authn_cache_ttl: args.authentication_token_webhook_cache_ttl,
         authz_config: args.authorization_config,
+        http2_max_streams_per_connection: args.http2_max_streams_per_connection,
     })
     .await;
     let server = match server {

@@ -13,7 +13,7 @@ use serde_json::{Map, Value, json};
 
 use crate::body::Body;
 use crate::handlers::json_response;
-use crate::resources::{GIT_VERSION, Resource};
+use crate::resources::{GIT_VERSION, RESOURCE_GROUPS, Resource};
 use crate::status::ApiError;
 
 /// Changes whenever the document changes (kubectl caches documents by this hash).
@@ -21,11 +21,24 @@ const HASH: &str = "7e7e7e0001";
 
 pub(crate) fn handle(rest: &[&str], _query: Option<&str>) -> Result<Response<Body>, ApiError> {
     match rest {
-        ["v3"] => Ok(json_response(
-            StatusCode::OK,
-            &json!({"paths": {"api/v1": {"serverRelativeURL": format!("/openapi/v3/api/v1?hash={HASH}")}}}),
-        )),
-        ["v3", "api", "v1"] => Ok(json_response(StatusCode::OK, &core_v1())),
+        ["v3"] => {
+            let mut paths = Map::new();
+            paths.insert(
+                "api/v1".into(),
+                json!({"serverRelativeURL": format!("/openapi/v3/api/v1?hash={HASH}")}),
+            );
+            for g in RESOURCE_GROUPS {
+                paths.insert(
+                    format!("apis/{g}/v1"),
+                    json!({"serverRelativeURL": format!("/openapi/v3/apis/{g}/v1?hash={HASH}")}),
+                );
+            }
+            Ok(json_response(StatusCode::OK, &json!({"paths": paths})))
+        }
+        ["v3", "api", "v1"] => Ok(json_response(StatusCode::OK, &group_v1(""))),
+        ["v3", "apis", group, "v1"] if RESOURCE_GROUPS.contains(group) => {
+            Ok(json_response(StatusCode::OK, &group_v1(group)))
+        }
         _ => Err(ApiError::path_not_found()),
     }
 }
@@ -48,26 +61,32 @@ fn operation(resource: Resource, action: &str, with_write_params: bool) -> Value
         parameters.push(query_param("fieldValidation", "fieldValidation instructs the server on how to handle objects in the request containing unknown or duplicate fields."));
     }
     json!({
-        "operationId": format!("{action}CoreV1{}", resource.kind()),
+        "operationId": format!("{action}{}V1{}", resource.group(), resource.kind()),
         "x-kubernetes-action": action,
-        "x-kubernetes-group-version-kind": {"group": "", "version": "v1", "kind": resource.kind()},
+        "x-kubernetes-group-version-kind": {"group": resource.group(), "version": "v1", "kind": resource.kind()},
         "parameters": parameters,
         "responses": {"200": {"description": "OK"}, "401": {"description": "Unauthorized"}},
     })
 }
 
-fn core_v1() -> Value {
+/// The document of one group version: "" for `/api/v1`, else `/apis/GROUP/v1`.
+fn group_v1(group: &str) -> Value {
     let mut paths = Map::new();
-    for r in Resource::ALL {
+    let prefix = if group.is_empty() {
+        "/api/v1".to_string()
+    } else {
+        format!("/apis/{group}/v1")
+    };
+    for r in Resource::ALL.into_iter().filter(|r| r.group() == group) {
         let (collection, item) = if r.namespaced() {
             (
-                format!("/api/v1/namespaces/{{namespace}}/{}", r.plural()),
-                format!("/api/v1/namespaces/{{namespace}}/{}/{{name}}", r.plural()),
+                format!("{prefix}/namespaces/{{namespace}}/{}", r.plural()),
+                format!("{prefix}/namespaces/{{namespace}}/{}/{{name}}", r.plural()),
             )
         } else {
             (
-                format!("/api/v1/{}", r.plural()),
-                format!("/api/v1/{}/{{name}}", r.plural()),
+                format!("{prefix}/{}", r.plural()),
+                format!("{prefix}/{}/{{name}}", r.plural()),
             )
         };
         paths.insert(
@@ -98,7 +117,11 @@ mod tests {
 
     #[test]
     fn patch_operations_take_field_validation() {
-        let doc = core_v1();
+        let doc = group_v1("");
+        assert!(
+            group_v1("apps")["paths"]["/apis/apps/v1/namespaces/{namespace}/deployments/{name}"]
+                .is_object()
+        );
         let patch = &doc["paths"]["/api/v1/namespaces/{namespace}/configmaps/{name}"]["patch"];
         assert_eq!(
             patch["x-kubernetes-group-version-kind"]["kind"],

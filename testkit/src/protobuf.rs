@@ -1,8 +1,9 @@
 //! Decoding of Kubernetes protobuf request bodies (`application/vnd.kubernetes.protobuf`) into JSON values.
 //!
 //! kubectl's typed clients send protobuf when they write (`kubectl create configmap`, `create namespace`, `run`),
-//! while accepting JSON answers. So only decoding is needed, and only for the kinds we serve: ConfigMap, Namespace,
-//! and the parts of Pod that `kubectl run` fills in. Fields not in the schemas below are skipped, as any protobuf
+//! while accepting JSON answers. So only decoding is needed, and only for the kinds kubectl's `create`
+//! subcommands write: ConfigMap, Namespace, Secret, ServiceAccount, Service, the parts of Pod that `kubectl
+//! run` fills in, and the SelfSubjectAccessReview/SelfSubjectRulesReview of `kubectl auth can-i`. Fields not in the schemas below are skipped, as any protobuf
 //! reader skips unknown fields. Field numbers come from `k8s.io/api/core/v1/generated.proto` and
 //! `k8s.io/apimachinery/pkg/apis/meta/v1/generated.proto`.
 //!
@@ -24,6 +25,8 @@ enum Kind {
     Bool,
     Quantity,
     Message(&'static [Field]),
+    /// `intstr.IntOrString` {type = 1, intVal = 2, strVal = 3}: a number or a string in JSON.
+    IntOrString,
     StringMap,
     BytesMap,
     QuantityMap,
@@ -105,6 +108,140 @@ const POD: &[Field] = &[
     (2, "spec", Kind::Message(POD_SPEC), false),
 ];
 
+const SECRET: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (2, "data", Kind::BytesMap, false),
+    (3, "type", Kind::String, false),
+    (4, "stringData", Kind::StringMap, false),
+    (5, "immutable", Kind::Bool, false),
+];
+
+const OBJECT_REFERENCE: &[Field] = &[
+    (1, "kind", Kind::String, false),
+    (2, "namespace", Kind::String, false),
+    (3, "name", Kind::String, false),
+];
+const SERVICE_ACCOUNT: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (2, "secrets", Kind::Message(OBJECT_REFERENCE), true),
+    (3, "imagePullSecrets", Kind::Message(OBJECT_REFERENCE), true),
+    (4, "automountServiceAccountToken", Kind::Bool, false),
+];
+
+const SERVICE_PORT: &[Field] = &[
+    (1, "name", Kind::String, false),
+    (2, "protocol", Kind::String, false),
+    (3, "port", Kind::Int, false),
+    (4, "targetPort", Kind::IntOrString, false),
+    (5, "nodePort", Kind::Int, false),
+];
+const SERVICE_SPEC: &[Field] = &[
+    (1, "ports", Kind::Message(SERVICE_PORT), true),
+    (2, "selector", Kind::StringMap, false),
+    (3, "clusterIP", Kind::String, false),
+    (4, "type", Kind::String, false),
+    (11, "externalName", Kind::String, false),
+];
+const SERVICE: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (2, "spec", Kind::Message(SERVICE_SPEC), false),
+];
+const INT_OR_STRING: &[Field] = &[
+    (1, "type", Kind::Int, false),
+    (2, "intVal", Kind::Int, false),
+    (3, "strVal", Kind::String, false),
+];
+
+const LABEL_SELECTOR: &[Field] = &[(1, "matchLabels", Kind::StringMap, false)];
+const POD_TEMPLATE_SPEC: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (2, "spec", Kind::Message(POD_SPEC), false),
+];
+const DEPLOYMENT_SPEC: &[Field] = &[
+    (1, "replicas", Kind::Int, false),
+    (2, "selector", Kind::Message(LABEL_SELECTOR), false),
+    (3, "template", Kind::Message(POD_TEMPLATE_SPEC), false),
+];
+const DEPLOYMENT: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (2, "spec", Kind::Message(DEPLOYMENT_SPEC), false),
+];
+
+const POLICY_RULE: &[Field] = &[
+    (1, "verbs", Kind::String, true),
+    (2, "apiGroups", Kind::String, true),
+    (3, "resources", Kind::String, true),
+    (4, "resourceNames", Kind::String, true),
+    (5, "nonResourceURLs", Kind::String, true),
+];
+const ROLE: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (2, "rules", Kind::Message(POLICY_RULE), true),
+];
+const RBAC_SUBJECT: &[Field] = &[
+    (1, "kind", Kind::String, false),
+    (2, "apiGroup", Kind::String, false),
+    (3, "name", Kind::String, false),
+    (4, "namespace", Kind::String, false),
+];
+const ROLE_REF: &[Field] = &[
+    (1, "apiGroup", Kind::String, false),
+    (2, "kind", Kind::String, false),
+    (3, "name", Kind::String, false),
+];
+const ROLE_BINDING: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (2, "subjects", Kind::Message(RBAC_SUBJECT), true),
+    (3, "roleRef", Kind::Message(ROLE_REF), false),
+];
+
+const RESOURCE_ATTRIBUTES: &[Field] = &[
+    (1, "namespace", Kind::String, false),
+    (2, "verb", Kind::String, false),
+    (3, "group", Kind::String, false),
+    (4, "version", Kind::String, false),
+    (5, "resource", Kind::String, false),
+    (6, "subresource", Kind::String, false),
+    (7, "name", Kind::String, false),
+];
+const NON_RESOURCE_ATTRIBUTES: &[Field] = &[
+    (1, "path", Kind::String, false),
+    (2, "verb", Kind::String, false),
+];
+const SELF_SUBJECT_ACCESS_REVIEW_SPEC: &[Field] = &[
+    (
+        1,
+        "resourceAttributes",
+        Kind::Message(RESOURCE_ATTRIBUTES),
+        false,
+    ),
+    (
+        2,
+        "nonResourceAttributes",
+        Kind::Message(NON_RESOURCE_ATTRIBUTES),
+        false,
+    ),
+];
+const SELF_SUBJECT_ACCESS_REVIEW: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (
+        2,
+        "spec",
+        Kind::Message(SELF_SUBJECT_ACCESS_REVIEW_SPEC),
+        false,
+    ),
+];
+const SELF_SUBJECT_RULES_REVIEW_SPEC: &[Field] = &[(1, "namespace", Kind::String, false)];
+const SELF_SUBJECT_RULES_REVIEW: &[Field] = &[
+    (1, "metadata", Kind::Message(OBJECT_META), false),
+    (
+        2,
+        "spec",
+        Kind::Message(SELF_SUBJECT_RULES_REVIEW_SPEC),
+        false,
+    ),
+];
+
 const TYPE_META: &[Field] = &[
     (1, "apiVersion", Kind::String, false),
     (2, "kind", Kind::String, false),
@@ -162,9 +299,17 @@ pub(crate) fn decode(body: &[u8]) -> Result<Value, ApiError> {
         ("v1", "ConfigMap") => CONFIG_MAP,
         ("v1", "Namespace") => NAMESPACE,
         ("v1", "Pod") => POD,
+        ("v1", "Secret") => SECRET,
+        ("v1", "ServiceAccount") => SERVICE_ACCOUNT,
+        ("v1", "Service") => SERVICE,
+        ("apps/v1", "Deployment") => DEPLOYMENT,
+        ("rbac.authorization.k8s.io/v1", "Role" | "ClusterRole") => ROLE,
+        ("rbac.authorization.k8s.io/v1", "RoleBinding" | "ClusterRoleBinding") => ROLE_BINDING,
+        ("authorization.k8s.io/v1", "SelfSubjectAccessReview") => SELF_SUBJECT_ACCESS_REVIEW,
+        ("authorization.k8s.io/v1", "SelfSubjectRulesReview") => SELF_SUBJECT_RULES_REVIEW,
         _ => {
             return Err(ApiError::unsupported_media_type(&format!(
-                "application/vnd.kubernetes.protobuf ({api_version}, Kind={kind}: only ConfigMap, Namespace and Pod are decoded)"
+                "application/vnd.kubernetes.protobuf ({api_version}, Kind={kind}: only ConfigMap, Namespace, Pod, Secret, Service, ServiceAccount, Deployment, RBAC objects and self subject reviews are decoded)"
             )));
         }
     };
@@ -333,6 +478,13 @@ fn scalar(kind: Kind, value: &Wire<'_>, depth: usize) -> Result<Value, ApiError>
         Kind::Bool => json!(value.varint()? != 0),
         Kind::Quantity => message(value.bytes()?, QUANTITY, depth + 1)?["string"].clone(),
         Kind::Message(schema) => message(value.bytes()?, schema, depth + 1)?,
+        Kind::IntOrString => {
+            let v = message(value.bytes()?, INT_OR_STRING, depth + 1)?;
+            match v["type"].as_i64() {
+                Some(1) => json!(v["strVal"].as_str().unwrap_or_default()),
+                _ => json!(v["intVal"].as_i64().unwrap_or(0)),
+            }
+        }
         Kind::StringMap | Kind::BytesMap | Kind::QuantityMap => Value::Null,
     })
 }
@@ -424,7 +576,7 @@ mod tests {
         assert!(decode(b"").is_err());
         assert!(decode(b"k8s\0\x0a\xff\xff\xff").is_err());
         assert_eq!(
-            decode(&envelope("Secret", b"")).map_err(|e| e.code),
+            decode(&envelope("StatefulSet", b"")).map_err(|e| e.code),
             Err(415)
         );
         for n in 0..64u8 {

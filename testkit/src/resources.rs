@@ -14,62 +14,175 @@ pub(crate) const NODE_NAME: &str = "sample-node-1";
 /// A served resource.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) enum Resource {
+    ClusterRoleBindings,
+    ClusterRoles,
     ConfigMaps,
+    CustomResourceDefinitions,
+    Deployments,
+    Events,
     Namespaces,
     Nodes,
     Pods,
+    ReplicaSets,
+    RoleBindings,
+    Roles,
+    Secrets,
+    ServiceAccounts,
+    Services,
 }
 
 impl Resource {
-    pub(crate) const ALL: [Resource; 4] = [
+    pub(crate) const ALL: [Resource; 15] = [
+        Resource::ClusterRoleBindings,
+        Resource::ClusterRoles,
         Resource::ConfigMaps,
+        Resource::CustomResourceDefinitions,
+        Resource::Deployments,
+        Resource::Events,
         Resource::Namespaces,
         Resource::Nodes,
         Resource::Pods,
+        Resource::ReplicaSets,
+        Resource::RoleBindings,
+        Resource::Roles,
+        Resource::Secrets,
+        Resource::ServiceAccounts,
+        Resource::Services,
     ];
 
-    pub(crate) fn from_plural(plural: &str) -> Option<Resource> {
-        Resource::ALL.into_iter().find(|r| r.plural() == plural)
+    /// The resource named `plural` in API group `group` ("" for the core group).
+    pub(crate) fn from_plural(group: &str, plural: &str) -> Option<Resource> {
+        Resource::ALL
+            .into_iter()
+            .find(|r| r.plural() == plural && r.group() == group)
+    }
+
+    /// The API group: "" for core, `apps`, `rbac.authorization.k8s.io`, `apiextensions.k8s.io`.
+    pub(crate) fn group(self) -> &'static str {
+        match self {
+            Resource::Deployments | Resource::ReplicaSets => APPS_GROUP,
+            Resource::Roles
+            | Resource::RoleBindings
+            | Resource::ClusterRoles
+            | Resource::ClusterRoleBindings => RBAC_GROUP,
+            Resource::CustomResourceDefinitions => APIEXTENSIONS_GROUP,
+            _ => "",
+        }
+    }
+
+    /// `v1` for the core group, `GROUP/v1` otherwise (every served group has only v1).
+    pub(crate) fn api_version(self) -> &'static str {
+        match self.group() {
+            APPS_GROUP => "apps/v1",
+            RBAC_GROUP => "rbac.authorization.k8s.io/v1",
+            APIEXTENSIONS_GROUP => "apiextensions.k8s.io/v1",
+            _ => "v1",
+        }
     }
 
     pub(crate) fn plural(self) -> &'static str {
         match self {
+            Resource::ClusterRoleBindings => "clusterrolebindings",
+            Resource::ClusterRoles => "clusterroles",
             Resource::ConfigMaps => "configmaps",
+            Resource::CustomResourceDefinitions => "customresourcedefinitions",
+            Resource::Deployments => "deployments",
+            Resource::ReplicaSets => "replicasets",
+            Resource::RoleBindings => "rolebindings",
+            Resource::Roles => "roles",
+            Resource::Events => "events",
             Resource::Namespaces => "namespaces",
             Resource::Nodes => "nodes",
             Resource::Pods => "pods",
+            Resource::Secrets => "secrets",
+            Resource::ServiceAccounts => "serviceaccounts",
+            Resource::Services => "services",
         }
     }
 
     pub(crate) fn singular(self) -> &'static str {
         match self {
+            Resource::ClusterRoleBindings => "clusterrolebinding",
+            Resource::ClusterRoles => "clusterrole",
             Resource::ConfigMaps => "configmap",
+            Resource::CustomResourceDefinitions => "customresourcedefinition",
+            Resource::Deployments => "deployment",
+            Resource::ReplicaSets => "replicaset",
+            Resource::RoleBindings => "rolebinding",
+            Resource::Roles => "role",
+            Resource::Events => "event",
             Resource::Namespaces => "namespace",
             Resource::Nodes => "node",
             Resource::Pods => "pod",
+            Resource::Secrets => "secret",
+            Resource::ServiceAccounts => "serviceaccount",
+            Resource::Services => "service",
         }
     }
 
     pub(crate) fn kind(self) -> &'static str {
         match self {
+            Resource::ClusterRoleBindings => "ClusterRoleBinding",
+            Resource::ClusterRoles => "ClusterRole",
             Resource::ConfigMaps => "ConfigMap",
+            Resource::CustomResourceDefinitions => "CustomResourceDefinition",
+            Resource::Deployments => "Deployment",
+            Resource::ReplicaSets => "ReplicaSet",
+            Resource::RoleBindings => "RoleBinding",
+            Resource::Roles => "Role",
+            Resource::Events => "Event",
             Resource::Namespaces => "Namespace",
             Resource::Nodes => "Node",
             Resource::Pods => "Pod",
+            Resource::Secrets => "Secret",
+            Resource::ServiceAccounts => "ServiceAccount",
+            Resource::Services => "Service",
         }
     }
 
     pub(crate) fn short_names(self) -> &'static [&'static str] {
         match self {
             Resource::ConfigMaps => &["cm"],
+            Resource::CustomResourceDefinitions => &["crd", "crds"],
+            Resource::Deployments => &["deploy"],
+            Resource::ReplicaSets => &["rs"],
+            Resource::ClusterRoleBindings
+            | Resource::ClusterRoles
+            | Resource::RoleBindings
+            | Resource::Roles => &[],
+            Resource::Events => &["ev"],
             Resource::Namespaces => &["ns"],
             Resource::Nodes => &["no"],
             Resource::Pods => &["po"],
+            Resource::Secrets => &[],
+            Resource::ServiceAccounts => &["sa"],
+            Resource::Services => &["svc"],
         }
     }
 
     pub(crate) fn namespaced(self) -> bool {
-        matches!(self, Resource::ConfigMaps | Resource::Pods)
+        !matches!(
+            self,
+            Resource::Namespaces
+                | Resource::Nodes
+                | Resource::ClusterRoles
+                | Resource::ClusterRoleBindings
+                | Resource::CustomResourceDefinitions
+        )
+    }
+
+    /// Whether the kind has a `status` that writes to the main resource leave alone.
+    pub(crate) fn has_status(self) -> bool {
+        matches!(
+            self,
+            Resource::Namespaces
+                | Resource::Nodes
+                | Resource::Pods
+                | Resource::Services
+                | Resource::Deployments
+                | Resource::ReplicaSets
+                | Resource::CustomResourceDefinitions
+        )
     }
 
     fn verbs(self) -> &'static [&'static str] {
@@ -96,6 +209,13 @@ impl Resource {
     }
 }
 
+/// The `apps` group (Deployments, ReplicaSets).
+pub(crate) const APPS_GROUP: &str = "apps";
+/// RBAC objects (stored; the built-in authorizer stays [`crate::RbacRule`]s).
+pub(crate) const RBAC_GROUP: &str = "rbac.authorization.k8s.io";
+/// CustomResourceDefinitions.
+pub(crate) const APIEXTENSIONS_GROUP: &str = "apiextensions.k8s.io";
+
 /// `GET /api`.
 pub(crate) fn api_versions(server_address: &str) -> Value {
     json!({
@@ -113,9 +233,58 @@ fn authentication_group() -> Value {
     json!({"name": AUTHENTICATION_GROUP, "versions": [version], "preferredVersion": version})
 }
 
+/// `authorization.k8s.io/v1`, for `kubectl auth can-i`.
+pub(crate) const AUTHORIZATION_GROUP: &str = "authorization.k8s.io";
+
+fn authorization_group() -> Value {
+    let version = json!({"groupVersion": "authorization.k8s.io/v1", "version": "v1"});
+    json!({"name": AUTHORIZATION_GROUP, "versions": [version], "preferredVersion": version})
+}
+
+/// `GET /apis/authorization.k8s.io`.
+pub(crate) fn authorization_api_group() -> Value {
+    let mut group = authorization_group();
+    group["kind"] = json!("APIGroup");
+    group["apiVersion"] = json!("v1");
+    group
+}
+
+/// `GET /apis/authorization.k8s.io/v1`.
+pub(crate) fn authorization_resource_list() -> Value {
+    let review = |name: &str, kind: &str| {
+        json!({"name": name, "singularName": name.trim_end_matches('s'), "namespaced": false, "kind": kind,
+               "verbs": ["create"]})
+    };
+    json!({
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": "authorization.k8s.io/v1",
+        "resources": [review("selfsubjectaccessreviews", "SelfSubjectAccessReview"),
+                      review("selfsubjectrulesreviews", "SelfSubjectRulesReview")],
+    })
+}
+
+fn served_group(name: &str) -> Value {
+    let version = json!({"groupVersion": format!("{name}/v1"), "version": "v1"});
+    json!({"name": name, "versions": [version], "preferredVersion": version})
+}
+
+/// The groups of built-in resources besides core.
+pub(crate) const RESOURCE_GROUPS: [&str; 3] = [APPS_GROUP, RBAC_GROUP, APIEXTENSIONS_GROUP];
+
 /// `GET /apis`.
 pub(crate) fn api_group_list() -> Value {
-    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [authentication_group()]})
+    let mut groups = vec![authentication_group(), authorization_group()];
+    groups.extend(RESOURCE_GROUPS.iter().map(|g| served_group(g)));
+    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups})
+}
+
+/// `GET /apis/GROUP` for a group of [`RESOURCE_GROUPS`].
+pub(crate) fn api_group(name: &str) -> Value {
+    let mut group = served_group(name);
+    group["kind"] = json!("APIGroup");
+    group["apiVersion"] = json!("v1");
+    group
 }
 
 /// `GET /apis/authentication.k8s.io`.
@@ -147,10 +316,10 @@ pub(crate) fn self_subject_review(user: &crate::auth::User) -> Value {
     })
 }
 
-/// `GET /api/v1`.
-pub(crate) fn api_resource_list() -> Value {
+/// `GET /api/v1` (group "") or `GET /apis/GROUP/v1`.
+pub(crate) fn api_resource_list(group: &str) -> Value {
     let mut resources: Vec<Value> = Vec::new();
-    for r in Resource::ALL {
+    for r in Resource::ALL.into_iter().filter(|r| r.group() == group) {
         let mut entry = json!({
             "name": r.plural(),
             "singularName": r.singular(),
@@ -159,16 +328,31 @@ pub(crate) fn api_resource_list() -> Value {
             "verbs": r.verbs(),
             "shortNames": r.short_names(),
         });
-        if r == Resource::Pods {
+        if matches!(
+            r,
+            Resource::Pods | Resource::Services | Resource::Deployments | Resource::ReplicaSets
+        ) {
             entry["categories"] = json!(["all"]);
         }
         resources.push(entry);
+        if matches!(r, Resource::Deployments | Resource::ReplicaSets) {
+            resources.push(json!({"name": format!("{}/scale", r.plural()), "singularName": "", "namespaced": true,
+                "group": "autoscaling", "version": "v1", "kind": "Scale", "verbs": ["get", "patch", "update"]}));
+            resources.push(json!({"name": format!("{}/status", r.plural()), "singularName": "", "namespaced": true,
+                "kind": r.kind(), "verbs": ["get", "patch", "update"]}));
+        }
         if r == Resource::Pods {
             resources.push(json!({"name": "pods/exec", "singularName": "", "namespaced": true, "kind": "PodExecOptions", "verbs": ["create", "get"]}));
             resources.push(json!({"name": "pods/log", "singularName": "", "namespaced": true, "kind": "Pod", "verbs": ["get"]}));
+            resources.push(json!({"name": "pods/portforward", "singularName": "", "namespaced": true, "kind": "PodPortForwardOptions", "verbs": ["create", "get"]}));
         }
     }
-    json!({"kind": "APIResourceList", "groupVersion": "v1", "resources": resources})
+    let group_version = if group.is_empty() {
+        "v1".to_string()
+    } else {
+        format!("{group}/v1")
+    };
+    json!({"kind": "APIResourceList", "groupVersion": group_version, "resources": resources})
 }
 
 /// `GET /version`.
@@ -233,10 +417,14 @@ pub(crate) fn check_decodable(resource: Resource, body: &Value) -> Result<(), Ap
             "the body of the request must be a JSON object",
         ));
     };
-    if let Some(v) = map.get("apiVersion").filter(|v| v.as_str() != Some("v1")) {
+    if let Some(v) = map
+        .get("apiVersion")
+        .filter(|v| v.as_str() != Some(resource.api_version()))
+    {
         return Err(ApiError::bad_request(format!(
-            "the API version in the data ({}) does not match the expected API version (v1)",
-            v.as_str().unwrap_or_default()
+            "the API version in the data ({}) does not match the expected API version ({})",
+            v.as_str().unwrap_or_default(),
+            resource.api_version()
         )));
     }
     if let Some(k) = map
@@ -244,8 +432,9 @@ pub(crate) fn check_decodable(resource: Resource, body: &Value) -> Result<(), Ap
         .filter(|k| k.as_str() != Some(resource.kind()))
     {
         return Err(ApiError::bad_request(format!(
-            "{} in version \"v1\" cannot be handled as a {}: the object provided is unrecognized",
+            "{} in version \"{}\" cannot be handled as a {}: the object provided is unrecognized",
             k.as_str().unwrap_or_default(),
+            resource.api_version(),
             resource.kind()
         )));
     }
@@ -279,15 +468,65 @@ pub(crate) fn check_decodable(resource: Resource, body: &Value) -> Result<(), Ap
             ));
         }
     }
-    if resource == Resource::ConfigMaps {
-        for field in ["data", "binaryData"] {
-            if let Some(v) = map.get(field) {
-                string_map(v, &format!("ConfigMap.{field}"), resource)?;
-            }
+    let string_maps: &[&str] = match resource {
+        Resource::ConfigMaps => &["data", "binaryData"],
+        Resource::Secrets => &["data", "stringData"],
+        _ => &[],
+    };
+    for field in string_maps {
+        if let Some(v) = map.get(*field) {
+            string_map(v, &format!("{}.{field}", resource.kind()), resource)?;
         }
+    }
+    if resource == Resource::Secrets
+        && map
+            .get("type")
+            .is_some_and(|t| !t.is_string() && !t.is_null())
+    {
+        return Err(decode_error(resource, "Secret.type"));
     }
     Ok(())
 }
+
+/// What kube-apiserver's conversion does to every write before validation: a Secret's `stringData` is merged
+/// into `data` (base64) and dropped, and its `type` defaults to `Opaque`.
+pub(crate) fn normalize(resource: Resource, obj: &mut Value) {
+    if resource != Resource::Secrets {
+        return;
+    }
+    use base64::Engine as _;
+    let string_data = obj
+        .as_object_mut()
+        .and_then(|m| m.remove("stringData"))
+        .and_then(|v| match v {
+            Value::Object(m) => Some(m),
+            _ => None,
+        });
+    if let Some(string_data) = string_data
+        && let Some(data) = ensure_object(obj, "data")
+    {
+        for (k, v) in string_data {
+            let text = v.as_str().unwrap_or_default();
+            data.insert(
+                k,
+                json!(base64::engine::general_purpose::STANDARD.encode(text)),
+            );
+        }
+    }
+    if obj["type"].as_str().is_none_or(str::is_empty) {
+        set(obj, "type", json!("Opaque"));
+    }
+}
+
+/// A configmap or secret key: `[-._a-zA-Z0-9]+`, at most 253 characters.
+fn is_config_key(k: &str) -> bool {
+    !k.is_empty()
+        && k.len() <= 253
+        && k.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+const CONFIG_KEY_MSG: &str = "a valid config key must consist of alphanumeric characters, '-', '_' or '.' (e.g. 'key.name',  or 'KEY_NAME',  or 'key-name', regex used for validation is '[-._a-zA-Z0-9]+')";
 
 fn decode_error(resource: Resource, field: &str) -> ApiError {
     ApiError::bad_request(format!(
@@ -319,13 +558,12 @@ pub(crate) fn validate(resource: Resource, obj: &Value) -> Result<(), ApiError> 
                 if let Some(map) = obj[field].as_object() {
                     for (k, v) in map {
                         total += v.as_str().map_or(0, str::len);
-                        let key_ok = !k.is_empty()
-                            && k.len() <= 253
-                            && k.bytes().all(|b| {
-                                b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')
-                            });
-                        if !key_ok {
-                            errors.push(FieldError::invalid(&format!("{field}[{k}]"), k, "a valid config key must consist of alphanumeric characters, '-', '_' or '.' (e.g. 'key.name',  or 'KEY_NAME',  or 'key-name', regex used for validation is '[-._a-zA-Z0-9]+')"));
+                        if !is_config_key(k) {
+                            errors.push(FieldError::invalid(
+                                &format!("{field}[{k}]"),
+                                k,
+                                CONFIG_KEY_MSG,
+                            ));
                         }
                         if field == "binaryData"
                             && v.as_str().is_some_and(|s| base64_decode(s).is_none())
@@ -350,39 +588,168 @@ pub(crate) fn validate(resource: Resource, obj: &Value) -> Result<(), ApiError> 
                 errors.push(FieldError::too_long("data", 1024 * 1024));
             }
         }
-        Resource::Pods => match obj["spec"]["containers"].as_array() {
-            Some(containers) if !containers.is_empty() => {
-                for (i, c) in containers.iter().enumerate() {
-                    match c["name"].as_str() {
-                        None | Some("") => errors.push(FieldError::required(
-                            &format!("spec.containers[{i}].name"),
-                            "",
-                        )),
-                        Some(n) if !is_dns1123_label(n) => {
+        Resource::Pods => {
+            if let Err(e) = validate_pod_spec(obj, "") {
+                errors.extend(e);
+            }
+        }
+        Resource::Secrets => {
+            let mut total = 0usize;
+            for (k, v) in obj["data"].as_object().into_iter().flatten() {
+                if !is_config_key(k) {
+                    errors.push(FieldError::invalid(
+                        &format!("data[{k}]"),
+                        k,
+                        CONFIG_KEY_MSG,
+                    ));
+                }
+                match v.as_str().map(base64_decode) {
+                    Some(Some(bytes)) => total += bytes.len(),
+                    _ => errors.push(FieldError::invalid(
+                        &format!("data[{k}]"),
+                        "<secret contents redacted>",
+                        "illegal base64 data",
+                    )),
+                }
+            }
+            if total > 1024 * 1024 {
+                errors.push(FieldError::too_long("data", 1024 * 1024));
+            }
+        }
+        Resource::Services => {
+            let headless = obj["spec"]["clusterIP"] == "None";
+            let external_name = obj["spec"]["type"] == "ExternalName";
+            match obj["spec"]["ports"].as_array() {
+                Some(ports) if !ports.is_empty() => {
+                    for (i, p) in ports.iter().enumerate() {
+                        if !p["port"].as_u64().is_some_and(|n| (1..=65535).contains(&n)) {
                             errors.push(FieldError::invalid(
-                                &format!("spec.containers[{i}].name"),
-                                n,
-                                DNS1123_LABEL_MSG,
+                                &format!("spec.ports[{i}].port"),
+                                &p["port"].to_string(),
+                                "must be between 1 and 65535, inclusive",
                             ));
                         }
-                        Some(_) => {}
                     }
-                    if c["image"].as_str().is_none_or(str::is_empty) {
-                        errors.push(FieldError::required(
-                            &format!("spec.containers[{i}].image"),
-                            "",
+                }
+                _ if headless || external_name => {}
+                _ => errors.push(FieldError::required("spec.ports", "")),
+            }
+        }
+        Resource::Deployments | Resource::ReplicaSets => {
+            let selector = &obj["spec"]["selector"]["matchLabels"];
+            let labels = &obj["spec"]["template"]["metadata"]["labels"];
+            match selector.as_object() {
+                Some(m) if !m.is_empty() => {
+                    if m.iter().any(|(k, v)| labels.get(k) != Some(v)) {
+                        errors.push(FieldError::invalid(
+                            "spec.template.metadata.labels",
+                            &labels.to_string(),
+                            "`selector` does not match template `labels`",
                         ));
                     }
                 }
+                _ => errors.push(FieldError::required("spec.selector", "")),
             }
-            _ => errors.push(FieldError::required("spec.containers", "")),
-        },
-        Resource::Namespaces | Resource::Nodes => {}
+            if obj["spec"]["replicas"]
+                .as_i64()
+                .is_some_and(|n| !(0..=10_000).contains(&n))
+            {
+                errors.push(FieldError::invalid(
+                    "spec.replicas",
+                    &obj["spec"]["replicas"].to_string(),
+                    "must be between 0 and 10000 in the sample cluster",
+                ));
+            }
+            let pod = json!({"spec": obj["spec"]["template"]["spec"]});
+            if let Err(e) = validate_pod_spec(&pod, "spec.template.") {
+                errors.extend(e);
+            }
+        }
+        Resource::RoleBindings | Resource::ClusterRoleBindings => {
+            for field in ["kind", "name"] {
+                if obj["roleRef"][field].as_str().is_none_or(str::is_empty) {
+                    errors.push(FieldError::required(&format!("roleRef.{field}"), ""));
+                }
+            }
+        }
+        Resource::CustomResourceDefinitions => {
+            let spec = &obj["spec"];
+            let group = spec["group"].as_str().unwrap_or_default();
+            let plural = spec["names"]["plural"].as_str().unwrap_or_default();
+            if name != format!("{plural}.{group}") {
+                errors.push(FieldError::invalid(
+                    "metadata.name",
+                    name,
+                    "must be spec.names.plural+\".\"+spec.group",
+                ));
+            }
+            if spec["names"]["kind"].as_str().is_none_or(str::is_empty) {
+                errors.push(FieldError::required("spec.names.kind", ""));
+            }
+            if !matches!(spec["scope"].as_str(), Some("Namespaced" | "Cluster")) {
+                errors.push(FieldError::required(
+                    "spec.scope",
+                    "must be Namespaced or Cluster",
+                ));
+            }
+            if !spec["versions"]
+                .as_array()
+                .is_some_and(|v| v.iter().any(|v| v["served"] == true))
+            {
+                errors.push(FieldError::required(
+                    "spec.versions",
+                    "at least one served version",
+                ));
+            }
+        }
+        Resource::Namespaces
+        | Resource::Nodes
+        | Resource::ServiceAccounts
+        | Resource::Events
+        | Resource::Roles
+        | Resource::ClusterRoles => {}
     }
     if errors.is_empty() {
         Ok(())
     } else {
         Err(ApiError::invalid(resource.kind(), name, &errors))
+    }
+}
+
+/// The containers of a pod (or pod template) spec; `prefix` goes before `spec.` in field paths.
+fn validate_pod_spec(obj: &Value, prefix: &str) -> Result<(), Vec<FieldError>> {
+    let mut errors = Vec::new();
+    match obj["spec"]["containers"].as_array() {
+        Some(containers) if !containers.is_empty() => {
+            for (i, c) in containers.iter().enumerate() {
+                let field = format!("{prefix}spec.containers[{i}]");
+                match c["name"].as_str() {
+                    None | Some("") => {
+                        errors.push(FieldError::required(&format!("{field}.name"), ""))
+                    }
+                    Some(n) if !is_dns1123_label(n) => {
+                        errors.push(FieldError::invalid(
+                            &format!("{field}.name"),
+                            n,
+                            DNS1123_LABEL_MSG,
+                        ));
+                    }
+                    Some(_) => {}
+                }
+                if c["image"].as_str().is_none_or(str::is_empty) {
+                    errors.push(FieldError::required(&format!("{field}.image"), ""));
+                }
+            }
+        }
+        _ => errors.push(FieldError::required(
+            &format!("{prefix}spec.containers"),
+            "",
+        )),
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
     }
 }
 
@@ -430,8 +797,92 @@ pub(crate) fn default_on_create(resource: Resource, obj: &mut Value, now: &str) 
             }
         }
         Resource::Pods => default_pod(obj, now),
-        Resource::ConfigMaps | Resource::Nodes => {}
+        Resource::Services => default_service(obj),
+        Resource::Events => {
+            let involved = obj["involvedObject"].clone();
+            if let Some(meta) = ensure_object(obj, "metadata")
+                && !meta.contains_key("namespace")
+            {
+                meta.insert("namespace".into(), involved["namespace"].clone());
+            }
+            for field in ["firstTimestamp", "lastTimestamp"] {
+                if obj[field].is_null() {
+                    set(obj, field, json!(now));
+                }
+            }
+            if obj["count"].is_null() {
+                set(obj, "count", json!(1));
+            }
+        }
+        Resource::Deployments | Resource::ReplicaSets => {
+            if let Some(spec) = ensure_object(obj, "spec") {
+                spec.entry("replicas").or_insert(json!(1));
+                spec.entry("revisionHistoryLimit").or_insert(json!(10));
+                if resource == Resource::Deployments {
+                    spec.entry("progressDeadlineSeconds").or_insert(json!(600));
+                    spec.entry("strategy")
+                        .or_insert(json!({"type": "RollingUpdate",
+                        "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}}));
+                }
+            }
+            if let Some(meta) = ensure_object(obj, "metadata") {
+                meta.insert("generation".into(), json!(1));
+            }
+            set(obj, "status", json!({}));
+        }
+        Resource::CustomResourceDefinitions => {
+            let names = obj["spec"]["names"].clone();
+            set(
+                obj,
+                "status",
+                json!({"acceptedNames": names, "storedVersions": [obj["spec"]["versions"][0]["name"]],
+                       "conditions": [
+                           {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts", "lastTransitionTime": now},
+                           {"type": "Established", "status": "True", "reason": "InitialNamesAccepted", "lastTransitionTime": now}]}),
+            );
+        }
+        Resource::ConfigMaps
+        | Resource::Nodes
+        | Resource::Secrets
+        | Resource::ServiceAccounts
+        | Resource::Roles
+        | Resource::RoleBindings
+        | Resource::ClusterRoles
+        | Resource::ClusterRoleBindings => {}
     }
+}
+
+fn default_service(obj: &mut Value) {
+    let Some(spec) = ensure_object(obj, "spec") else {
+        return;
+    };
+    spec.entry("type").or_insert(json!("ClusterIP"));
+    spec.entry("sessionAffinity").or_insert(json!("None"));
+    if spec.get("type") != Some(&json!("ExternalName")) {
+        let ip = spec
+            .entry("clusterIP")
+            .or_insert_with(|| {
+                json!(format!(
+                    "10.96.{}.{}",
+                    rand::random_range(0..255u8),
+                    rand::random_range(2..255u8)
+                ))
+            })
+            .clone();
+        spec.entry("clusterIPs").or_insert(json!([ip]));
+        spec.entry("ipFamilies").or_insert(json!(["IPv4"]));
+        spec.entry("ipFamilyPolicy").or_insert(json!("SingleStack"));
+        spec.entry("internalTrafficPolicy")
+            .or_insert(json!("Cluster"));
+    }
+    if let Some(ports) = spec.get_mut("ports").and_then(Value::as_array_mut) {
+        for p in ports.iter_mut().filter_map(Value::as_object_mut) {
+            p.entry("protocol").or_insert(json!("TCP"));
+            let port = p.get("port").cloned().unwrap_or(Value::Null);
+            p.entry("targetPort").or_insert(port);
+        }
+    }
+    set(obj, "status", json!({"loadBalancer": {}}));
 }
 
 fn default_pod(obj: &mut Value, now: &str) {
@@ -559,6 +1010,50 @@ pub(crate) fn demo_pod() -> Value {
         "kind": "Pod",
         "metadata": {"name": "demo", "namespace": "default", "labels": {"app": "demo"}},
         "spec": {"containers": [{"name": "main", "image": "tether/sample-demo:1.0"}]},
+    })
+}
+
+/// The `default/kubernetes` service every cluster has.
+pub(crate) fn kubernetes_service() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "kubernetes", "namespace": "default",
+                     "labels": {"component": "apiserver", "provider": "kubernetes"}},
+        "spec": {"clusterIP": "10.96.0.1", "ports": [{"name": "https", "port": 443, "protocol": "TCP", "targetPort": 6443}]},
+    })
+}
+
+/// The seeded service `default/demo` in front of the demo pod (HTTP on 80, echo on 7).
+pub(crate) fn demo_service() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "demo", "namespace": "default", "labels": {"app": "demo"}},
+        "spec": {"selector": {"app": "demo"}, "ports": [
+            {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 80},
+            {"name": "echo", "port": 7, "protocol": "TCP", "targetPort": 7},
+        ]},
+    })
+}
+
+/// The seeded secret `default/demo-credentials`: what a Viewer must not read.
+pub(crate) fn demo_secret() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "demo-credentials", "namespace": "default"},
+        "type": "Opaque",
+        "stringData": {"username": "demo", "password": "sample-password-not-a-secret"},
+    })
+}
+
+/// The `default` service account a namespace gets when it is created.
+pub(crate) fn default_service_account(namespace: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": "default", "namespace": namespace},
     })
 }
 
@@ -713,11 +1208,252 @@ fn columns(resource: Resource) -> &'static [Column] {
             "The readiness gates of this pod",
         ),
     ];
+    const SECRETS: &[Column] = &[
+        NAME,
+        col("Type", "string", "", 0, "The type of the secret"),
+        col(
+            "Data",
+            "string",
+            "",
+            0,
+            "The number of data items in the secret",
+        ),
+        AGE,
+    ];
+    const SERVICE_ACCOUNTS: &[Column] = &[
+        NAME,
+        col(
+            "Secrets",
+            "string",
+            "",
+            0,
+            "The number of secrets referenced by the service account",
+        ),
+        AGE,
+    ];
+    const SERVICES: &[Column] = &[
+        NAME,
+        col(
+            "Type",
+            "string",
+            "",
+            0,
+            "The type of the service (ClusterIP, NodePort, LoadBalancer, ExternalName).",
+        ),
+        col(
+            "Cluster-IP",
+            "string",
+            "",
+            0,
+            "The IP address assigned to the service in the cluster.",
+        ),
+        col(
+            "External-IP",
+            "string",
+            "",
+            0,
+            "The external IP addresses of the service.",
+        ),
+        col(
+            "Port(s)",
+            "string",
+            "",
+            0,
+            "The list of ports exposed by the service.",
+        ),
+        AGE,
+        col(
+            "Selector",
+            "string",
+            "",
+            1,
+            "Route service traffic to pods with label keys and values matching this selector.",
+        ),
+    ];
+    const EVENTS: &[Column] = &[
+        col(
+            "Last Seen",
+            "string",
+            "",
+            0,
+            "The time at which the most recent occurrence of this event was recorded.",
+        ),
+        col(
+            "Type",
+            "string",
+            "",
+            0,
+            "Type of this event (Normal, Warning).",
+        ),
+        col(
+            "Reason",
+            "string",
+            "",
+            0,
+            "A short, machine understandable string that gives the reason for the transition into the object's current status.",
+        ),
+        col(
+            "Object",
+            "string",
+            "",
+            0,
+            "The object that this event is about.",
+        ),
+        col(
+            "Message",
+            "string",
+            "",
+            0,
+            "A human-readable description of the status of this operation.",
+        ),
+        col(
+            "Source",
+            "string",
+            "",
+            1,
+            "The component reporting this event.",
+        ),
+        col(
+            "First Seen",
+            "string",
+            "",
+            1,
+            "The time at which the event was first recorded.",
+        ),
+        col(
+            "Count",
+            "string",
+            "",
+            1,
+            "The number of times this event has occurred.",
+        ),
+        col(
+            "Name",
+            "string",
+            "name",
+            1,
+            "Name must be unique within a namespace.",
+        ),
+    ];
+    const DEPLOYMENTS: &[Column] = &[
+        NAME,
+        col(
+            "Ready",
+            "string",
+            "",
+            0,
+            "Number of the pod with ready state",
+        ),
+        col(
+            "Up-to-date",
+            "string",
+            "",
+            0,
+            "Total number of non-terminated pods targeted by this deployment that have the desired template spec.",
+        ),
+        col(
+            "Available",
+            "string",
+            "",
+            0,
+            "Total number of available pods (ready for at least minReadySeconds) targeted by this deployment.",
+        ),
+        AGE,
+        col(
+            "Containers",
+            "string",
+            "",
+            1,
+            "Names of each container in the template.",
+        ),
+        col(
+            "Images",
+            "string",
+            "",
+            1,
+            "Images referenced by each container in the template.",
+        ),
+        col("Selector", "string", "", 1, "Label selector for pods."),
+    ];
+    const REPLICA_SETS: &[Column] = &[
+        NAME,
+        col("Desired", "integer", "", 0, "Number of desired pods."),
+        col(
+            "Current",
+            "integer",
+            "",
+            0,
+            "The most recently observed number of replicas.",
+        ),
+        col(
+            "Ready",
+            "integer",
+            "",
+            0,
+            "The number of ready replicas for this replica set.",
+        ),
+        AGE,
+        col(
+            "Containers",
+            "string",
+            "",
+            1,
+            "Names of each container in the template.",
+        ),
+        col(
+            "Images",
+            "string",
+            "",
+            1,
+            "Images referenced by each container in the template.",
+        ),
+        col("Selector", "string", "", 1, "Label selector for pods."),
+    ];
+    const CREATED_AT: &[Column] = &[
+        NAME,
+        col(
+            "Created At",
+            "date",
+            "",
+            0,
+            "CreationTimestamp is a timestamp representing the server time when this object was created.",
+        ),
+    ];
+    const BINDINGS: &[Column] = &[
+        NAME,
+        col(
+            "Role",
+            "string",
+            "",
+            0,
+            "RoleRef references the role being granted.",
+        ),
+        AGE,
+        col("Users", "string", "", 1, "Users in the binding."),
+        col("Groups", "string", "", 1, "Groups in the binding."),
+        col(
+            "ServiceAccounts",
+            "string",
+            "",
+            1,
+            "ServiceAccounts in the binding.",
+        ),
+    ];
     match resource {
         Resource::ConfigMaps => CONFIGMAPS,
+        Resource::Deployments => DEPLOYMENTS,
+        Resource::ReplicaSets => REPLICA_SETS,
+        Resource::Roles | Resource::ClusterRoles | Resource::CustomResourceDefinitions => {
+            CREATED_AT
+        }
+        Resource::RoleBindings | Resource::ClusterRoleBindings => BINDINGS,
+        Resource::Events => EVENTS,
         Resource::Namespaces => NAMESPACES,
         Resource::Nodes => NODES,
         Resource::Pods => PODS,
+        Resource::Secrets => SECRETS,
+        Resource::ServiceAccounts => SERVICE_ACCOUNTS,
+        Resource::Services => SERVICES,
     }
 }
 
@@ -734,6 +1470,156 @@ fn cells(resource: Resource, obj: &Value) -> Vec<Value> {
             vec![name, json!(count), age]
         }
         Resource::Namespaces => vec![name, s(&obj["status"]["phase"]), age],
+        Resource::Deployments | Resource::ReplicaSets => {
+            let spec = &obj["spec"];
+            let status = &obj["status"];
+            let n = |v: &Value| v.as_i64().unwrap_or(0);
+            let containers = spec["template"]["spec"]["containers"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            let join = |key: &str| {
+                containers
+                    .iter()
+                    .filter_map(|c| c[key].as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            let selector = spec["selector"]["matchLabels"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+                .collect::<Vec<_>>()
+                .join(",");
+            let mut row = if resource == Resource::Deployments {
+                vec![
+                    name,
+                    json!(format!(
+                        "{}/{}",
+                        n(&status["readyReplicas"]),
+                        n(&spec["replicas"])
+                    )),
+                    json!(n(&status["updatedReplicas"])),
+                    json!(n(&status["availableReplicas"])),
+                    age,
+                ]
+            } else {
+                vec![
+                    name,
+                    json!(n(&spec["replicas"])),
+                    json!(n(&status["replicas"])),
+                    json!(n(&status["readyReplicas"])),
+                    age,
+                ]
+            };
+            row.extend([json!(join("name")), json!(join("image")), json!(selector)]);
+            row
+        }
+        Resource::Roles | Resource::ClusterRoles | Resource::CustomResourceDefinitions => {
+            vec![name, obj["metadata"]["creationTimestamp"].clone()]
+        }
+        Resource::RoleBindings | Resource::ClusterRoleBindings => {
+            let of = |kind: &str| {
+                let names: Vec<String> = obj["subjects"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|s| s["kind"] == kind)
+                    .map(|s| match s["namespace"].as_str() {
+                        Some(ns) if kind == "ServiceAccount" => {
+                            format!("{ns}/{}", s["name"].as_str().unwrap_or_default())
+                        }
+                        _ => s["name"].as_str().unwrap_or_default().to_string(),
+                    })
+                    .collect();
+                json!(names.join(", "))
+            };
+            vec![
+                name,
+                json!(format!(
+                    "{}/{}",
+                    obj["roleRef"]["kind"].as_str().unwrap_or_default(),
+                    obj["roleRef"]["name"].as_str().unwrap_or_default()
+                )),
+                age,
+                of("User"),
+                of("Group"),
+                of("ServiceAccount"),
+            ]
+        }
+        Resource::Secrets => {
+            let count = obj["data"].as_object().map_or(0, Map::len);
+            vec![name, s(&obj["type"]), json!(count), age]
+        }
+        Resource::ServiceAccounts => {
+            let count = obj["secrets"].as_array().map_or(0, Vec::len);
+            vec![name, json!(count), age]
+        }
+        Resource::Services => {
+            let spec = &obj["spec"];
+            let ports: Vec<String> = spec["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| {
+                    let proto = p["protocol"].as_str().unwrap_or("TCP");
+                    match p["nodePort"].as_u64() {
+                        Some(node) => format!("{}:{node}/{proto}", p["port"]),
+                        None => format!("{}/{proto}", p["port"]),
+                    }
+                })
+                .collect();
+            let selector: Vec<String> = spec["selector"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+                .collect();
+            let join = |v: Vec<String>| {
+                if v.is_empty() {
+                    "<none>".to_string()
+                } else {
+                    v.join(",")
+                }
+            };
+            vec![
+                name,
+                s(&spec["type"]),
+                s(&spec["clusterIP"]),
+                json!("<none>"),
+                json!(join(ports)),
+                age,
+                json!(join(selector)),
+            ]
+        }
+        Resource::Events => {
+            let involved = &obj["involvedObject"];
+            let kind = involved["kind"]
+                .as_str()
+                .unwrap_or_default()
+                .to_ascii_lowercase();
+            let last = obj["lastTimestamp"].as_str().or(obj["eventTime"].as_str());
+            let source = [&obj["source"]["component"], &obj["source"]["host"]]
+                .iter()
+                .filter_map(|v| v.as_str())
+                .collect::<Vec<_>>()
+                .join(", ");
+            vec![
+                json!(util::age(last)),
+                s(&obj["type"]),
+                s(&obj["reason"]),
+                json!(format!(
+                    "{kind}/{}",
+                    involved["name"].as_str().unwrap_or_default()
+                )),
+                s(&obj["message"]),
+                json!(source),
+                json!(util::age(obj["firstTimestamp"].as_str())),
+                json!(obj["count"].as_u64().unwrap_or(1).to_string()),
+                name,
+            ]
+        }
         Resource::Nodes => {
             let ready = obj["status"]["conditions"]
                 .as_array()

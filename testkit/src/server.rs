@@ -49,6 +49,10 @@ pub(crate) struct Shared {
     pub(crate) started_wall: time::OffsetDateTime,
     /// The uid of the seeded `default/demo` pod, whose log ticks every second.
     pub(crate) demo_uid: String,
+    /// The loopback servers that answer for pod ports (port-forward).
+    pub(crate) pod_network: crate::portforward::PodNetwork,
+    /// Where each pod's scratch filesystem lives (`DIR/pods`), for `kubectl cp`.
+    pub(crate) pods_dir: std::path::PathBuf,
     /// Cancelled on shutdown: every connection, watch, log stream and exec session ends.
     pub(crate) shutdown: CancellationToken,
     /// Tracks every background task (connections, exec sessions, streams) so shutdown can wait for them.
@@ -63,12 +67,14 @@ impl Shared {
         tracker: TaskTracker,
         authn: Authenticator,
         authz: Authorizer,
+        pod_network: crate::portforward::PodNetwork,
+        pods_dir: std::path::PathBuf,
     ) -> Shared {
         let store = Store::new();
         for ns in ["default", "kube-system", "kube-public"] {
             let obj = serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
             if let Err(e) =
-                crate::handlers::create_object(&store, crate::resources::Resource::Namespaces, obj)
+                crate::objects::create_object(&store, crate::resources::Resource::Namespaces, obj)
             {
                 tracing::error!(ns, error = %e.message, "cannot seed namespace");
             }
@@ -82,10 +88,22 @@ impl Shared {
                 crate::resources::Resource::Pods,
                 crate::resources::demo_pod(),
             ),
+            (
+                crate::resources::Resource::Services,
+                crate::resources::kubernetes_service(),
+            ),
+            (
+                crate::resources::Resource::Services,
+                crate::resources::demo_service(),
+            ),
+            (
+                crate::resources::Resource::Secrets,
+                crate::resources::demo_secret(),
+            ),
         ];
         let mut demo_uid = String::new();
         for (resource, obj) in seeded {
-            match crate::handlers::create_object(&store, resource, obj) {
+            match crate::objects::create_object(&store, resource, obj) {
                 Ok(created) if resource == crate::resources::Resource::Pods => {
                     demo_uid = created["metadata"]["uid"]
                         .as_str()
@@ -107,6 +125,8 @@ impl Shared {
             started: Instant::now(),
             started_wall: time::OffsetDateTime::now_utc(),
             demo_uid,
+            pod_network,
+            pods_dir,
             shutdown,
             tracker,
         }
@@ -114,7 +134,12 @@ impl Shared {
 }
 
 /// Accepts TCP connections until shutdown; each one is served in its own tracked task.
-pub(crate) async fn accept_loop(listener: TcpListener, acceptor: TlsAcceptor, shared: Arc<Shared>) {
+pub(crate) async fn accept_loop(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    shared: Arc<Shared>,
+    max_streams: u32,
+) {
     loop {
         let accepted = tokio::select! {
             _ = shared.shutdown.cancelled() => return,
@@ -128,6 +153,7 @@ pub(crate) async fn accept_loop(listener: TcpListener, acceptor: TlsAcceptor, sh
                     peer,
                     acceptor.clone(),
                     shared.clone(),
+                    max_streams,
                 ));
             }
             Err(error) => {
@@ -147,6 +173,7 @@ async fn serve_connection(
     peer: SocketAddr,
     acceptor: TlsAcceptor,
     shared: Arc<Shared>,
+    max_streams: u32,
 ) {
     let tls = match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
         Ok(Ok(tls)) => tls,
@@ -169,7 +196,7 @@ async fn serve_connection(
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(MAX_HEADER_BYTES as u32)
-        .max_concurrent_streams(250)
+        .max_concurrent_streams(max_streams)
         .keep_alive_interval(Duration::from_secs(30));
     let service_shared = shared.clone();
     let service = hyper::service::service_fn(move |req| {

@@ -671,3 +671,110 @@ async fn shutdown_ends_open_streams_and_stops_listening() -> anyhow::Result<()> 
     );
     Ok(())
 }
+
+const SECRETS: &str = "/api/v1/namespaces/default/secrets";
+
+/// What the agent's `--state-secret` relies on: create is first-writer-wins (409 AlreadyExists), and two writers
+/// that read the same resourceVersion cannot both replace the secret (one gets 409 Conflict).
+#[tokio::test]
+async fn secrets_store_base64_data_and_refuse_racing_writers() -> anyhow::Result<()> {
+    let fx = start().await?;
+    for h2 in [false, true] {
+        let client = Client::new(&fx.server, h2)?;
+        let name = format!("state-{h2}");
+        let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+                            "stringData": {"token": "abc"}, "data": {"raw": "AAEC"}});
+        let created = client
+            .send_json(Method::POST, SECRETS, "application/json", &secret)
+            .await?;
+        assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+        let created = created.json()?;
+        assert_eq!(created["type"], "Opaque");
+        assert_eq!(created["data"], json!({"raw": "AAEC", "token": "YWJj"}));
+        assert!(created.get("stringData").is_none());
+        let again = client
+            .send_json(Method::POST, SECRETS, "application/json", &secret)
+            .await?;
+        assert_eq!(again.status, StatusCode::CONFLICT);
+        assert_eq!(again.json()?["reason"], "AlreadyExists");
+
+        let path = format!("{SECRETS}/{name}");
+        let read = client.get(&path).await?.json()?;
+        assert_eq!(read["data"]["token"], "YWJj");
+        // Two agents read the same version and race to replace it: exactly one wins.
+        let mut a = read.clone();
+        a["data"]["owner"] = json!("YQ==");
+        let mut b = read.clone();
+        b["data"]["owner"] = json!("Yg==");
+        let (ra, rb) = tokio::join!(
+            client.send_json(Method::PUT, &path, "application/json", &a),
+            client.send_json(Method::PUT, &path, "application/json", &b),
+        );
+        let mut codes = [ra?.status, rb?.status];
+        codes.sort();
+        assert_eq!(codes, [StatusCode::OK, StatusCode::CONFLICT]);
+        let winner = client.get(&path).await?.json()?;
+        assert!(
+            winner["data"]["owner"] == "YQ==" || winner["data"]["owner"] == "Yg==",
+            "{winner}"
+        );
+
+        let bad = json!({"metadata": {"name": format!("bad-{h2}")}, "data": {"k": "not base64!"}});
+        let reply = client
+            .send_json(Method::POST, SECRETS, "application/json", &bad)
+            .await?;
+        assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY);
+        let list = client.get(SECRETS).await?.json()?;
+        assert_eq!(list["kind"], "SecretList");
+    }
+    let discovery = Client::new(&fx.server, false)?
+        .get("/api/v1")
+        .await?
+        .json()?;
+    let names: Vec<&str> = discovery["resources"]
+        .as_array()
+        .context("resources")?
+        .iter()
+        .filter_map(|r| r["name"].as_str())
+        .collect();
+    for wanted in ["secrets", "services", "serviceaccounts", "events"] {
+        assert!(names.contains(&wanted), "{names:?}");
+    }
+    Ok(())
+}
+
+/// The server's HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS, read with a raw h2 client after one request.
+async fn max_concurrent_streams(server: &tether_testkit::SampleApiserver) -> anyhow::Result<usize> {
+    let tls = tether_testkit::certs::client_config(server.ca_pem().as_bytes(), &[b"h2"])?;
+    let tcp = tokio::net::TcpStream::connect(server.addr()).await?;
+    let tls = tokio_rustls::TlsConnector::from(tls)
+        .connect(
+            rustls::pki_types::ServerName::try_from("localhost")?.to_owned(),
+            tcp,
+        )
+        .await?;
+    let (client, connection) = h2::client::handshake(tls).await?;
+    tokio::spawn(connection);
+    let mut client = client.ready().await?;
+    let request = http::Request::builder()
+        .uri("https://localhost/version")
+        .header("authorization", format!("Bearer {}", server.token()))
+        .body(())?;
+    let (response, _) = client.send_request(request, true)?;
+    let response = response.await?;
+    assert_eq!(response.status(), StatusCode::OK);
+    Ok(client.current_max_send_streams())
+}
+
+#[tokio::test]
+async fn http2_streams_per_connection_default_to_kube_apiservers_100() -> anyhow::Result<()> {
+    let fx = start().await?;
+    assert_eq!(max_concurrent_streams(&fx.server).await?, 100);
+    let dir = tempfile::tempdir()?;
+    let mut opts = tether_testkit::SampleOptions::new(dir.path());
+    opts.http2_max_streams_per_connection = 7;
+    let seven = tether_testkit::SampleApiserver::start(opts).await?;
+    assert_eq!(max_concurrent_streams(&seven).await?, 7);
+    seven.shutdown().await;
+    Ok(())
+}
