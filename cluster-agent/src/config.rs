@@ -11,6 +11,7 @@ use tether_runtime::{Secret, parse_duration};
 use tether_tunnel::proxy::{NoProxy, Proxy, ProxyConfig, ProxyError};
 
 use crate::identity;
+use crate::state_secret::SecretRef;
 
 /// Everything the agent needs to run: the `tether-agent` command line itself (`clap` parses flags and their
 /// `TETHER_*` environment variables straight into it; every default is written once, in the `#[arg]`
@@ -49,6 +50,11 @@ pub struct Config {
         default_value = "/var/lib/tether-agent"
     )]
     pub state_dir: PathBuf,
+    /// Keep the identity in this Kubernetes Secret, NAMESPACE/NAME, instead of --state-dir, through the
+    /// apiserver with the agent's own credentials (get, create, update on that Secret): a pod keeps its identity
+    /// on another node, and replicas share it (one onboards, the others wait and read).
+    #[arg(long, env = "TETHER_STATE_SECRET", value_name = "NAMESPACE/NAME")]
+    pub state_secret: Option<SecretRef>,
     /// A PEM CA bundle to trust for the relay (default: the public web PKI roots).
     #[arg(long, env = "TETHER_RELAY_CA", value_name = "FILE")]
     pub relay_ca: Option<PathBuf>,
@@ -433,6 +439,8 @@ impl Config {
                 return Err(ConfigError::EmptyOnboardingToken);
             }
             Some(_) => {}
+            // Read at run time, through the apiserver.
+            None if self.state_secret.is_some() => {}
             None => {
                 if identity::load(&self.state_dir, &self.relay_url, &self.cluster)?.is_none() {
                     return Err(ConfigError::MissingOnboardingToken {

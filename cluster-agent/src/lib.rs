@@ -2,7 +2,7 @@
 //!
 //! It runs inside a cluster that accepts no inbound connection: it makes its own key pair and trades a
 //! one-time onboarding token and a CSR for the cluster's client certificate ([`identity`], stored in its state
-//! directory), dials OUT to the relay over WebSocket/TLS with that certificate (mutual TLS;
+//! directory or, with `--state-secret`, in a Kubernetes Secret shared by replicas: [`state_secret`]), dials OUT to the relay over WebSocket/TLS with that certificate (mutual TLS;
 //! [`tether_tunnel::ws::connect_with_proxy`], through an HTTP CONNECT proxy when configured), and serves every
 //! logical stream the relay opens as one HTTP/1.1 exchange with its own apiserver ([`forward`]).
 //!
@@ -39,6 +39,8 @@ pub mod identity;
 pub mod metadata;
 mod onboard;
 pub mod probes;
+pub mod state_secret;
+mod store;
 
 pub use agent::{AgentError, IDENTITY_EXPIRED_REASON, run};
 pub use config::{Config, ConfigError, EntraConfig, GuardConfig};
