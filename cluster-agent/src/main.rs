@@ -25,7 +25,8 @@ struct Cli {
     log_format: LogFormat,
 }
 
-fn main() -> ExitCode {
+#[tokio::main]
+async fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -41,21 +42,14 @@ fn main() -> ExitCode {
     if let Err(e) = config.validate() {
         return usage(&format!("invalid configuration: {e}"));
     }
-    let result = tokio::runtime::Runtime::new()
-        .map_err(|e| format!("cannot start the runtime: {e}"))
-        .map(|runtime| runtime.block_on(tether_agent::run(config, shutdown_signal())));
-    match result {
-        Ok(Ok(())) => {
+    match tether_agent::run(config, shutdown_signal()).await {
+        Ok(()) => {
             tracing::info!("stopped");
             ExitCode::SUCCESS
         }
-        Ok(Err(e @ AgentError::Config(_))) => usage(&e.to_string()),
-        Ok(Err(e)) => {
-            tracing::error!(error = %e, "fatal");
-            eprintln!("tether-agent: {e}");
-            ExitCode::FAILURE
-        }
+        Err(e @ AgentError::Config(_)) => usage(&e.to_string()),
         Err(e) => {
+            tracing::error!(error = %e, "fatal");
             eprintln!("tether-agent: {e}");
             ExitCode::FAILURE
         }
