@@ -6,16 +6,18 @@
 //! know decodes to [`Message::Unknown`], which receivers ignore (forward compatibility). A message longer than
 //! the cap is an error for the receiver, which then resets the stream.
 //!
-//! [`send`] and [`recv`] work over any `AsyncWrite`/`AsyncRead` (a tunnel `Stream`, one half of
-//! `tokio::io::split`, or an in-memory duplex in tests). [`recv`] is not cancel-safe (a message cut short by a
-//! dropped future leaves the stream mid-frame); use a [`Reader`] where the receive sits in a `select!`.
+//! [`send`] and [`Reader`] work over any `AsyncWrite`/`AsyncRead` (a tunnel `Stream`, one half of
+//! `tokio::io::split`, or an in-memory duplex in tests); the framing is `tokio_util`'s [`LengthDelimitedCodec`].
+//! [`Reader::recv`] is cancel-safe, so it may sit in a `select!`.
 //!
 //! This module only encodes and decodes. It does not decide who sends what when (the agent and the relay do),
 //! does not open or reset streams, and has no timers.
 
-use bytes::{Buf, BytesMut};
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt as _;
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio_util::codec::{Decoder, Encoder as _, FramedRead, LengthDelimitedCodec};
 
 /// The largest message body (the JSON, without the 4-byte length) either side sends or accepts: 1 MiB.
 pub const MAX_MESSAGE_LEN: usize = 1024 * 1024;
@@ -211,17 +213,24 @@ pub enum ControlError {
     Malformed(#[source] serde_json::Error),
 }
 
+/// The framing: a 4-byte big-endian length, then the body, at most [`MAX_MESSAGE_LEN`] bytes.
+fn codec() -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder()
+        .length_field_length(4)
+        .big_endian()
+        .max_frame_length(MAX_MESSAGE_LEN)
+        .new_codec()
+}
+
 /// Encodes `message` with its length prefix.
 pub fn encode(message: &Message) -> Result<Vec<u8>, ControlError> {
     let json = serde_json::to_vec(message).map_err(ControlError::Malformed)?;
     if json.len() > MAX_MESSAGE_LEN {
         return Err(ControlError::TooLarge(json.len()));
     }
-    let mut out = Vec::with_capacity(4 + json.len());
-    // Cannot truncate: bounded by MAX_MESSAGE_LEN above.
-    out.extend_from_slice(&(json.len() as u32).to_be_bytes());
-    out.extend_from_slice(&json);
-    Ok(out)
+    let mut out = BytesMut::with_capacity(4 + json.len());
+    codec().encode(Bytes::from(json), &mut out)?;
+    Ok(out.to_vec())
 }
 
 /// Decodes one message body (without the length prefix). Unknown types give [`Message::Unknown`].
@@ -241,103 +250,83 @@ where
     Ok(())
 }
 
-/// Reads one message. `Ok(None)` when the stream ended cleanly between messages; [`ControlError::Truncated`]
-/// when it ended inside one; [`ControlError::TooLarge`] (without reading the body) when the length is over the
-/// cap. Not cancel-safe: see [`Reader`].
-pub async fn recv<R>(stream: &mut R) -> Result<Option<Message>, ControlError>
-where
-    R: AsyncRead + Unpin + ?Sized,
-{
-    let mut prefix = [0u8; 4];
-    let mut filled = 0;
-    while filled < prefix.len() {
-        let n = stream.read(&mut prefix[filled..]).await?;
-        if n == 0 {
-            return if filled == 0 {
-                Ok(None)
-            } else {
-                Err(ControlError::Truncated)
-            };
-        }
-        filled += n;
-    }
-    let len = u32::from_be_bytes(prefix) as usize;
-    if len > MAX_MESSAGE_LEN {
-        return Err(ControlError::TooLarge(len));
-    }
-    let mut body = vec![0u8; len];
-    match stream.read_exact(&mut body).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-            return Err(ControlError::Truncated);
-        }
-        Err(e) => return Err(e.into()),
-    }
-    decode(&body).map(Some)
+/// [`LengthDelimitedCodec`] with the control channel's errors: the length of a frame over the cap, and a stream
+/// that ends inside a frame.
+#[derive(Debug)]
+struct Frames {
+    codec: LengthDelimitedCodec,
+    /// The codec took a frame's length prefix off the buffer and waits for its body.
+    in_frame: bool,
 }
 
-/// A cancel-safe receiver: keeps partly read messages across calls, so [`Reader::recv`] may sit in a
+impl Decoder for Frames {
+    type Item = BytesMut;
+    type Error = ControlError;
+
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<BytesMut>, ControlError> {
+        let before = src.len();
+        let frame = self.codec.decode(src).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::InvalidData {
+                // The codec refuses before consuming the prefix, so it is still there to report.
+                let len = src
+                    .get(..4)
+                    .map_or(0, |p| u32::from_be_bytes([p[0], p[1], p[2], p[3]]) as usize);
+                ControlError::TooLarge(len)
+            } else {
+                ControlError::Io(e)
+            }
+        })?;
+        self.in_frame = match frame {
+            Some(_) => false,
+            None => self.in_frame || src.len() < before,
+        };
+        Ok(frame)
+    }
+
+    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<BytesMut>, ControlError> {
+        match self.decode(src)? {
+            Some(frame) => Ok(Some(frame)),
+            None if src.is_empty() && !self.in_frame => Ok(None),
+            None => Err(ControlError::Truncated),
+        }
+    }
+}
+
+/// Receives control messages: keeps partly read messages across calls, so [`Reader::recv`] may sit in a
 /// `tokio::select!` next to timers.
 #[derive(Debug)]
 pub struct Reader<R> {
-    inner: R,
-    buf: BytesMut,
+    frames: FramedRead<R, Frames>,
 }
 
 impl<R: AsyncRead + Unpin> Reader<R> {
     /// Wraps the read side of a control stream.
     pub fn new(inner: R) -> Self {
         Self {
-            inner,
-            buf: BytesMut::new(),
+            frames: FramedRead::new(
+                inner,
+                Frames {
+                    codec: codec(),
+                    in_frame: false,
+                },
+            ),
         }
     }
 
-    /// Reads the next message, with the same results as [`recv`]. Dropping the future loses nothing.
+    /// Reads the next message. `Ok(None)` when the stream ended cleanly between messages;
+    /// [`ControlError::Truncated`] when it ended inside one; [`ControlError::TooLarge`] (without reading the body)
+    /// when the length is over the cap; [`ControlError::Malformed`] for a frame that is not a message (the next
+    /// call reads the frame after it). Cancel-safe: dropping the future loses nothing.
     pub async fn recv(&mut self) -> Result<Option<Message>, ControlError> {
-        loop {
-            if let Some(message) = self.take_buffered()? {
-                return Ok(Some(message));
-            }
-            // Reserve what the current frame still needs (bounded by the cap checked above).
-            let want = match self.buf.get(..4) {
-                Some(prefix) => {
-                    4 + u32::from_be_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize
-                }
-                None => 4,
-            };
-            self.buf
-                .reserve(want.saturating_sub(self.buf.len()).max(4096));
-            let n = self.inner.read_buf(&mut self.buf).await?;
-            if n == 0 {
-                return if self.buf.is_empty() {
-                    Ok(None)
-                } else {
-                    Err(ControlError::Truncated)
-                };
-            }
+        match self.frames.next().await {
+            None => Ok(None),
+            Some(frame) => decode(&frame?).map(Some),
         }
     }
 
     /// Gives back the wrapped reader (with any buffered bytes of the next message lost).
     pub fn into_inner(self) -> R {
-        self.inner
-    }
-
-    fn take_buffered(&mut self) -> Result<Option<Message>, ControlError> {
-        let Some(prefix) = self.buf.get(..4) else {
-            return Ok(None);
-        };
-        let len = u32::from_be_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
-        if len > MAX_MESSAGE_LEN {
-            return Err(ControlError::TooLarge(len));
-        }
-        if self.buf.len() < 4 + len {
-            return Ok(None);
-        }
-        self.buf.advance(4);
-        let body = self.buf.split_to(len);
-        decode(&body).map(Some)
+        self.frames.into_inner()
     }
 }
 
@@ -412,7 +401,7 @@ mod tests {
 
     #[tokio::test]
     async fn round_trip_over_a_pipe() -> anyhow::Result<()> {
-        let (mut a, mut b) = tokio::io::duplex(64);
+        let (mut a, b) = tokio::io::duplex(64);
         let sent = samples();
         let writer = {
             let sent = sent.clone();
@@ -425,7 +414,8 @@ mod tests {
             })
         };
         let mut got = Vec::new();
-        while let Some(m) = recv(&mut b).await? {
+        let mut b = Reader::new(b);
+        while let Some(m) = b.recv().await? {
             got.push(m);
         }
         writer.await??;
@@ -509,13 +499,13 @@ mod tests {
         bytes.extend((unknown.len() as u32).to_be_bytes());
         bytes.extend(unknown);
         bytes.extend(encode(&Message::Heartbeat(Heartbeat { seq: 1 }))?);
-        let mut r = &bytes[..];
-        assert_eq!(recv(&mut r).await?, Some(Message::Unknown));
+        let mut r = Reader::new(&bytes[..]);
+        assert_eq!(r.recv().await?, Some(Message::Unknown));
         assert_eq!(
-            recv(&mut r).await?,
+            r.recv().await?,
             Some(Message::Heartbeat(Heartbeat { seq: 1 }))
         );
-        assert_eq!(recv(&mut r).await?, None);
+        assert_eq!(r.recv().await?, None);
         Ok(())
     }
 
@@ -558,9 +548,9 @@ mod tests {
         assert!(sink.is_empty(), "nothing written for a refused message");
 
         let prefix = ((MAX_MESSAGE_LEN + 1) as u32).to_be_bytes();
-        let mut r = &prefix[..];
+        let mut r = Reader::new(&prefix[..]);
         assert!(matches!(
-            recv(&mut r).await,
+            r.recv().await,
             Err(ControlError::TooLarge(n)) if n == MAX_MESSAGE_LEN + 1
         ));
         let mut reader = Reader::new(&prefix[..]);
@@ -577,8 +567,8 @@ mod tests {
         let mut frame = (json.len() as u32).to_be_bytes().to_vec();
         frame.extend(json.as_bytes());
         assert!(json.len() <= MAX_MESSAGE_LEN);
-        let mut r = &frame[..];
-        assert!(matches!(recv(&mut r).await?, Some(Message::Error(_))));
+        let mut r = Reader::new(&frame[..]);
+        assert!(matches!(r.recv().await?, Some(Message::Error(_))));
         Ok(())
     }
 
@@ -586,9 +576,9 @@ mod tests {
     async fn truncated_prefix_or_body_is_an_error() -> anyhow::Result<()> {
         let frame = encode(&Message::Heartbeat(Heartbeat { seq: 3 }))?;
         for cut in [1, 3, 4, frame.len() - 1] {
-            let mut r = &frame[..cut];
+            let mut r = Reader::new(&frame[..cut]);
             assert!(
-                matches!(recv(&mut r).await, Err(ControlError::Truncated)),
+                matches!(r.recv().await, Err(ControlError::Truncated)),
                 "cut at {cut}"
             );
             let mut reader = Reader::new(&frame[..cut]);
@@ -597,8 +587,24 @@ mod tests {
                 "reader cut at {cut}"
             );
         }
-        let mut empty: &[u8] = &[];
-        assert!(recv(&mut empty).await?.is_none());
+        let empty: &[u8] = &[];
+        assert!(Reader::new(empty).recv().await?.is_none());
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_malformed_frame_does_not_end_the_reader() -> anyhow::Result<()> {
+        let mut bytes = Vec::new();
+        bytes.extend(4u32.to_be_bytes());
+        bytes.extend(b"{bad");
+        bytes.extend(encode(&Message::Heartbeat(Heartbeat { seq: 2 }))?);
+        let mut r = Reader::new(&bytes[..]);
+        assert!(matches!(r.recv().await, Err(ControlError::Malformed(_))));
+        assert_eq!(
+            r.recv().await?,
+            Some(Message::Heartbeat(Heartbeat { seq: 2 }))
+        );
+        assert_eq!(r.recv().await?, None);
         Ok(())
     }
 

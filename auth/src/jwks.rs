@@ -23,7 +23,38 @@ use jsonwebtoken::jwk::Jwk;
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use crate::token::{Issuer, TokenError};
+/// Entra token format versions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenVersion {
+    /// `https://sts.windows.net/{tid}/`.
+    V1,
+    /// `https://login.microsoftonline.com/{tid}/v2.0`.
+    V2,
+}
+
+/// One trusted issuer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Issuer {
+    /// The exact `iss` value.
+    pub url: String,
+    /// The tenant the issuer belongs to; the token's `tid` must equal it.
+    pub tenant: String,
+    /// Token format version.
+    pub version: TokenVersion,
+    /// Where its OpenID configuration is fetched from.
+    pub discovery_url: String,
+}
+
+/// Why no key could be had for a token. The token checks turn it into their own error.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// The issuer publishes no signing key with this id (at most 64 characters of it).
+    #[error("the issuer publishes no signing key with id {0:?}")]
+    Unknown(String),
+    /// The keys could not be fetched and none are cached.
+    #[error("the issuer's signing keys are unavailable ({0})")]
+    Unavailable(String),
+}
 
 /// The largest discovery document or JWKS accepted.
 pub const MAX_DOCUMENT_BYTES: usize = 1024 * 1024;
@@ -180,7 +211,7 @@ impl KeyCache {
 
     /// The key `kid` of `issuer`, fetching the issuer's keys when they are missing, stale or lack `kid` (within the
     /// refetch limit).
-    pub async fn key(&self, issuer: &Issuer, kid: &str) -> Result<Jwk, TokenError> {
+    pub async fn key(&self, issuer: &Issuer, kid: &str) -> Result<Jwk, KeyError> {
         let state = self.state(issuer);
         // Held across the fetch on purpose: concurrent requests for one issuer wait for one fetch.
         let mut st = state.lock().await;
@@ -213,8 +244,8 @@ impl KeyCache {
             return Ok(key.clone());
         }
         match (&st.last_error, st.keys.is_empty()) {
-            (Some(e), true) => Err(TokenError::KeysUnavailable(e.clone())),
-            _ => Err(TokenError::UnknownKey(kid.chars().take(64).collect())),
+            (Some(e), true) => Err(KeyError::Unavailable(e.clone())),
+            _ => Err(KeyError::Unknown(kid.chars().take(64).collect())),
         }
     }
 
@@ -264,7 +295,6 @@ impl KeyCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::token::TokenVersion;
     use std::sync::atomic::AtomicBool;
 
     struct FakeIdp {
@@ -333,7 +363,7 @@ mod tests {
         // An unknown kid right after a fetch: no new fetch (rate limit), refused.
         assert!(matches!(
             cache.key(&issuer(), "k2").await,
-            Err(TokenError::UnknownKey(_))
+            Err(KeyError::Unknown(_))
         ));
         assert_eq!(fetches(&cache), 1);
         // The issuer rotates; after the interval the unknown kid triggers one refetch that finds it.
@@ -386,7 +416,7 @@ mod tests {
         );
         assert!(matches!(
             cache.key(&issuer(), "k1").await,
-            Err(TokenError::KeysUnavailable(_))
+            Err(KeyError::Unavailable(_))
         ));
     }
 

@@ -18,7 +18,8 @@ use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, KeyAlgorithm, P
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::jwks::{Fetch, KeyCache};
+use crate::jwks::{Fetch, KeyCache, KeyError};
+pub use crate::jwks::{Issuer, TokenVersion};
 
 /// The default authority of v2 issuers (`https://login.microsoftonline.com/{tid}/v2.0`).
 pub const DEFAULT_V2_AUTHORITY: &str = "https://login.microsoftonline.com";
@@ -196,28 +197,6 @@ fn is_tenant_id(t: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
 }
 
-/// Entra token format versions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TokenVersion {
-    /// `https://sts.windows.net/{tid}/`.
-    V1,
-    /// `https://login.microsoftonline.com/{tid}/v2.0`.
-    V2,
-}
-
-/// One trusted issuer.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Issuer {
-    /// The exact `iss` value.
-    pub url: String,
-    /// The tenant the issuer belongs to; the token's `tid` must equal it.
-    pub tenant: String,
-    /// Token format version.
-    pub version: TokenVersion,
-    /// Where its OpenID configuration is fetched from.
-    pub discovery_url: String,
-}
-
 /// A configuration problem.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -295,6 +274,15 @@ pub enum TokenError {
         "token refused: its {0} starts with \"system:\", which Kubernetes reserves for its own identities"
     )]
     ReservedName(&'static str),
+}
+
+impl From<KeyError> for TokenError {
+    fn from(e: KeyError) -> Self {
+        match e {
+            KeyError::Unknown(kid) => TokenError::UnknownKey(kid),
+            KeyError::Unavailable(why) => TokenError::KeysUnavailable(why),
+        }
+    }
 }
 
 impl TokenError {

@@ -26,6 +26,9 @@ use crate::guard_push;
 use crate::identity::{self, Identity, IdentityError};
 use crate::metadata;
 use crate::onboard::{OnboardError, Onboarding};
+use crate::probes::{self, Probes};
+use crate::state_secret::{Acquired, SecretStore, StateSecretError};
+use crate::store::IdentityStore;
 use tether_api::reconnect::{DRAINING_WAIT, Reconnect};
 
 /// The Kubernetes `Status` reason with which the relay refuses an expired identity.
@@ -77,6 +80,18 @@ pub enum AgentError {
     /// The guard CA could not be read or used.
     #[error("cannot set up TLS to guard: {0}")]
     GuardTls(#[source] tls::TlsError),
+    /// The state Secret (`--state-secret`) holds no usable identity or could not be written.
+    #[error(transparent)]
+    StateSecret(#[from] StateSecretError),
+    /// The probe port (`--health-listen`) could not be bound.
+    #[error("cannot listen for probes on {addr}: {source}")]
+    HealthListen {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The cluster's certificate expired (the agent could not renew it in time, e.g. it was offline).
     #[error(
         "this cluster's identity expired: delete it at the relay and connect it again ({message})"
@@ -98,6 +113,18 @@ pub async fn run(
     tls::install_crypto_provider();
     let tunnel_url = config.tunnel_url()?;
     let onboard_url = config.onboard_url()?;
+    // Dropped when `run` returns: /livez then answers 503 (or nothing at all once the probe server is gone).
+    let (probes, _liveness) = Probes::start();
+    let _probe_server = match config.health_listen {
+        Some(addr) => {
+            let listener = probes::bind(addr)
+                .await
+                .map_err(|source| AgentError::HealthListen { addr, source })?;
+            tracing::info!(%addr, "serving probes (/readyz, /livez)");
+            Some(probes::serve(listener, probes.clone()))
+        }
+        None => None,
+    };
 
     let mut kube_config = load_kube_config(config.kubeconfig.as_deref()).await?;
     // The apiserver is reached directly, like the forwarded requests (the proxy settings are for the
@@ -137,7 +164,8 @@ pub async fn run(
     let relay_ca = config.relay_ca.as_deref().map(tls::read_file).transpose()?;
     let proxy_ca = config.proxy_ca.as_deref().map(tls::read_file).transpose()?;
     let relay_tls = RelayTls { relay_ca, proxy_ca };
-    let proxy = config.proxy.as_ref();
+    let proxy_config = config.proxy_config();
+    let proxy = proxy_config.as_ref();
 
     tracing::info!(
         relay = %config.relay_url,
@@ -151,8 +179,15 @@ pub async fn run(
     let mut shutdown: Shutdown = Box::pin(shutdown);
     let mut reconnect = Reconnect::new(config.backoff);
 
+    let store = Arc::new(match &config.state_secret {
+        Some(secret) => {
+            IdentityStore::Secret(Box::new(SecretStore::new(agent_client.clone(), secret)))
+        }
+        None => IdentityStore::Dir(config.state_dir.clone()),
+    });
     let Some(identity) = ensure_identity(
         &config,
+        &store,
         &onboard_url,
         &relay_tls.config(None)?,
         proxy,
@@ -165,7 +200,7 @@ pub async fn run(
         return Ok(());
     };
     let metadata = metadata::spawn(agent_client);
-    let mut state = control::State::new(config.state_dir.clone(), identity, metadata);
+    let mut state = control::State::new(store, identity, metadata);
     state.directory = directory;
     state.snapshots = snapshots;
     let headers = tunnel_headers(&config.cluster);
@@ -202,7 +237,8 @@ pub async fn run(
                 );
                 last_failure = None;
                 reconnect.connected();
-                match serve(
+                probes.set_tunnel_up(true);
+                let ended = serve(
                     conn,
                     &upstream,
                     &mut streams,
@@ -210,8 +246,9 @@ pub async fn run(
                     config.drain_timeout,
                     &mut state,
                 )
-                .await
-                {
+                .await;
+                probes.set_tunnel_up(false);
+                match ended {
                     Ended::Shutdown => return Ok(()),
                     Ended::Disconnected(reason) => {
                         let delay = reconnect.lost(state.reconnect_window.take());
@@ -301,42 +338,98 @@ fn note_failure(last: &mut Option<String>, reconnect: &mut Reconnect, error: &st
     delay
 }
 
+/// Reads the Secret until it holds a usable identity (`Acquired::Identity`) or this agent holds the onboarding
+/// claim (`Acquired::Claimed`), waiting while another agent onboards. Apiserver errors are retried with the
+/// reconnect pacing. `None` when shutdown came first.
+async fn acquire_from_secret(
+    config: &Config,
+    secret: &SecretStore,
+    usable: &impl Fn(&Identity) -> bool,
+    reconnect: &mut Reconnect,
+    shutdown: &mut Shutdown,
+) -> Result<Option<Acquired>, AgentError> {
+    let mut waiting_logged = false;
+    loop {
+        let delay = match secret
+            .acquire(&config.relay_url, &config.cluster, usable)
+            .await
+        {
+            Ok(Acquired::Wait) => {
+                if !waiting_logged {
+                    tracing::info!(secret = %secret.name(), "another agent is onboarding this cluster; waiting for the identity it stores");
+                    waiting_logged = true;
+                }
+                SECRET_POLL
+            }
+            Ok(done) => return Ok(Some(done)),
+            Err(e @ StateSecretError::Api { .. }) => {
+                let delay = reconnect.next_delay();
+                tracing::warn!(error = %crate::error_chain(&e), retry_in = ?delay, "cannot use the state Secret");
+                delay
+            }
+            Err(e) => return Err(e.into()),
+        };
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = shutdown.as_mut() => return Ok(None),
+        }
+    }
+}
+
+/// How often an agent waiting for another's onboarding reads the Secret.
+const SECRET_POLL: Duration = Duration::from_millis(500);
+
 /// The stored identity, or a new one from onboarding (stored before it is returned). `None` when shutdown
 /// came first.
 async fn ensure_identity(
     config: &Config,
+    store: &IdentityStore,
     onboard_url: &str,
     relay_tls: &Arc<rustls::ClientConfig>,
     proxy: Option<&ProxyConfig>,
     reconnect: &mut Reconnect,
     shutdown: &mut Shutdown,
 ) -> Result<Option<Identity>, AgentError> {
-    if let Some(stored) = identity::load(&config.state_dir, &config.relay_url, &config.cluster)? {
+    // An expired identity is worth nothing when a new onboarding token is at hand: the recovery the relay tells
+    // the user about (delete the cluster, connect it again, start the agent with the new token) needs no
+    // hand-emptied store. Without a token it is used anyway, and the relay says what to do.
+    let usable = |stored: &Identity| {
+        let expired = stored.is_expired(OffsetDateTime::now_utc());
+        if expired && config.onboarding_secret().is_some() {
+            tracing::warn!(
+                "the stored identity has expired; onboarding again with the given onboarding token"
+            );
+        } else if expired {
+            tracing::warn!("the stored identity has expired; the relay will refuse it");
+        }
+        !expired || config.onboarding_secret().is_none()
+    };
+    let found = match store {
+        IdentityStore::Dir(dir) => {
+            identity::load(dir, &config.relay_url, &config.cluster)?.filter(|stored| usable(stored))
+        }
+        IdentityStore::Secret(secret) => {
+            match acquire_from_secret(config, secret, &usable, reconnect, shutdown).await? {
+                Some(Acquired::Identity(stored)) => Some(stored),
+                Some(_) => None,
+                None => return Ok(None),
+            }
+        }
+    };
+    if let Some(stored) = found {
         tracing::info!(
-            state_dir = %config.state_dir.display(),
+            store = %store.describe(),
             fingerprint = %stored.fingerprint,
             not_after = %stored.not_after,
             "using the stored identity"
         );
-        let expired = stored.is_expired(OffsetDateTime::now_utc());
-        if !expired || config.onboarding_token.is_none() {
-            if expired {
-                tracing::warn!("the stored identity has expired; the relay will refuse it");
-            }
-            return Ok(Some(stored));
-        }
-        // The recovery the relay tells the user about: delete the cluster, connect it again, start the agent
-        // with the new onboarding token. An expired identity is worth nothing, so the token replaces it here
-        // (the new identity is stored over it) without anyone emptying the state directory by hand.
-        tracing::warn!(
-            "the stored identity has expired; onboarding again with the given onboarding token"
-        );
+        return Ok(Some(stored));
     }
-    let Some(token) = &config.onboarding_token else {
+    let Some(token) = config.onboarding_secret() else {
         return Err(ConfigError::MissingOnboardingToken {
             relay: config.relay_url.clone(),
             cluster: config.cluster.clone(),
-            state_dir: config.state_dir.display().to_string(),
+            state_dir: store.describe(),
         }
         .into());
     };
@@ -344,6 +437,11 @@ async fn ensure_identity(
     let request = identity::new_key_request(&config.cluster)?;
     let mut last_failure: Option<String> = None;
     loop {
+        if let IdentityStore::Secret(secret) = store
+            && let Err(e) = secret.refresh_claim().await
+        {
+            tracing::warn!(error = %e, "cannot refresh the onboarding claim");
+        }
         let onboarding = Onboarding {
             url: onboard_url,
             tls: relay_tls,
@@ -366,9 +464,12 @@ async fn ensure_identity(
                     request.key.clone(),
                     OffsetDateTime::now_utc(),
                 )?;
-                identity::store(&config.state_dir, &identity)?;
+                match store {
+                    IdentityStore::Dir(dir) => identity::store(dir, &identity)?,
+                    IdentityStore::Secret(secret) => secret.store(&identity).await?,
+                }
                 tracing::info!(
-                    state_dir = %config.state_dir.display(),
+                    store = %store.describe(),
                     fingerprint = %identity.fingerprint,
                     not_after = %identity.not_after,
                     "onboarded; identity stored"

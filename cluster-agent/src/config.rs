@@ -1,48 +1,109 @@
 //! The agent's configuration and its validation.
 
+use std::ffi::OsString;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tether_runtime::Secret;
-use tether_tunnel::proxy::ProxyConfig;
+use clap::{Args as _, FromArgMatches as _};
+use tether_api::reconnect::Backoff;
+use tether_runtime::{Secret, parse_duration};
+use tether_tunnel::proxy::{NoProxy, Proxy, ProxyConfig, ProxyError};
 
 use crate::identity;
-use tether_api::reconnect::Backoff;
+use crate::state_secret::SecretRef;
 
-/// Everything the agent needs to run. Build with [`Config::new`], adjust fields, then [`Config::validate`].
-#[derive(Debug, Clone)]
+/// Everything the agent needs to run: the `tether-agent` command line itself (`clap` parses flags and their
+/// `TETHER_*` environment variables straight into it; every default is written once, in the `#[arg]`
+/// attributes below, and [`Config::new`] takes the same defaults). Adjust fields, then [`Config::validate`].
+#[derive(Debug, Clone, clap::Args)]
 pub struct Config {
-    /// The relay's base URL, `https://relay.example:8443`; the agent derives `wss://…/agent/v1/tunnel` and
+    /// The relay's URL, e.g. https://relay.example:8443; the agent derives `wss://…/agent/v1/tunnel` and
     /// `https://…/agent/v1/onboard` from it.
+    #[arg(long = "relay", env = "TETHER_RELAY", value_name = "URL")]
     pub relay_url: String,
     /// This cluster's name at the relay.
+    #[arg(long, env = "TETHER_CLUSTER")]
     pub cluster: String,
-    /// The one-time onboarding token; needed only while `state_dir` holds no identity for this relay and
-    /// cluster.
+    /// The one-time onboarding token from `tether cluster connect` (needed only while no identity is stored
+    /// for this relay and cluster).
+    #[arg(
+        long,
+        env = "TETHER_ONBOARDING_TOKEN",
+        hide_env_values = true,
+        value_parser = Quiet(parse_secret),
+        conflicts_with = "onboarding_token_file"
+    )]
     pub onboarding_token: Option<Secret>,
-    /// Where the identity lives: `identity.json` and `identity-key.pem` (files 0600, directory 0700).
+    /// A file holding the onboarding token (read once, at start).
+    #[arg(
+        long = "onboarding-token-file",
+        env = "TETHER_ONBOARDING_TOKEN_FILE",
+        value_name = "FILE",
+        value_parser = Quiet(read_secret_file)
+    )]
+    pub onboarding_token_file: Option<Secret>,
+    /// Where the agent keeps its identity (identity.json and identity-key.pem, files 0600, directory 0700).
+    #[arg(
+        long,
+        env = "TETHER_STATE_DIR",
+        default_value = "/var/lib/tether-agent"
+    )]
     pub state_dir: PathBuf,
-    /// A PEM CA bundle to trust for the relay; `None` trusts the webpki roots.
+    /// Keep the identity in this Kubernetes Secret, NAMESPACE/NAME, instead of --state-dir, through the
+    /// apiserver with the agent's own credentials (get, create, update on that Secret): a pod keeps its identity
+    /// on another node, and replicas share it (one onboards, the others wait and read).
+    #[arg(long, env = "TETHER_STATE_SECRET", value_name = "NAMESPACE/NAME")]
+    pub state_secret: Option<SecretRef>,
+    /// A PEM CA bundle to trust for the relay (default: the public web PKI roots).
+    #[arg(long, env = "TETHER_RELAY_CA", value_name = "FILE")]
     pub relay_ca: Option<PathBuf>,
-    /// The HTTP CONNECT proxy to reach the relay through (tunnel and onboarding), with the hosts that bypass
-    /// it; `None` connects directly.
-    pub proxy: Option<ProxyConfig>,
-    /// A PEM CA bundle trusted for the relay connection in addition to `relay_ca`, for proxies that inspect
-    /// TLS (`--proxy-cert`).
+    /// An HTTP proxy to reach the relay through with CONNECT, http://[user:password@]host:port (default:
+    /// HTTPS_PROXY, else https_proxy, applied by [`Config::with_proxy_env`]).
+    #[arg(
+        long = "proxy-https",
+        env = "TETHER_PROXY_HTTPS",
+        hide_env_values = true,
+        value_name = "URL",
+        value_parser = Quiet(|v| Proxy::parse(v).map_err(|e| e.to_string()))
+    )]
+    pub proxy: Option<Proxy>,
+    /// Hosts that bypass the proxy: comma-separated names (a name covers its subdomains), .suffix domains,
+    /// IP addresses, CIDRs, or * (default: NO_PROXY, else no_proxy).
+    #[arg(
+        long = "proxy-skip-range",
+        env = "TETHER_PROXY_SKIP_RANGE",
+        value_name = "LIST",
+        value_parser = Quiet(|v| NoProxy::parse(v).map_err(|e| e.to_string()))
+    )]
+    pub no_proxy: Option<NoProxy>,
+    /// A PEM CA bundle trusted for the relay connection in addition to --relay-ca, for a proxy that inspects
+    /// TLS.
+    #[arg(long = "proxy-cert", env = "TETHER_PROXY_CERT", value_name = "FILE")]
     pub proxy_ca: Option<PathBuf>,
-    /// The kubeconfig naming the apiserver; `None` uses `kube::Config::infer()` (KUBECONFIG, ~/.kube/config,
-    /// in-cluster).
+    /// The kubeconfig naming the apiserver (default: KUBECONFIG, ~/.kube/config, else in-cluster).
+    #[arg(long, env = "TETHER_KUBECONFIG", value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
-    /// Reconnect pacing.
+    /// Serve Kubernetes probes here, plain HTTP: GET /readyz (200 only while a tunnel to the relay is up) and
+    /// GET /livez (200 while the agent runs); nothing else. Off unless set (the Helm chart sets 0.0.0.0:8080).
+    #[arg(long, env = "TETHER_HEALTH_LISTEN", value_name = "ADDR")]
+    pub health_listen: Option<SocketAddr>,
+    /// Reconnect pacing (not a flag).
+    #[arg(skip)]
     pub backoff: Backoff,
-    /// On shutdown, how long open streams may keep running after GOAWAY (default 20 s).
+    /// On shutdown, how long open streams may keep running after GOAWAY.
+    #[arg(long, env = "TETHER_DRAIN_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
-    /// Timeout for each attempt to reach the relay (TCP, TLS, WebSocket and onboarding request; default 15 s).
+    /// Timeout of each attempt to reach the relay (TCP, TLS, WebSocket and onboarding request).
+    #[arg(long, env = "TETHER_CONNECT_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
     pub connect_timeout: Duration,
     /// The in-cluster authentication proxy: Entra-style tokens are validated here and forwarded with
-    /// impersonation on the agent's own credentials; `None` passes every token through unchanged.
+    /// impersonation on the agent's own credentials; `None` (no --entra-* flag) passes every token through
+    /// unchanged.
+    #[command(flatten)]
     pub entra: Option<EntraConfig>,
-    /// Where the guard RBAC snapshots the relay sends are pushed; `None` ignores them.
+    /// Where the guard RBAC snapshots the relay sends are pushed; `None` (no --guard-* flag) ignores them.
+    #[command(flatten)]
     pub guard: Option<GuardConfig>,
 }
 
@@ -50,25 +111,49 @@ pub struct Config {
 /// `--entra-authority`, `--entra-authority-ca`).
 ///
 /// A bearer token that is a JWT whose `iss` lies under the v2 authority (`{authority}/…`) or Entra's v1
-/// authority (`https://sts.windows.net/…`) is validated again in the cluster (`tether_guard`'s
+/// authority (`https://sts.windows.net/…`) is validated again in the cluster (`tether_auth`'s
 /// `Authenticator`: signature, tenant, audience, lifetime; group overage through the relay's directory) and
 /// forwarded on the agent's own credentials with `Impersonate-*` headers, or refused with 401. Other tokens
 /// (Kubernetes service-account tokens, opaque tokens) pass through unchanged.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
 pub struct EntraConfig {
-    /// Accepted tenant ids (`tid`); at least one.
+    /// Entra tenant id whose tokens the in-cluster authentication proxy validates and impersonates
+    /// (repeatable or comma-separated; with --entra-audience).
+    #[arg(
+        long = "entra-tenant",
+        env = "TETHER_ENTRA_TENANTS",
+        value_delimiter = ',',
+        value_name = "TENANT"
+    )]
     pub tenants: Vec<String>,
-    /// Accepted audiences (`aud`); at least one.
+    /// Accepted audience of Entra tokens (repeatable or comma-separated; with --entra-tenant).
+    #[arg(
+        long = "entra-audience",
+        env = "TETHER_ENTRA_AUDIENCES",
+        value_delimiter = ',',
+        value_name = "AUDIENCE"
+    )]
     pub audiences: Vec<String>,
-    /// Base URL of v2 issuers and of discovery (default `https://login.microsoftonline.com`); https only.
+    /// Base URL of the Entra issuer and its discovery documents (default https://login.microsoftonline.com);
+    /// https only.
+    #[arg(
+        long = "entra-authority",
+        env = "TETHER_ENTRA_AUTHORITY",
+        value_name = "URL"
+    )]
     pub authority: Option<String>,
-    /// A PEM CA bundle trusted, instead of the public web roots, for the authority's discovery documents and
-    /// keys (development issuers and tests).
+    /// A PEM CA trusted (instead of the public roots) for the authority's discovery and keys: development
+    /// issuers and tests.
+    #[arg(
+        long = "entra-authority-ca",
+        env = "TETHER_ENTRA_AUTHORITY_CA",
+        value_name = "FILE"
+    )]
     pub authority_ca: Option<PathBuf>,
 }
 
 impl EntraConfig {
-    /// The guard crate's token settings for this configuration.
+    /// The token-check settings for this configuration.
     pub fn token_config(&self) -> tether_auth::TokenConfig {
         let mut config =
             tether_auth::TokenConfig::new(self.tenants.clone(), self.audiences.clone());
@@ -79,18 +164,45 @@ impl EntraConfig {
     }
 }
 
+/// How long one push to guard may take, flags or not.
+const GUARD_PUSH_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Where and how the agent pushes guard snapshots (`--guard-url`, `--guard-push-token-file`, `--guard-ca`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct GuardConfig {
-    /// Guard's snapshot endpoint, `https://tether-guard.tether-system.svc:8443/snapshot`.
+    /// Guard's snapshot endpoint, https://HOST:PORT/snapshot: RBAC snapshots from the relay are pushed there
+    /// (with --guard-push-token-file).
+    #[arg(
+        long = "guard-url",
+        env = "TETHER_GUARD_URL",
+        value_name = "URL",
+        required = false,
+        requires = "push_token"
+    )]
     pub url: String,
-    /// The bearer token guard accepts for `PUT /snapshot`.
+    /// A file holding the bearer token guard accepts for snapshot pushes (read once, at start).
+    #[arg(
+        long = "guard-push-token-file",
+        env = "TETHER_GUARD_PUSH_TOKEN_FILE",
+        value_name = "FILE",
+        value_parser = Quiet(read_secret_file),
+        required = false,
+        requires = "url"
+    )]
     pub push_token: Secret,
-    /// A PEM CA bundle to trust for guard's certificate; `None` trusts the public web roots.
+    /// A PEM CA bundle to trust for guard's certificate (default: the public web PKI roots).
+    #[arg(
+        long = "guard-ca",
+        env = "TETHER_GUARD_CA",
+        value_name = "FILE",
+        requires = "url"
+    )]
     pub ca: Option<PathBuf>,
-    /// Pacing of retries while guard is unreachable or refuses (default 500 ms..30 s).
+    /// Pacing of retries while guard is unreachable or refuses (not a flag; default 500 ms..30 s).
+    #[arg(skip)]
     pub backoff: Backoff,
-    /// Timeout of one push (connect, TLS, request and answer; default 10 s).
+    /// Timeout of one push (connect, TLS, request and answer; not a flag; 10 s).
+    #[arg(skip = GUARD_PUSH_TIMEOUT)]
     pub timeout: Duration,
 }
 
@@ -102,8 +214,48 @@ impl GuardConfig {
             push_token,
             ca: None,
             backoff: Backoff::default(),
-            timeout: Duration::from_secs(10),
+            timeout: GUARD_PUSH_TIMEOUT,
         }
+    }
+}
+
+/// A secret given on the command line or in the environment, without surrounding whitespace.
+fn parse_secret(value: &str) -> Result<Secret, String> {
+    Ok(Secret::new(value.trim()))
+}
+
+/// A secret read from a file (a token file ends with a newline more often than not).
+fn read_secret_file(path: &str) -> Result<Secret, String> {
+    std::fs::read_to_string(path)
+        .map(|text| Secret::new(text.trim()))
+        .map_err(|e| format!("cannot read the file {path}: {e}"))
+}
+
+/// A value parser whose errors never repeat the value: clap's own message quotes it, and a proxy URL or a
+/// token may carry a password.
+#[derive(Clone)]
+struct Quiet<T>(fn(&str) -> Result<T, String>);
+
+impl<T: Clone + Send + Sync + 'static> clap::builder::TypedValueParser for Quiet<T> {
+    type Value = T;
+
+    fn parse_ref(
+        &self,
+        _cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<T, clap::Error> {
+        let name = arg
+            .and_then(clap::Arg::get_long)
+            .map_or_else(String::new, |long| format!("--{long}: "));
+        let invalid = |kind, message: String| clap::Error::raw(kind, format!("{name}{message}\n"));
+        let text = value.to_str().ok_or_else(|| {
+            invalid(
+                clap::error::ErrorKind::InvalidUtf8,
+                "not valid UTF-8".to_owned(),
+            )
+        })?;
+        (self.0)(text).map_err(|e| invalid(clap::error::ErrorKind::ValueValidation, e))
     }
 }
 
@@ -164,28 +316,66 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// A configuration with defaults: no onboarding token, webpki roots for the relay, the inferred kube
-    /// config, backoff 500 ms..30 s (reset after 60 s connected), drain 20 s, connect timeout 15 s.
+    /// A configuration with the command line's defaults (no onboarding token, webpki roots for the relay, the
+    /// inferred kube config, backoff 500 ms..30 s, drain 20 s, connect timeout 15 s), as if `tether-agent` ran
+    /// with only `--relay`, `--cluster` and `--state-dir` and no `TETHER_*` variable set.
     pub fn new(
         relay_url: impl Into<String>,
         cluster: impl Into<String>,
         state_dir: impl Into<PathBuf>,
     ) -> Self {
-        Self {
-            relay_url: relay_url.into(),
-            cluster: cluster.into(),
-            onboarding_token: None,
-            state_dir: state_dir.into(),
-            relay_ca: None,
-            proxy: None,
-            proxy_ca: None,
-            kubeconfig: None,
-            backoff: Backoff::default(),
-            drain_timeout: Duration::from_secs(20),
-            connect_timeout: Duration::from_secs(15),
-            entra: None,
-            guard: None,
+        let mut relay = OsString::from("--relay=");
+        relay.push(relay_url.into());
+        let mut cluster_arg = OsString::from("--cluster=");
+        cluster_arg.push(cluster.into());
+        let mut state = OsString::from("--state-dir=");
+        state.push(state_dir.into());
+        // The process environment must not leak into a configuration built in code.
+        let command =
+            Self::augment_args(clap::Command::new("tether-agent")).mut_args(|arg| arg.env(None));
+        let parsed = command
+            .try_get_matches_from([OsString::from("tether-agent"), relay, cluster_arg, state])
+            .and_then(|matches| Self::from_arg_matches(&matches));
+        #[allow(clippy::expect_used)]
+        parsed.expect("the built-in defaults parse, and --flag=value takes any value")
+    }
+
+    /// Fills the proxy settings from the conventional `HTTPS_PROXY`/`https_proxy` and `NO_PROXY`/`no_proxy`
+    /// variables where no flag (or `TETHER_PROXY_*` variable) set them. Called by the `tether-agent` binary;
+    /// an embedding program decides for itself.
+    pub fn with_proxy_env(mut self) -> Result<Self, ProxyError> {
+        let env = |names: [&str; 2]| {
+            names
+                .iter()
+                .find_map(|name| std::env::var(name).ok())
+                .filter(|v| !v.trim().is_empty())
+        };
+        if self.proxy.is_none()
+            && let Some(url) = env(["HTTPS_PROXY", "https_proxy"])
+        {
+            self.proxy = Some(Proxy::parse(&url)?);
         }
+        if self.no_proxy.is_none()
+            && let Some(list) = env(["NO_PROXY", "no_proxy"])
+        {
+            self.no_proxy = Some(NoProxy::parse(&list)?);
+        }
+        Ok(self)
+    }
+
+    /// The onboarding token, from `--onboarding-token` or else `--onboarding-token-file`.
+    pub fn onboarding_secret(&self) -> Option<&Secret> {
+        self.onboarding_token
+            .as_ref()
+            .or(self.onboarding_token_file.as_ref())
+    }
+
+    /// The proxy and its bypass list, when a proxy is set.
+    pub fn proxy_config(&self) -> Option<ProxyConfig> {
+        self.proxy.clone().map(|proxy| ProxyConfig {
+            proxy,
+            no_proxy: self.no_proxy.clone().unwrap_or_default(),
+        })
     }
 
     /// Checks everything that can be checked without the network: URL, name, files, durations, and that an
@@ -244,11 +434,13 @@ impl Config {
         if let Some(guard) = &self.guard {
             guard.validate()?;
         }
-        match &self.onboarding_token {
+        match self.onboarding_secret() {
             Some(token) if token.expose().trim().is_empty() => {
                 return Err(ConfigError::EmptyOnboardingToken);
             }
             Some(_) => {}
+            // Read at run time, through the apiserver.
+            None if self.state_secret.is_some() => {}
             None => {
                 if identity::load(&self.state_dir, &self.relay_url, &self.cluster)?.is_none() {
                     return Err(ConfigError::MissingOnboardingToken {
@@ -390,6 +582,21 @@ mod tests {
             c.onboard_url().unwrap(),
             "https://relay.example/tether/agent/v1/onboard"
         );
+    }
+
+    #[test]
+    fn new_takes_the_command_line_defaults() {
+        let c = Config::new("https://relay.example", "prod", "/state");
+        assert_eq!(c.relay_url, "https://relay.example");
+        assert_eq!(c.cluster, "prod");
+        assert_eq!(c.state_dir, PathBuf::from("/state"));
+        assert_eq!(c.drain_timeout, Duration::from_secs(20));
+        assert_eq!(c.connect_timeout, Duration::from_secs(15));
+        assert_eq!(c.backoff, Backoff::default());
+        assert!(c.onboarding_secret().is_none() && c.proxy_config().is_none());
+        assert!(c.entra.is_none() && c.guard.is_none());
+        // A value that looks like a flag is still the value.
+        assert_eq!(Config::new("--cluster", "c", "d").relay_url, "--cluster");
     }
 
     #[test]

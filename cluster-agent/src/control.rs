@@ -25,6 +25,7 @@ use crate::directory::RelayDirectory;
 use crate::guard_push::SnapshotSink;
 use crate::health;
 use crate::identity::{self, Identity, KeyRequest};
+use crate::store::IdentityStore;
 use tether_api::reconnect::Backoff;
 
 /// How long the relay has to accept the control stream and answer `hello`.
@@ -44,8 +45,8 @@ const RENEW_BACKOFF: Backoff = Backoff {
 
 /// What the control channel needs and keeps across tunnels.
 pub(crate) struct State {
-    /// The state directory (where a renewed identity is stored).
-    pub(crate) state_dir: std::path::PathBuf,
+    /// Where a renewed identity is stored.
+    pub(crate) store: Arc<IdentityStore>,
     /// The identity in use; replaced by a renewal (and used from the next connection on).
     pub(crate) identity: Identity,
     /// Cluster metadata as the metadata task last published it.
@@ -74,13 +75,13 @@ struct Renewal {
 
 impl State {
     pub(crate) fn new(
-        state_dir: std::path::PathBuf,
+        store: Arc<IdentityStore>,
         identity: Identity,
         metadata: watch::Receiver<Option<Metadata>>,
     ) -> Self {
         let due = renewal_due(&identity);
         Self {
-            state_dir,
+            store,
             identity,
             metadata,
             started: Instant::now(),
@@ -245,7 +246,7 @@ async fn run_inner(
                         continue;
                     };
                     tracing::debug!(not_after = %cert.not_after, "certificate received");
-                    match accept_certificate(state, &cert.certificate, request) {
+                    match accept_certificate(state, &cert.certificate, request).await {
                         Ok(identity) => state.renewed(identity),
                         Err(e) => state.renewal_failed(e),
                     }
@@ -319,7 +320,7 @@ async fn run_inner(
 }
 
 /// Checks the certificate against the new key and stores the pair; the new identity on success.
-fn accept_certificate(
+async fn accept_certificate(
     state: &State,
     certificate: &str,
     request: KeyRequest,
@@ -332,7 +333,7 @@ fn accept_certificate(
         OffsetDateTime::now_utc(),
     )
     .map_err(|e| e.to_string())?;
-    identity::store(&state.state_dir, &identity).map_err(|e| e.to_string())?;
+    state.store.store(&identity).await?;
     Ok(identity)
 }
 

@@ -32,8 +32,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use kube::client::ConfigExt as _;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::ServerName;
 use tether_auth::Identity;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tower::ServiceExt as _;
@@ -67,25 +66,15 @@ pub enum UpstreamError {
         /// What is wrong with it.
         reason: &'static str,
     },
-    /// The CA bundle file could not be read or held no certificate.
-    #[error("cannot load the apiserver CA from {path}: {reason}")]
-    ReadCa {
-        /// The file.
-        path: String,
-        /// What went wrong.
-        reason: String,
-    },
-    /// A CA certificate was rejected.
-    #[error("invalid apiserver CA certificate: {0}")]
-    InvalidCa(#[source] rustls::Error),
     /// The TLS server name from the kube config is not a valid DNS name or IP address.
     #[error("invalid TLS server name {0:?}")]
     InvalidServerName(String),
     /// rustls rejected the TLS configuration.
     #[error("TLS configuration rejected: {0}")]
     Tls(#[source] rustls::Error),
-    /// The agent's own credentials (for impersonation) could not be loaded from the kube config.
-    #[error("cannot load the agent's own credentials from the kube config: {0}")]
+    /// The TLS settings or the agent's own credentials could not be loaded from the kube config (its CA file
+    /// or data, client certificate, token, exec plugin).
+    #[error("cannot load the TLS settings or credentials from the kube config: {0}")]
     Credentials(#[source] kube::Error),
     /// The kube config holds no credential of the agent's own, so impersonation cannot work.
     #[error(
@@ -141,8 +130,9 @@ impl std::fmt::Debug for Upstream {
 }
 
 impl Upstream {
-    /// Builds the forwarding clients from a kube config: its cluster URL, CA (`root_cert_file` first, then
-    /// `root_cert`, else the webpki roots), `accept_invalid_certs`, `tls_server_name` and `connect_timeout`.
+    /// Builds the forwarding clients from a kube config: its cluster URL, its TLS settings as kube-rs builds them
+    /// (the CA re-read from `root_cert_file` to follow a rotation, else `root_cert`, else the platform's roots;
+    /// `accept_invalid_certs`), `tls_server_name` and `connect_timeout`.
     /// The config's credentials (client certificate, token, exec plugin) are deliberately NOT used.
     pub fn from_kube_config(config: &kube::Config) -> Result<Self, UpstreamError> {
         Ok(Self {
@@ -243,10 +233,8 @@ impl UpstreamInner {
 impl Impersonating {
     /// The impersonating clients, presenting the agent's own credentials from `config`.
     fn new(config: &kube::Config, proxy: AuthProxy) -> Result<Self, UpstreamError> {
-        let own_identity = config
-            .rustls_client_config()
-            .map_err(UpstreamError::Credentials)?
-            .client_auth_cert_resolver;
+        let tls = kube_tls(config)?;
+        let own_identity = tls.client_auth_cert_resolver.clone();
         let authorization = config
             .auth_layer()
             .map_err(UpstreamError::Credentials)?
@@ -265,8 +253,6 @@ impl Impersonating {
         if !own_identity.has_certs() && authorization.is_none() {
             return Err(UpstreamError::NoOwnCredentials);
         }
-        let mut tls = upstream_tls(config)?;
-        tls.client_auth_cert_resolver = own_identity;
         let (pooled, upgrade) = clients(config, tls)?;
         Ok(Self {
             proxy,
@@ -339,48 +325,26 @@ fn clients(
     Ok((pooled, upgrade))
 }
 
+/// The apiserver TLS settings exactly as kube-rs's own client builds them ([`kube::client::ConfigExt`]): the
+/// config's CA — re-read from `root_cert_file` (in-cluster: the service-account `ca.crt`) about every minute, so
+/// the agent follows a cluster CA rotation as kube-rs does — else the platform's roots, `accept_invalid_certs`,
+/// and the agent's own client identity, if any (the impersonating clients keep it; pass-through drops it).
+fn kube_tls(config: &kube::Config) -> Result<rustls::ClientConfig, UpstreamError> {
+    config
+        .rustls_client_config()
+        .map_err(UpstreamError::Credentials)
+}
+
+/// [`kube_tls`] without any client identity: a pass-through request carries the user's identity only.
 fn upstream_tls(config: &kube::Config) -> Result<rustls::ClientConfig, UpstreamError> {
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+    let mut tls = kube_tls(config)?;
+    let no_identity = rustls::ClientConfig::builder_with_provider(tls.crypto_provider().clone())
         .with_safe_default_protocol_versions()
-        .map_err(UpstreamError::Tls)?;
-    let tls = if config.accept_invalid_certs {
-        builder
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(danger::AcceptAnyCertificate(provider)))
-    } else {
-        let mut roots = rustls::RootCertStore::empty();
-        let certs: Vec<CertificateDer<'static>> = if let Some(path) = &config.root_cert_file {
-            let read_err = |reason: String| UpstreamError::ReadCa {
-                path: path.display().to_string(),
-                reason,
-            };
-            let pem = std::fs::read(path).map_err(|e| read_err(e.to_string()))?;
-            let certs = CertificateDer::pem_slice_iter(&pem)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| read_err(e.to_string()))?;
-            if certs.is_empty() {
-                return Err(read_err("no certificate in the file".into()));
-            }
-            certs
-        } else if let Some(ders) = &config.root_cert {
-            ders.iter()
-                .map(|der| CertificateDer::from(der.clone()))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        if certs.is_empty() {
-            roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-        }
-        for cert in certs {
-            roots.add(cert).map_err(UpstreamError::InvalidCa)?;
-        }
-        builder.with_root_certificates(roots)
-    };
-    // No client certificate here: a pass-through request carries the user's identity only. The impersonating
-    // clients (Upstream::with_auth_proxy) set the agent's own on a copy.
-    Ok(tls.with_no_client_auth())
+        .map_err(UpstreamError::Tls)?
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    tls.client_auth_cert_resolver = no_identity.client_auth_cert_resolver;
+    Ok(tls)
 }
 
 /// Serves one stream as an HTTP/1.1 server whose every request goes to `upstream`. Returns when the exchange
@@ -827,65 +791,6 @@ where
                 Err(_) => Err(Box::new(ConnectTimedOut(timeout)) as BoxError),
             }
         })
-    }
-}
-
-mod danger {
-    use std::sync::Arc;
-
-    use rustls::DigitallySignedStruct;
-    use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-    use rustls::crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature};
-    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-
-    /// Accepts any apiserver certificate (the kube config's `insecure-skip-tls-verify`). Handshake signatures
-    /// are still checked, so the connection is encrypted, just not authenticated.
-    #[derive(Debug)]
-    pub(super) struct AcceptAnyCertificate(pub(super) Arc<CryptoProvider>);
-
-    impl ServerCertVerifier for AcceptAnyCertificate {
-        fn verify_server_cert(
-            &self,
-            _end_entity: &CertificateDer<'_>,
-            _intermediates: &[CertificateDer<'_>],
-            _server_name: &ServerName<'_>,
-            _ocsp_response: &[u8],
-            _now: UnixTime,
-        ) -> Result<ServerCertVerified, rustls::Error> {
-            Ok(ServerCertVerified::assertion())
-        }
-
-        fn verify_tls12_signature(
-            &self,
-            message: &[u8],
-            cert: &CertificateDer<'_>,
-            dss: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            verify_tls12_signature(
-                message,
-                cert,
-                dss,
-                &self.0.signature_verification_algorithms,
-            )
-        }
-
-        fn verify_tls13_signature(
-            &self,
-            message: &[u8],
-            cert: &CertificateDer<'_>,
-            dss: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            verify_tls13_signature(
-                message,
-                cert,
-                dss,
-                &self.0.signature_verification_algorithms,
-            )
-        }
-
-        fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-            self.0.signature_verification_algorithms.supported_schemes()
-        }
     }
 }
 

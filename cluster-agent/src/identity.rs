@@ -279,11 +279,47 @@ pub fn load(
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io_err("cannot read", &path)(e)),
     };
+    let key_path = key_path(state_dir);
+    let where_ = path.display().to_string();
+    decode(
+        &text,
+        || fs::read_to_string(&key_path).map_err(io_err("cannot read", &key_path)),
+        relay,
+        cluster,
+        &where_,
+    )
+}
+
+/// The stored form of an identity: `identity.json` (relay, cluster, certificate, notAfter, issuedAt) and the
+/// key PEM, as kept in the state directory and in a Kubernetes Secret (`--state-secret`).
+pub(crate) fn encode(identity: &Identity) -> Result<Vec<u8>, IdentityError> {
+    let on_disk = OnDisk {
+        relay: identity.relay.clone(),
+        cluster: identity.cluster.clone(),
+        certificate: identity.certificate.clone(),
+        not_after: identity.not_after,
+        issued_at: Some(identity.issued_at),
+    };
+    serde_json::to_vec_pretty(&on_disk).map_err(|e| IdentityError::Corrupt {
+        path: FILE_NAME.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
+/// The identity in a stored `identity.json` and its key (read only when the identity is for `relay` and
+/// `cluster`); `None` when it belongs to another relay or cluster. `where_` names the store in errors.
+pub(crate) fn decode(
+    json: &[u8],
+    key: impl FnOnce() -> Result<String, IdentityError>,
+    relay: &str,
+    cluster: &str,
+    where_: &str,
+) -> Result<Option<Identity>, IdentityError> {
     let corrupt = |reason: String| IdentityError::Corrupt {
-        path: path.display().to_string(),
+        path: where_.to_owned(),
         reason,
     };
-    let on_disk: OnDisk = serde_json::from_slice(&text).map_err(|e| corrupt(e.to_string()))?;
+    let on_disk: OnDisk = serde_json::from_slice(json).map_err(|e| corrupt(e.to_string()))?;
     if !same_relay(&on_disk.relay, relay) || on_disk.cluster != cluster {
         tracing::info!(
             stored_relay = %on_disk.relay,
@@ -292,13 +328,11 @@ pub fn load(
         );
         return Ok(None);
     }
-    let key_path = key_path(state_dir);
-    let key = fs::read_to_string(&key_path).map_err(io_err("cannot read", &key_path))?;
     let mut identity = Identity::new(
         &on_disk.relay,
         &on_disk.cluster,
         &on_disk.certificate,
-        Secret::new(key),
+        Secret::new(key()?),
         on_disk.issued_at.unwrap_or(OffsetDateTime::UNIX_EPOCH),
     )
     .map_err(|e| corrupt(e.to_string()))?;
@@ -346,18 +380,8 @@ pub fn store(state_dir: &Path, identity: &Identity) -> Result<(), IdentityError>
         .mode(0o700)
         .create(state_dir)
         .map_err(io_err("cannot create the state directory", state_dir))?;
-    let on_disk = OnDisk {
-        relay: identity.relay.clone(),
-        cluster: identity.cluster.clone(),
-        certificate: identity.certificate.clone(),
-        not_after: identity.not_after,
-        issued_at: Some(identity.issued_at),
-    };
     let (json, key) = (path(state_dir), key_path(state_dir));
-    let bytes = serde_json::to_vec_pretty(&on_disk).map_err(|e| IdentityError::Corrupt {
-        path: json.display().to_string(),
-        reason: e.to_string(),
-    })?;
+    let bytes = encode(identity)?;
     // Stage both, the JSON last: its staged name appearing is the commit point.
     write_private(state_dir, &staged(&key), identity.key.expose().as_bytes())?;
     write_private(state_dir, &staged(&json), &bytes)?;

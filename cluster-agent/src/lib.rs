@@ -2,7 +2,7 @@
 //!
 //! It runs inside a cluster that accepts no inbound connection: it makes its own key pair and trades a
 //! one-time onboarding token and a CSR for the cluster's client certificate ([`identity`], stored in its state
-//! directory), dials OUT to the relay over WebSocket/TLS with that certificate (mutual TLS;
+//! directory or, with `--state-secret`, in a Kubernetes Secret shared by replicas: [`state_secret`]), dials OUT to the relay over WebSocket/TLS with that certificate (mutual TLS;
 //! [`tether_tunnel::ws::connect_with_proxy`], through an HTTP CONNECT proxy when configured), and serves every
 //! logical stream the relay opens as one HTTP/1.1 exchange with its own apiserver ([`forward`]).
 //!
@@ -22,7 +22,8 @@
 //! What it does not do: it is never an open proxy. The upstream URL, CA and TLS server name come from the kube
 //! config only, never from a request; every request without an Entra-style token carries the user's own
 //! `Authorization` (pass-through) and no credential of the agent's. It does not authorize (guard, called by
-//! the apiserver, does), and it does not listen on any port.
+//! the apiserver, does), and it does not listen on any port but, with `--health-listen`, the plain-HTTP probe
+//! port ([`probes`]: `/readyz`, `/livez`, nothing else).
 //!
 //! Entry point: [`run`] with a [`Config`], as called by the `tether-agent` binary and by `tether up`.
 
@@ -37,6 +38,9 @@ mod health;
 pub mod identity;
 pub mod metadata;
 mod onboard;
+pub mod probes;
+pub mod state_secret;
+mod store;
 
 pub use agent::{AgentError, IDENTITY_EXPIRED_REASON, run};
 pub use config::{Config, ConfigError, EntraConfig, GuardConfig};

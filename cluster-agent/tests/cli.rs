@@ -179,7 +179,10 @@ fn bad_entra_and_guard_settings_exit_64() -> Result<()> {
             ("TETHER_GUARD_PUSH_TOKEN_FILE", "/nonexistent/push-token"),
         ],
     )?;
-    assert!(all.contains("guard push token file"), "{all}");
+    assert!(
+        all.contains("--guard-push-token-file: cannot read"),
+        "{all}"
+    );
     Ok(())
 }
 

@@ -391,3 +391,74 @@ async fn the_authentication_proxy_needs_credentials_of_the_agents_own() -> Resul
     assert!(!seen[0].client_cert);
     Ok(())
 }
+
+/// The upstream follows a rotation of the cluster CA the way kube-rs's own client does: the CA file the kube
+/// config names (`root_cert_file`, in-cluster the service-account `ca.crt` the kubelet rewrites) is read again
+/// (kube-rs: about every 60 s), so an apiserver serving a certificate from the new CA is trusted without
+/// restarting the agent. With the CA read once at start, the requests after the rotation would fail forever.
+#[tokio::test]
+async fn the_upstream_follows_a_cluster_ca_rotation() -> Result<()> {
+    use std::sync::{Arc, Mutex};
+    tether_runtime::tls::install_crypto_provider();
+    let dir = tempfile::tempdir()?;
+    let ca_file = dir.path().join("ca.crt");
+    let (old, new) = (common::TestCa::new()?, common::TestCa::new()?);
+    std::fs::write(&ca_file, old.pem())?;
+    // HTTP/1.1 without keep-alive: every request is a new TLS handshake against the current certificate.
+    let server_config = |ca: &common::TestCa| -> Result<Arc<rustls::ServerConfig>> {
+        let mut config = (*ca.server_config(&["127.0.0.1", "localhost"])?).clone();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Arc::new(config))
+    };
+    let acceptor = Arc::new(Mutex::new(tokio_rustls::TlsAcceptor::from(server_config(
+        &old,
+    )?)));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let server = {
+        let acceptor = acceptor.clone();
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let tls = acceptor.lock().map(|a| a.clone());
+                let Ok(tls) = tls else { return };
+                tokio::spawn(async move {
+                    let Ok(stream) = tls.accept(tcp).await else {
+                        return;
+                    };
+                    let service = hyper::service::service_fn(|_req| async {
+                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                            Bytes::from_static(b"{}"),
+                        )))
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .keep_alive(false)
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        })
+    };
+    let mut config = kube::Config::new(format!("https://127.0.0.1:{port}").parse()?);
+    config.root_cert_file = Some(ca_file.clone());
+    let upstream = Upstream::from_kube_config(&config)?;
+    let get = || Request::get("/version").body(Empty::<Bytes>::new());
+    assert_eq!(send(&upstream, get()?).await?.status(), StatusCode::OK);
+
+    // Rotation: the apiserver serves a certificate from the new CA, and the CA file says so.
+    *acceptor.lock().map_err(|_| anyhow::anyhow!("poisoned"))? =
+        tokio_rustls::TlsAcceptor::from(server_config(&new)?);
+    std::fs::write(&ca_file, new.pem())?;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(150);
+    loop {
+        if send(&upstream, get()?).await?.status() == StatusCode::OK {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < give_up,
+            "the new CA was never trusted"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    server.abort();
+    Ok(())
+}

@@ -16,7 +16,7 @@ use http::StatusCode;
 use http_body_util::BodyExt;
 use tether_api::control::Message;
 use tether_tunnel::code;
-use tether_tunnel::proxy::ProxyConfig;
+use tether_tunnel::proxy::{NoProxy, Proxy};
 
 /// The certificate fingerprint in the agent's identity.json.
 fn stored_fingerprint(state_dir: &std::path::Path) -> Option<String> {
@@ -289,7 +289,7 @@ async fn onboarding_and_tunnel_go_through_the_proxy() -> Result<()> {
     let mut env = env(Some("onb-1")).await?;
     let proxy = ConnectProxy::start(Some(("agent", "s3cret"))).await?;
     let mut config = env.config(Some("onb-1"));
-    config.proxy = Some(ProxyConfig::parse(&proxy.url("agent:s3cret@"), None)?);
+    config.proxy = Some(Proxy::parse(&proxy.url("agent:s3cret@"))?);
     // The relay's CA given as the proxy CA (as for a TLS-inspecting proxy) instead of as the relay CA.
     config.proxy_ca = config.relay_ca.take();
     let mut agent = Running::start(config);
@@ -316,10 +316,8 @@ async fn onboarding_and_tunnel_go_through_the_proxy() -> Result<()> {
 
     // Listed in the bypass list: straight to the relay.
     let mut config = env.config(None);
-    config.proxy = Some(ProxyConfig::parse(
-        &proxy.url("agent:s3cret@"),
-        Some("example.com,127.0.0.0/8"),
-    )?);
+    config.proxy = Some(Proxy::parse(&proxy.url("agent:s3cret@"))?);
+    config.no_proxy = Some(NoProxy::parse("example.com,127.0.0.0/8")?);
     let before = proxy.connections();
     let mut agent = Running::start(config);
     let _conn = env.next_tunnel().await?;
@@ -334,7 +332,7 @@ async fn wrong_proxy_credentials_are_retried_and_logged_not_fatal() -> Result<()
     let env = env(Some("onb-1")).await?;
     let proxy = ConnectProxy::start(Some(("agent", "right"))).await?;
     let mut config = env.config(Some("onb-1"));
-    config.proxy = Some(ProxyConfig::parse(&proxy.url("agent:wrong@"), None)?);
+    config.proxy = Some(Proxy::parse(&proxy.url("agent:wrong@"))?);
     let mut agent = Running::start(config);
     // The agent keeps trying (a proxy can be fixed without restarting the agent) and never reaches the relay.
     common::eventually(DEADLINE, || (proxy.requests().len() >= 2).then_some(())).await?;

@@ -6,8 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
-use tether_runtime::Secret;
+use tether_runtime::{Secret, parse_duration};
 
 use crate::audit::AuditSink;
 use crate::engine::{Guard, GuardOptions};
@@ -18,13 +17,9 @@ use tether_auth::token::{
     Algorithm, Authenticator, DEFAULT_V1_AUTHORITY, DEFAULT_V2_AUTHORITY, TokenConfig,
 };
 
-/// Flags of `tether-guard`.
-#[derive(Clone, Debug, Parser)]
-#[command(
-    name = "tether-guard",
-    version,
-    about = "Kubernetes authentication and authorization webhooks for Entra-style tokens and Azure-RBAC-style role assignments"
-)]
+/// Flags of `tether-guard` (the binary flattens them into its command line; every default is written here,
+/// once).
+#[derive(Clone, Debug, clap::Args)]
 pub struct Config {
     /// Address to listen on.
     #[arg(long, env = "TETHER_GUARD_LISTEN", default_value = "0.0.0.0:8443")]
@@ -88,9 +83,15 @@ pub struct Config {
         default_value = "RS256"
     )]
     pub algorithms: Vec<String>,
-    /// Clock-skew leeway for exp/nbf, in seconds (at most 60).
-    #[arg(long, env = "TETHER_GUARD_LEEWAY_SECONDS", default_value_t = 30)]
-    pub leeway_seconds: u64,
+    /// Clock-skew leeway for exp/nbf (at most 60s; a bare number is seconds).
+    #[arg(
+        long,
+        alias = "leeway-seconds",
+        env = "TETHER_GUARD_LEEWAY_SECONDS",
+        default_value = "30s",
+        value_parser = parse_duration
+    )]
+    pub leeway: Duration,
     /// Base URL of v2 issuers and of discovery documents.
     #[arg(long, env = "TETHER_GUARD_AUTHORITY", default_value = DEFAULT_V2_AUTHORITY)]
     pub authority: String,
@@ -117,9 +118,15 @@ pub struct Config {
     /// File holding the bearer token allowed to PUT /snapshot; without it the endpoint is off.
     #[arg(long, env = "TETHER_GUARD_SNAPSHOT_PUSH_TOKEN_FILE")]
     pub snapshot_push_token_file: Option<PathBuf>,
-    /// How long an authorization decision is cached, in seconds (0: no cache).
-    #[arg(long, env = "TETHER_GUARD_CACHE_TTL_SECONDS", default_value_t = 60)]
-    pub cache_ttl_seconds: u64,
+    /// How long an authorization decision is cached (0: no cache; a bare number is seconds).
+    #[arg(
+        long,
+        alias = "cache-ttl-seconds",
+        env = "TETHER_GUARD_CACHE_TTL_SECONDS",
+        default_value = "60s",
+        value_parser = parse_duration
+    )]
+    pub cache_ttl: Duration,
     /// Audit log file (one JSON line per decision); `-` for standard output.
     #[arg(long, env = "TETHER_GUARD_AUDIT_LOG")]
     pub audit_log: Option<PathBuf>,
@@ -212,7 +219,7 @@ impl Config {
                 .map(|a| a.parse::<Algorithm>())
                 .collect::<Result<_, _>>()
                 .map_err(|e| invalid(&e))?;
-            token.leeway = Duration::from_secs(self.leeway_seconds);
+            token.leeway = self.leeway;
             token.v2_authority = self.authority.clone();
             token.v1_authority = self.v1_authority.clone();
             token.max_token_bytes = self.max_token_bytes;
@@ -252,7 +259,7 @@ impl Config {
             authenticator,
             Arc::new(store),
             GuardOptions {
-                cache_ttl: Duration::from_secs(self.cache_ttl_seconds),
+                cache_ttl: self.cache_ttl,
                 audit,
                 groups_prefix: self.groups_prefix.clone(),
                 protection: tether_auth::rbac::Protection {

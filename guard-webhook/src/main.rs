@@ -1,39 +1,45 @@
-//! `tether-guard`: parse flags, validate them (exit 64 when unusable), then serve until SIGINT/SIGTERM.
+//! `tether-guard`: parses flags straight into [`tether_guard::config::Config`], validates them (exit 64 when
+//! unusable, flags included), then serves until SIGINT/SIGTERM.
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use tether_guard::config::Config;
+use tether_guard::config::{Config, Loaded};
+use tether_runtime::process::{LogFormat, init_tracing, shutdown_signal};
 
 /// Exit status for unusable configuration (EX_USAGE).
-const EXIT_CONFIG: u8 = 64;
+const EXIT_USAGE: u8 = 64;
+
+#[derive(Parser)]
+#[command(
+    name = "tether-guard",
+    version,
+    about = "Kubernetes authentication and authorization webhooks for Entra-style tokens and Azure-RBAC-style role assignments"
+)]
+struct Cli {
+    #[command(flatten)]
+    config: Config,
+    /// Log format: text or json.
+    #[arg(long, env = "TETHER_GUARD_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
+}
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    tether_runtime::tls::install_crypto_provider();
-    let config = match Config::try_parse() {
-        Ok(c) => c,
-        Err(e) if e.use_stderr() => {
-            let _ = e.print();
-            return ExitCode::from(EXIT_CONFIG);
-        }
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();
-            return ExitCode::SUCCESS;
+            return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { 0 });
         }
     };
-    let loaded = match config.load() {
-        Ok(l) => l,
+    init_tracing(cli.log_format);
+    tether_runtime::tls::install_crypto_provider();
+    let loaded = match cli.config.load() {
+        Ok(loaded) => loaded,
         Err(e) => {
             eprintln!("tether-guard: invalid configuration: {e}");
-            return ExitCode::from(EXIT_CONFIG);
+            return ExitCode::from(EXIT_USAGE);
         }
     };
     match run(loaded).await {
@@ -45,7 +51,7 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(loaded: tether_guard::config::Loaded) -> anyhow::Result<()> {
+async fn run(loaded: Loaded) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(loaded.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", loaded.listen))?;
@@ -64,25 +70,4 @@ async fn run(loaded: tether_guard::config::Loaded) -> anyhow::Result<()> {
     }
     tether_guard::run(loaded.guard, loaded.server, listener, shutdown_signal()).await?;
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
-    }
 }

@@ -4,8 +4,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, FromArgMatches, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
+use tether_runtime::parse_duration;
 
 use crate::client::Protocol;
 use crate::peers::RatholeTransport;
@@ -134,16 +135,9 @@ pub struct RequestsArgs {
 }
 
 impl Default for RequestsArgs {
+    /// The command line's defaults.
     fn default() -> Self {
-        Self {
-            concurrency: 32,
-            duration: Duration::from_secs(10),
-            warmup: Duration::from_secs(2),
-            protocol: Protocol::H1,
-            mix: default_mix(),
-            list_items: 50,
-            paths: vec![PathKind::Direct, PathKind::Tether, PathKind::Rathole],
-        }
+        defaults()
     }
 }
 
@@ -175,22 +169,16 @@ pub struct BulkArgs {
         default_value = "direct,tether,rathole"
     )]
     pub paths: Vec<PathKind>,
-    /// Seconds of iperf3 per stream count (0 skips it).
-    #[arg(long, default_value_t = 3)]
-    pub iperf_seconds: u64,
+    /// Time of iperf3 per stream count, whole seconds (0 skips it; a bare number is seconds).
+    #[arg(long, alias = "iperf-seconds", default_value = "3s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub iperf_time: Duration,
 }
 
 impl Default for BulkArgs {
+    /// The command line's defaults.
     fn default() -> Self {
-        Self {
-            size: 64 << 20,
-            streams: vec![1, 8],
-            duration: Duration::from_secs(5),
-            warmup: Duration::from_secs(1),
-            protocol: Protocol::H1,
-            paths: vec![PathKind::Direct, PathKind::Tether, PathKind::Rathole],
-            iperf_seconds: 3,
-        }
+        defaults()
     }
 }
 
@@ -221,15 +209,9 @@ pub struct TunnelsArgs {
 }
 
 impl Default for TunnelsArgs {
+    /// The command line's defaults.
     fn default() -> Self {
-        Self {
-            count: 1000,
-            idle: Duration::from_secs(30),
-            heartbeat_interval: Duration::from_secs(5),
-            connect_concurrency: 64,
-            onboard_concurrency: 8,
-            no_real_agent: false,
-        }
+        defaults()
     }
 }
 
@@ -269,15 +251,9 @@ pub struct ReconnectArgs {
 }
 
 impl Default for ReconnectArgs {
+    /// The command line's defaults.
     fn default() -> Self {
-        Self {
-            count: 1000,
-            signal: StopSignal::Term,
-            deadline: Duration::from_secs(120),
-            bin: Duration::from_secs(1),
-            connect_concurrency: 64,
-            onboard_concurrency: 8,
-        }
+        defaults()
     }
 }
 
@@ -304,14 +280,9 @@ pub struct HolArgs {
 }
 
 impl Default for HolArgs {
+    /// The command line's defaults.
     fn default() -> Self {
-        Self {
-            concurrency: 8,
-            duration: Duration::from_secs(8),
-            warmup: Duration::from_secs(1),
-            stall_size: 1 << 30,
-            protocol: Protocol::H1,
-        }
+        defaults()
     }
 }
 
@@ -332,44 +303,23 @@ pub struct UpstreamArgs {
     pub list_items: usize,
 }
 
+/// A scenario's options as the command line gives them when no flag is set: each default is written once, in
+/// its `#[arg]` attribute.
+fn defaults<T: Args + FromArgMatches>() -> T {
+    let command = T::augment_args(clap::Command::new("tether-loadtest"));
+    let parsed = command
+        .try_get_matches_from(["tether-loadtest"])
+        .and_then(|matches| T::from_arg_matches(&matches));
+    #[allow(clippy::expect_used)]
+    parsed.expect("every scenario option has a default")
+}
+
 /// A request mix: (kind, weight) pairs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Mix(pub Vec<(String, u32)>);
 
-fn default_mix() -> Mix {
-    Mix(vec![
-        ("get".into(), 80),
-        ("list".into(), 15),
-        ("watch".into(), 5),
-    ])
-}
-
 fn ser_duration<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&format!("{d:?}"))
-}
-
-/// Parses `10s`, `500ms`, `2m`, `1.5s` (a bare number is seconds).
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?} (expected e.g. 10s, 500ms, 2m)"))?;
-    let secs = match unit.trim() {
-        "ms" => n / 1000.0,
-        "" | "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => {
-            return Err(format!(
-                "invalid duration unit in {s:?} (use ms, s, m or h)"
-            ));
-        }
-    };
-    Duration::try_from_secs_f64(secs).map_err(|e| format!("invalid duration {s:?}: {e}"))
 }
 
 /// Parses a byte size: `4096`, `64KiB`, `64MiB`, `1GiB`, `10MB` (powers of 1000), `512k` (= KiB).
@@ -431,14 +381,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn durations_parse() {
-        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
-        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
-        assert!(parse_duration("fast").is_err());
-        assert!(parse_duration("1d").is_err());
+    fn defaults_are_the_command_lines() {
+        let d = BulkArgs::default();
+        assert_eq!((d.size, d.streams), (64 << 20, vec![1, 8]));
+        assert_eq!(d.iperf_time, Duration::from_secs(3));
+        assert_eq!(HolArgs::default().stall_size, 1 << 30);
+        assert_eq!(ReconnectArgs::default().deadline, Duration::from_secs(120));
+        assert_eq!(TunnelsArgs::default().idle, Duration::from_secs(30));
     }
 
     #[test]
@@ -454,13 +403,25 @@ mod tests {
     }
 
     #[test]
-    fn mixes_parse() {
-        assert_eq!(parse_mix("get=80,list=15,watch=5"), Ok(default_mix()));
+    fn mixes_parse() -> Result<(), String> {
+        assert_eq!(
+            parse_mix("get=80,list=15,watch=5"),
+            Ok(Mix(vec![
+                ("get".into(), 80),
+                ("list".into(), 15),
+                ("watch".into(), 5)
+            ]))
+        );
+        assert_eq!(
+            RequestsArgs::default().mix,
+            parse_mix("get=80,list=15,watch=5")?
+        );
         assert_eq!(parse_mix("get=1"), Ok(Mix(vec![("get".into(), 1)])));
         assert!(parse_mix("get").is_err());
         assert!(parse_mix("delete=1").is_err());
         assert!(parse_mix("get=0").is_err());
         assert!(parse_mix("get=x").is_err());
+        Ok(())
     }
 
     #[test]

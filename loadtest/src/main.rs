@@ -1,24 +1,27 @@
-//! `tether-loadtest`: parses the command line, sets up logging, and runs the chosen scenario.
+//! `tether-loadtest`: parses the command line, sets up logging, and runs the chosen scenario. Exit status 64 for
+//! bad flags, 1 when a scenario fails.
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use tether_loadtest::cli::Cli;
+use tether_runtime::process::{LogFormat, init_tracing_with};
+
+/// Exit status for a command line that cannot be used (EX_USAGE).
+const EXIT_USAGE: u8 = 64;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { 0 });
+        }
+    };
+    // Progress bars own the terminal: only warnings by default.
+    init_tracing_with(LogFormat::Text, "warn");
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("tether-loadtest: cannot start the async runtime: {e}");
             return ExitCode::FAILURE;

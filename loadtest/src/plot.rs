@@ -5,7 +5,6 @@ use std::path::Path;
 use anyhow::anyhow;
 use plotters::prelude::*;
 
-use crate::report::RunResult;
 use crate::stats::LatencySummary;
 
 const SIZE: (u32, u32) = (960, 540);
@@ -81,26 +80,39 @@ pub fn latency_svg(
     Ok(())
 }
 
+/// One run's timeline: a rate per bucket of `interval_ms`.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeline<'a> {
+    /// The run's name in the legend.
+    pub label: &'a str,
+    /// Width of each bucket.
+    pub interval_ms: u64,
+    /// The rate in each bucket.
+    pub points: &'a [f64],
+    /// What the rate counts (the axis names the first run's).
+    pub unit: &'a str,
+}
+
 /// Plots each run's timeline (rate per bucket) against time in seconds. Runs with different units share the
 /// plot; the axis names the first unit.
-pub fn timeline_svg(path: &Path, title: &str, runs: &[&RunResult]) -> anyhow::Result<()> {
+pub fn timeline_svg(path: &Path, title: &str, runs: &[Timeline<'_>]) -> anyhow::Result<()> {
     let series: Vec<(&str, Vec<(f64, f64)>)> = runs
         .iter()
         .map(|r| {
-            let dt = r.timeline_interval_ms.max(1) as f64 / 1000.0;
+            let dt = r.interval_ms.max(1) as f64 / 1000.0;
             let pts = r
-                .timeline
+                .points
                 .iter()
                 .enumerate()
                 .map(|(i, v)| ((i as f64 + 0.5) * dt, *v))
                 .collect();
-            (r.label.as_str(), pts)
+            (r.label, pts)
         })
         .collect();
     let all = series.iter().flat_map(|(_, p)| p.iter());
     let xmax = all.clone().map(|p| p.0).fold(0.1, f64::max) * 1.02;
     let ymax = all.map(|p| p.1).fold(1.0, f64::max) * 1.1;
-    let unit = runs.first().map_or("", |r| r.timeline_unit.as_str());
+    let unit = runs.first().map_or("", |r| r.unit);
     let root = SVGBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
     let mut chart = ChartBuilder::on(&root)

@@ -380,10 +380,16 @@ impl Report {
             )?;
             written.push(svg);
         }
-        let timelines: Vec<&RunResult> = self
+        let timelines: Vec<plot::Timeline<'_>> = self
             .runs
             .iter()
             .filter(|r| !r.timeline.is_empty())
+            .map(|r| plot::Timeline {
+                label: &r.label,
+                interval_ms: r.timeline_interval_ms,
+                points: &r.timeline,
+                unit: &r.timeline_unit,
+            })
             .collect();
         if !timelines.is_empty() {
             let svg = dir.join(format!("{}-throughput.svg", self.scenario));

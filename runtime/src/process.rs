@@ -26,8 +26,14 @@ impl FromStr for LogFormat {
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`).
 pub fn init_tracing(format: LogFormat) {
+    init_tracing_with(format, "info");
+}
+
+/// Logs to stderr, filtered by `RUST_LOG`, else by `default_filter` (a tool that draws progress bars keeps
+/// to `warn`).
+pub fn init_tracing_with(format: LogFormat, default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

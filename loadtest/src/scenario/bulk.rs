@@ -72,10 +72,10 @@ pub async fn run(env: &Env, args: &BulkArgs) -> anyhow::Result<Report> {
             }
             report.runs.push(result);
         }
-        if args.iperf_seconds > 0 {
+        if args.iperf_time.as_secs() > 0 {
             match env.iperf3_binary() {
                 Some(bin) => {
-                    match peers::iperf3(&bin, &env.work, args.iperf_seconds, streams).await {
+                    match peers::iperf3(&bin, &env.work, args.iperf_time.as_secs(), streams).await {
                         Ok(mbps) => {
                             env.say(&format!("iperf3 ×{streams}: {mbps:.0} MB/s"));
                             report.figures.push(Figure::new(

@@ -398,9 +398,7 @@ pub async fn serve_upstream(args: &crate::cli::UpstreamArgs) -> anyhow::Result<(
         tls,
         args.list_items,
         |addr| println!("listening on {addr}"),
-        async {
-            let _ = tokio::signal::ctrl_c().await;
-        },
+        tether_runtime::process::shutdown_signal(),
     )
     .await
 }

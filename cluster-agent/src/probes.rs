@@ -1,0 +1,157 @@
+//! Kubernetes probes on `--health-listen` (plain HTTP; off unless set — the Helm chart sets `0.0.0.0:8080`):
+//!
+//! - `GET /readyz`: 200 only while a tunnel to the relay is up, else 503;
+//! - `GET /livez`: 200 while the agent runs: a task of the agent's own answers within [`LIVENESS_TIMEOUT`] (a
+//!   runtime too starved to schedule it, or an agent that stopped, is 503).
+//!
+//! Nothing else is served on that port: other paths are 404, other methods 405, request bodies are not read,
+//! a client that does not send its request head within [`HEADER_READ_TIMEOUT`] is disconnected, and at most
+//! [`MAX_CONNECTIONS`] probe connections are served at once (more wait in the listen backlog). The answers name
+//! no cluster, relay or identity.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+/// How long `/livez` waits for the agent's task to answer.
+pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a probe client may take to send its request head.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Probe connections served at once.
+pub const MAX_CONNECTIONS: usize = 16;
+
+/// What the probes report, shared by the agent loop (which sets it) and the probe server (which reads it).
+#[derive(Clone)]
+pub(crate) struct Probes {
+    tunnel_up: Arc<AtomicBool>,
+    live: mpsc::Sender<oneshot::Sender<()>>,
+}
+
+/// A task that stops when dropped.
+pub(crate) struct Task(JoinHandle<()>);
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Probes {
+    /// The probes and the task that answers `/livez`; the answers stop (503) once the task is dropped.
+    pub(crate) fn start() -> (Self, Task) {
+        let (live, mut asks) = mpsc::channel::<oneshot::Sender<()>>(MAX_CONNECTIONS);
+        let responder = tokio::spawn(async move {
+            while let Some(ask) = asks.recv().await {
+                let _ = ask.send(());
+            }
+        });
+        let probes = Self {
+            tunnel_up: Arc::new(AtomicBool::new(false)),
+            live,
+        };
+        (probes, Task(responder))
+    }
+
+    /// Records whether a tunnel is up (`/readyz`).
+    pub(crate) fn set_tunnel_up(&self, up: bool) {
+        self.tunnel_up.store(up, Ordering::Relaxed);
+    }
+
+    async fn alive(&self) -> bool {
+        let (ask, answer) = oneshot::channel();
+        let asked = async {
+            self.live.send(ask).await.ok()?;
+            answer.await.ok()
+        };
+        matches!(
+            tokio::time::timeout(LIVENESS_TIMEOUT, asked).await,
+            Ok(Some(()))
+        )
+    }
+
+    async fn answer(&self, req: &Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+        let check = match req.uri().path() {
+            "/readyz" => Check::Ready,
+            "/livez" => Check::Live,
+            _ => return plain(StatusCode::NOT_FOUND, "not found\n"),
+        };
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            return plain(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
+        }
+        let ok = match check {
+            Check::Ready => self.tunnel_up.load(Ordering::Relaxed),
+            Check::Live => self.alive().await,
+        };
+        match (check, ok) {
+            (Check::Ready, true) => plain(StatusCode::OK, "ok: tunnel up\n"),
+            (Check::Ready, false) => plain(StatusCode::SERVICE_UNAVAILABLE, "no tunnel\n"),
+            (Check::Live, true) => plain(StatusCode::OK, "ok\n"),
+            (Check::Live, false) => plain(StatusCode::SERVICE_UNAVAILABLE, "not answering\n"),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Check {
+    Ready,
+    Live,
+}
+
+fn plain(status: StatusCode, text: &'static str) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from_static(text.as_bytes())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+/// Binds `addr` for the probes.
+pub(crate) async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
+
+/// Serves the probes on `listener` until the returned task is dropped.
+pub(crate) fn serve(listener: TcpListener, probes: Probes) -> Task {
+    Task(tokio::spawn(async move {
+        let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        loop {
+            let Ok(permit) = slots.clone().acquire_owned().await else {
+                return;
+            };
+            let tcp = match listener.accept().await {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    tracing::debug!(error = %e, "probe accept failed");
+                    continue;
+                }
+            };
+            let probes = probes.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let probes = probes.clone();
+                    async move { Ok::<_, Infallible>(probes.answer(&req).await) }
+                });
+                let served = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEADER_READ_TIMEOUT)
+                    .max_buf_size(8 * 1024)
+                    .serve_connection(TokioIo::new(tcp), service);
+                // A probe client that keeps its connection open still gets its slot back eventually.
+                let _ = tokio::time::timeout(Duration::from_secs(60), served).await;
+                drop(permit);
+            });
+        }
+    }))
+}
