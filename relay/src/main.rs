@@ -160,7 +160,7 @@ async fn run(args: Args, config: tether_relay::Config) -> Result<(), Failure> {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args: Args = tether_runtime::cli::parse();
     init_tracing(args.log_format);
     tether_runtime::tls::install_crypto_provider();
     let config = args.config();
