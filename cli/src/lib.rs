@@ -13,6 +13,7 @@ pub mod config;
 pub mod kubeconfig;
 mod output;
 pub mod up;
+mod usage;
 
 use std::error::Error as _;
 

@@ -1,9 +1,9 @@
 //! The admin REST API for clusters: `/api/v1/clusters[/NAME[/export]]`, `/api/v1/clusters/import`, bearer
-//! admin token. Role definitions, assignments and the directory are in [`crate::rbac`].
+//! admin token. Role definitions, assignments and the directory are in [`super::rbac`].
 
 use std::collections::BTreeMap;
 
-use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -11,11 +11,14 @@ use tether_tunnel::code;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
+use super::rbac::{assignment_json, deny_json, role_json};
+use super::{body_limit, require_admin};
+use crate::api_error::ApiError;
 use crate::auth;
 use crate::body::Body;
-use crate::error::ApiError;
-use crate::rbac;
-use crate::server::{self, Shared};
+use crate::rbac::{ImportRequest, Imported, NewDeny};
+use crate::respond;
+use crate::state::Shared;
 use crate::status::{self, ConnectivityStatus};
 use crate::store::{ClusterRecord, NewCluster, TokenHash};
 
@@ -46,19 +49,6 @@ struct ClusterExport {
     deny_assignments: Vec<Value>,
     #[serde(default)]
     role_definitions: Vec<Value>,
-}
-
-/// Refuses a request without the admin token.
-pub(crate) fn require_admin(shared: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
-    let authorized = auth::bearer(headers)
-        .is_some_and(|t| TokenHash::of(t.expose()).ct_eq(&shared.admin_token_hash));
-    if authorized {
-        Ok(())
-    } else {
-        Err(ApiError::unauthorized(
-            "a valid admin token is required (Authorization: Bearer ADMIN_TOKEN)",
-        ))
-    }
 }
 
 /// Handles `/api/v1/clusters` (`name` = `None`) and `/api/v1/clusters/{name}` (`NAME`, `NAME/export`, `import`).
@@ -112,7 +102,7 @@ async fn register(
     shared: &Shared,
     name: String,
     tags: BTreeMap<String, String>,
-    imported: Option<rbac::Imported>,
+    imported: Option<Imported>,
 ) -> Result<Response<Body>, ApiError> {
     check_registration(&name, &tags)?;
     let token = auth::generate_token();
@@ -142,16 +132,16 @@ async fn register(
             Value::String(token.expose().to_owned()),
         );
     }
-    Ok(server::json(StatusCode::CREATED, &value))
+    Ok(respond::json(StatusCode::CREATED, &value))
 }
 
 async fn create(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
-    let body: CreateCluster = server::read_json(shared, req.into_body()).await?;
+    let body: CreateCluster = respond::read_json(req.into_body(), body_limit(shared)).await?;
     register(shared, body.name, body.tags, None).await
 }
 
 async fn import(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
-    let doc: ClusterExport = server::read_json(shared, req.into_body()).await?;
+    let doc: ClusterExport = respond::read_json(req.into_body(), body_limit(shared)).await?;
     if doc.api_version != EXPORT_API_VERSION || doc.kind != EXPORT_KIND {
         return Err(ApiError::invalid(format!(
             "expected apiVersion {EXPORT_API_VERSION:?} and kind {EXPORT_KIND:?}, got {:?} and {:?}",
@@ -159,14 +149,8 @@ async fn import(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body
         )));
     }
     check_registration(&doc.name, &doc.tags)?;
-    let imported = rbac::prepare_import(
-        shared.store.as_ref(),
-        &doc.name,
-        &doc.role_definitions,
-        &doc.role_assignments,
-        &doc.deny_assignments,
-    )
-    .await?;
+    let request = import_request(&doc)?;
+    let imported = shared.rbac().prepare_import(&doc.name, request).await?;
     register(shared, doc.name, doc.tags, Some(imported)).await
 }
 
@@ -176,8 +160,15 @@ async fn export(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
         .cluster(name)
         .await?
         .ok_or_else(|| ApiError::cluster_not_found(name))?;
-    let (assignments, denies, roles) = rbac::export(shared, name).await?;
-    Ok(server::json(
+    let state = shared.rbac().export(name).await?;
+    let assignments: Vec<Value> = state
+        .assignments
+        .iter()
+        .map(|a| assignment_json(a, &state.roles))
+        .collect();
+    let denies: Vec<Value> = state.deny_assignments.iter().map(deny_json).collect();
+    let roles: Vec<Value> = state.roles.iter().map(|r| role_json(r, false)).collect();
+    Ok(respond::json(
         StatusCode::OK,
         &json!({
             "apiVersion": EXPORT_API_VERSION,
@@ -189,6 +180,61 @@ async fn export(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
             "roleDefinitions": roles,
         }),
     ))
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ImportedAssignment {
+    role_id: String,
+    principal_id: String,
+    #[serde(default)]
+    namespace: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ImportedDeny {
+    #[serde(default)]
+    name: String,
+    data_actions: Vec<String>,
+    #[serde(default)]
+    not_data_actions: Vec<String>,
+    principals: Vec<String>,
+    #[serde(default)]
+    exclude_principals: Vec<String>,
+    #[serde(default)]
+    namespace: Option<String>,
+}
+
+/// The guard part of an export document, read for the RBAC service.
+fn import_request(doc: &ClusterExport) -> Result<ImportRequest, ApiError> {
+    let mut assignments = Vec::new();
+    for value in &doc.role_assignments {
+        let a: ImportedAssignment = serde_json::from_value(value.clone()).map_err(|e| {
+            ApiError::invalid(format!("invalid role assignment in the export: {e}"))
+        })?;
+        assignments.push((a.role_id, a.principal_id, a.namespace));
+    }
+    let mut denies = Vec::new();
+    for value in &doc.deny_assignments {
+        let d: ImportedDeny = serde_json::from_value(value.clone()).map_err(|e| {
+            ApiError::invalid(format!("invalid deny assignment in the export: {e}"))
+        })?;
+        denies.push(NewDeny {
+            name: d.name,
+            data_actions: d.data_actions,
+            not_data_actions: d.not_data_actions,
+            principals: d.principals,
+            exclude_principals: d.exclude_principals,
+            cluster: doc.name.clone(),
+            namespace: d.namespace,
+        });
+    }
+    Ok(ImportRequest {
+        roles: doc.role_definitions.iter().map(Value::to_string).collect(),
+        assignments,
+        denies,
+    })
 }
 
 /// `?status=S` (repeatable: any of them) and `?tag=KEY=VALUE` or `?tag=KEY` (repeatable: all of them).
@@ -259,12 +305,12 @@ async fn list(shared: &Shared, query: &str) -> Result<Response<Body>, ApiError> 
             items.push(cluster_json(shared, record, now));
         }
     }
-    Ok(server::json(StatusCode::OK, &json!({ "items": items })))
+    Ok(respond::json(StatusCode::OK, &json!({ "items": items })))
 }
 
 async fn show(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError> {
     match shared.store.cluster(name).await? {
-        Some(record) => Ok(server::json(
+        Some(record) => Ok(respond::json(
             StatusCode::OK,
             &cluster_json(shared, record, OffsetDateTime::now_utc()),
         )),
@@ -286,9 +332,7 @@ async fn delete(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
             .close(code::REFUSED, "cluster deleted at the relay");
     }
     tracing::info!(cluster = %name, "cluster deleted");
-    let mut resp = Response::new(crate::body::empty());
-    *resp.status_mut() = StatusCode::NO_CONTENT;
-    Ok(resp)
+    Ok(respond::no_content())
 }
 
 /// RFC 3339 in whole seconds (what the store keeps), so a value does not change when it is written.

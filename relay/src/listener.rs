@@ -1,104 +1,25 @@
-//! The HTTPS listener: TLS, HTTP/1.1 and HTTP/2, limits, graceful shutdown, and routing.
+//! The HTTPS listener: TLS, HTTP/1.1 and HTTP/2, limits and graceful shutdown; requests go to [`crate::router`].
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
+use http::Request;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use rustls::pki_types::CertificateDer;
-use serde::de::DeserializeOwned;
 use tether_tunnel::code;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::activity::ActivityLog;
-use crate::body::{self, Body};
-use crate::config::Config;
-use crate::error::{ApiError, RelayError};
-use crate::identity::AgentCa;
-use crate::rbac::GuardHub;
-use crate::registry::Registry;
-use crate::store::{Store, TokenHash};
-use crate::{agent, api, rbac, user};
-
-/// State shared by every connection and tunnel task.
-pub(crate) struct Shared {
-    pub(crate) config: Config,
-    pub(crate) store: Arc<dyn Store>,
-    pub(crate) registry: Registry,
-    pub(crate) admin_token_hash: TokenHash,
-    pub(crate) agent_ca: AgentCa,
-    /// Heartbeats and health waiting for the next batched write.
-    pub(crate) activity: ActivityLog,
-    /// Tunnel tasks, awaited on shutdown.
-    pub(crate) tasks: TaskTracker,
-    /// Wakes control channels when their cluster's guard snapshot changed.
-    pub(crate) guard: GuardHub,
-    /// Validates Entra-style tokens before they enter a tunnel, when configured.
-    pub(crate) entra: Option<Arc<tether_auth::Authenticator>>,
-    shutting_down: AtomicBool,
-    /// Set on shutdown: the window, in milliseconds, within which agents are told to come back (0: none).
-    reconnect_window_ms: AtomicU64,
-}
-
-impl Shared {
-    pub(crate) fn new(
-        config: Config,
-        store: Arc<dyn Store>,
-        admin_token_hash: TokenHash,
-        agent_ca: AgentCa,
-        entra: Option<Arc<tether_auth::Authenticator>>,
-    ) -> Self {
-        Self {
-            config,
-            store,
-            registry: Registry::default(),
-            admin_token_hash,
-            agent_ca,
-            activity: ActivityLog::default(),
-            tasks: TaskTracker::new(),
-            guard: GuardHub::default(),
-            entra,
-            shutting_down: AtomicBool::new(false),
-            reconnect_window_ms: AtomicU64::new(0),
-        }
-    }
-
-    /// The reconnect window set on shutdown, if any.
-    pub(crate) fn reconnect_window(&self) -> Option<Duration> {
-        match self.reconnect_window_ms.load(Ordering::Acquire) {
-            0 => None,
-            ms => Some(Duration::from_millis(ms)),
-        }
-    }
-
-    pub(crate) fn is_shutting_down(&self) -> bool {
-        self.shutting_down.load(Ordering::Acquire)
-    }
-}
-
-/// What a request handler knows about its connection.
-#[derive(Clone)]
-pub(crate) struct ConnCtx {
-    /// Held for as long as anything uses the connection, upgraded byte pipes and tunnels included, so
-    /// `max_connections` counts them too.
-    pub(crate) permit: Arc<OwnedSemaphorePermit>,
-    pub(crate) peer: SocketAddr,
-    /// The client certificate the peer presented, already verified against the agent CA (expiry aside). Only
-    /// the tunnel endpoint looks at it.
-    pub(crate) client_cert: Option<Arc<CertificateDer<'static>>>,
-}
+use crate::error::RelayError;
+use crate::router;
+use crate::state::{ConnCtx, Shared};
 
 /// The window within which `tunnels` agents should come back to a relay accepting `rate` tunnels per second:
 /// `tunnels / rate` seconds, at least one second.
@@ -164,14 +85,10 @@ pub(crate) async fn serve(
     drop(listener);
     tracing::info!("relay shutting down");
 
-    shared.shutting_down.store(true, Ordering::Release);
     let tunnels = shared.registry.all();
     let window = reconnect_window(tunnels.len(), limits.reconnect_rate);
     tracing::info!(tunnels = tunnels.len(), reconnect_within = ?window, "telling agents to reconnect");
-    shared.reconnect_window_ms.store(
-        u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
-        Ordering::Release,
-    );
+    shared.start_shutdown(window);
     for tunnel in tunnels {
         tunnel.go_away(code::SHUTDOWN, "relay shutting down");
     }
@@ -290,7 +207,7 @@ async fn serve_connection(
     let svc = service_fn(move |req: Request<Incoming>| {
         let shared = svc_shared.clone();
         let ctx = svc_ctx.clone();
-        async move { Ok::<_, Infallible>(route(shared, ctx, req).await) }
+        async move { Ok::<_, Infallible>(router::route(shared, ctx, req).await) }
     });
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), svc);
     tokio::pin!(conn);
@@ -308,98 +225,6 @@ async fn serve_connection(
     if let Err(e) = result {
         tracing::debug!(peer = %ctx.peer, error = %e, "connection ended with an error");
     }
-}
-
-/// Dispatches a request; every error becomes a `Status` response here.
-async fn route(shared: Arc<Shared>, ctx: ConnCtx, req: Request<Incoming>) -> Response<Body> {
-    let path = req.uri().path().to_owned();
-    let result = if path == "/healthz" {
-        Ok(text(StatusCode::OK, "ok"))
-    } else if let Some(rest) = path.strip_prefix("/clusters/") {
-        user::handle(&shared, ctx, req, rest).await
-    } else if path == "/agent/v1/onboard" {
-        if req.method() == Method::POST {
-            agent::onboard(&shared, req).await
-        } else {
-            Err(ApiError::method_not_allowed())
-        }
-    } else if path == "/agent/v1/tunnel" {
-        if req.method() == Method::GET {
-            agent::tunnel(&shared, ctx, req).await
-        } else {
-            Err(ApiError::method_not_allowed())
-        }
-    } else if path == "/api/v1/clusters" {
-        api::handle(&shared, req, None).await
-    } else if let Some(name) = path.strip_prefix("/api/v1/clusters/") {
-        let name = name.to_owned();
-        api::handle(&shared, req, Some(&name)).await
-    } else if let Some(rest) = collection(&path, "/api/v1/roledefinitions") {
-        rbac::role_definitions(&shared, req, rest.as_deref()).await
-    } else if let Some(rest) = collection(&path, "/api/v1/roleassignments") {
-        rbac::role_assignments(&shared, req, rest.as_deref()).await
-    } else if let Some(rest) = collection(&path, "/api/v1/denyassignments") {
-        rbac::deny_assignments(&shared, req, rest.as_deref()).await
-    } else if let Some(oid) = path.strip_prefix("/api/v1/directory/users/") {
-        let oid = oid.to_owned();
-        rbac::directory(&shared, req, &oid).await
-    } else {
-        Err(ApiError::not_found(format!("the relay serves no {path}")))
-    };
-    result.unwrap_or_else(ApiError::into_response)
-}
-
-/// `Some(None)` for `path == base`, `Some(Some(rest))` for `base/rest`, `None` otherwise.
-fn collection(path: &str, base: &str) -> Option<Option<String>> {
-    let rest = path.strip_prefix(base)?;
-    if rest.is_empty() {
-        Some(None)
-    } else {
-        rest.strip_prefix('/').map(|r| Some(r.to_owned()))
-    }
-}
-
-pub(crate) fn text(status: StatusCode, s: &'static str) -> Response<Body> {
-    let mut resp = Response::new(body::full(s));
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    resp
-}
-
-pub(crate) fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
-    let mut resp = Response::new(body::full(value.to_string()));
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/json"),
-    );
-    resp
-}
-
-/// Reads a body of at most `max_control_body_bytes`.
-pub(crate) async fn read_body(shared: &Shared, body: Incoming) -> Result<bytes::Bytes, ApiError> {
-    let limit = shared.config.limits.max_control_body_bytes;
-    let bytes = Limited::new(body, limit).collect().await.map_err(|e| {
-        if e.is::<http_body_util::LengthLimitError>() {
-            ApiError::too_large(limit)
-        } else {
-            ApiError::bad_request(format!("cannot read the request body: {e}"))
-        }
-    })?;
-    Ok(bytes.to_bytes())
-}
-
-/// Reads a JSON body of at most `max_control_body_bytes`.
-pub(crate) async fn read_json<T: DeserializeOwned>(
-    shared: &Shared,
-    body: Incoming,
-) -> Result<T, ApiError> {
-    let bytes = read_body(shared, body).await?;
-    serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }
 
 #[cfg(test)]
