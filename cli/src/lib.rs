@@ -194,7 +194,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                 .await?;
             match args.output {
                 OutputFormat::Json => output::json(&mut out, &created),
-                OutputFormat::Table => output::assigned(&mut out, &created),
+                OutputFormat::Table => output::assigned(&mut out, &output::value(&created)),
             }
         }
         RoleCommand::List(args) => {
@@ -203,7 +203,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                 OutputFormat::Json => {
                     output::json(&mut out, &serde_json::json!({ "items": items }))
                 }
-                OutputFormat::Table => output::assignment_table(&mut out, &items),
+                OutputFormat::Table => output::assignment_table(&mut out, &output::values(&items)),
             }
         }
         RoleCommand::Delete(args) => {
@@ -217,11 +217,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                 OutputFormat::Json => output::json(&mut out, &created),
                 OutputFormat::Table => output::line(
                     &mut out,
-                    &format!(
-                        "role \"{}\" defined (id {})",
-                        created["name"].as_str().unwrap_or_default(),
-                        created["id"].as_str().unwrap_or_default()
-                    ),
+                    &format!("role \"{}\" defined (id {})", created.name, created.id),
                 ),
             }
         }
@@ -231,7 +227,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                 OutputFormat::Json => {
                     output::json(&mut out, &serde_json::json!({ "items": items }))
                 }
-                OutputFormat::Table => output::role_table(&mut out, &items),
+                OutputFormat::Table => output::role_table(&mut out, &output::values(&items)),
             }
         }
         RoleCommand::DeleteDefinition(args) => {
@@ -240,17 +236,15 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
         }
         RoleCommand::Deny { command } => match command {
             DenyCommand::Add(args) => {
-                let mut body = serde_json::json!({
-                    "name": args.name,
-                    "dataActions": args.actions,
-                    "notDataActions": args.not_actions,
-                    "principals": args.principals,
-                    "excludePrincipals": args.exclude,
-                    "cluster": args.cluster,
-                });
-                if let Some(ns) = &args.namespace {
-                    body["namespace"] = serde_json::Value::String(ns.clone());
-                }
+                let body = tether_api::admin::NewDenyAssignment {
+                    cluster: args.cluster.clone(),
+                    data_actions: args.actions.clone(),
+                    exclude_principals: args.exclude.clone(),
+                    name: args.name.clone(),
+                    namespace: args.namespace.clone(),
+                    not_data_actions: args.not_actions.clone(),
+                    principals: args.principals.clone(),
+                };
                 let created = client.create_deny_assignment(&body).await?;
                 match args.output {
                     OutputFormat::Json => output::json(&mut out, &created),
@@ -258,8 +252,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                         &mut out,
                         &format!(
                             "deny assignment \"{}\" created (id {})",
-                            args.name,
-                            created["id"].as_str().unwrap_or_default()
+                            args.name, created.id
                         ),
                     ),
                 }
@@ -270,7 +263,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                     OutputFormat::Json => {
                         output::json(&mut out, &serde_json::json!({ "items": items }))
                     }
-                    OutputFormat::Table => output::deny_table(&mut out, &items),
+                    OutputFormat::Table => output::deny_table(&mut out, &output::values(&items)),
                 }
             }
             DenyCommand::Delete(args) => {
@@ -360,7 +353,7 @@ async fn cluster_command(
                 }
                 OutputFormat::Table => output::cluster_table(
                     &mut out,
-                    &clusters,
+                    &output::values(&clusters),
                     filtered,
                     time::OffsetDateTime::now_utc(),
                 ),
@@ -371,6 +364,7 @@ async fn cluster_command(
             match args.output {
                 OutputFormat::Json => output::json(&mut out, &cluster),
                 OutputFormat::Table => {
+                    let cluster = output::value(&cluster);
                     output::cluster_details(&mut out, &cluster, time::OffsetDateTime::now_utc())
                 }
             }

@@ -9,9 +9,19 @@ use time::format_description::well_known::Rfc3339;
 use crate::client::CreatedCluster;
 use crate::config::ResolvedConfig;
 
-pub(crate) fn json(out: &mut impl Write, value: &Value) -> io::Result<()> {
+pub(crate) fn json(out: &mut impl Write, value: &impl serde::Serialize) -> io::Result<()> {
     serde_json::to_writer_pretty(&mut *out, value).map_err(io::Error::other)?;
     writeln!(out)
+}
+
+/// The JSON forms of a list of typed answers.
+pub(crate) fn values<T: serde::Serialize>(items: &[T]) -> Vec<Value> {
+    items.iter().map(value).collect()
+}
+
+/// The JSON form of typed answers, for the table printers (they read fields by their API names).
+pub(crate) fn value(typed: &impl serde::Serialize) -> Value {
+    serde_json::to_value(typed).unwrap_or_default()
 }
 
 pub(crate) fn line(out: &mut impl Write, text: &str) -> io::Result<()> {
@@ -37,7 +47,7 @@ pub(crate) fn import_instructions(
     config: &ResolvedConfig,
     created: &CreatedCluster,
 ) -> io::Result<()> {
-    let tags = tags(&created.raw);
+    let tags = tags(&value(&created.raw));
     writeln!(
         out,
         "Cluster \"{}\" imported at {}{}.",

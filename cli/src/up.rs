@@ -610,10 +610,7 @@ impl Up {
         let deadline = Instant::now() + limit;
         loop {
             if let Ok(cluster) = client.show_cluster(&self.options.cluster).await
-                && cluster
-                    .get("connected")
-                    .and_then(serde_json::Value::as_bool)
-                    == Some(true)
+                && cluster.connected
             {
                 return Ok(());
             }

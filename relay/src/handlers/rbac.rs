@@ -3,8 +3,7 @@
 
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use tether_api::admin;
 use tether_auth::rbac::{self as model, RoleDefinition};
 use time::OffsetDateTime;
 
@@ -16,63 +15,61 @@ use crate::respond;
 use crate::state::Shared;
 use crate::store::{DenyAssignmentRecord, DirectoryEntry, RoleAssignmentRecord};
 
-fn rfc3339(t: OffsetDateTime) -> Value {
+fn rfc3339(t: OffsetDateTime) -> Option<String> {
     t.format(&time::format_description::well_known::Rfc3339)
-        .map_or(Value::Null, Value::String)
+        .ok()
 }
 
-pub(crate) fn role_json(role: &RoleDefinition, builtin: bool) -> Value {
-    json!({
-        "id": role.id,
-        "name": role.name,
-        "description": role.description,
-        "dataActions": role.data_actions,
-        "notDataActions": role.not_data_actions,
-        "builtIn": builtin,
-    })
+/// A role definition as the API shows it.
+pub(crate) fn role_view(role: &RoleDefinition, builtin: bool) -> admin::RoleDefinition {
+    admin::RoleDefinition {
+        built_in: builtin,
+        data_actions: role.data_actions.clone(),
+        description: role.description.clone(),
+        id: role.id.clone(),
+        name: role.name.clone(),
+        not_data_actions: role.not_data_actions.clone(),
+    }
 }
 
 /// A role assignment as the API (and an export) shows it.
-pub(crate) fn assignment_json(a: &RoleAssignmentRecord, custom: &[RoleDefinition]) -> Value {
-    let mut v = json!({
-        "id": a.id,
-        "roleId": a.role_id,
-        "roleName": model::find_role(custom, &a.role_id).map(|r| r.name.as_str()),
-        "principalId": a.principal_id,
-        "cluster": a.cluster,
-        "createdAt": rfc3339(a.created_at),
-    });
-    if let (Some(ns), Some(obj)) = (&a.namespace, v.as_object_mut()) {
-        obj.insert("namespace".into(), Value::String(ns.clone()));
+pub(crate) fn assignment_view(
+    a: &RoleAssignmentRecord,
+    custom: &[RoleDefinition],
+) -> admin::RoleAssignment {
+    admin::RoleAssignment {
+        cluster: a.cluster.clone(),
+        created_at: rfc3339(a.created_at),
+        id: a.id.clone(),
+        namespace: a.namespace.clone(),
+        principal_id: a.principal_id.clone(),
+        role_id: a.role_id.clone(),
+        role_name: model::find_role(custom, &a.role_id).map(|r| r.name.clone()),
     }
-    v
 }
 
 /// A deny assignment as the API (and an export) shows it.
-pub(crate) fn deny_json(d: &DenyAssignmentRecord) -> Value {
-    let mut v = json!({
-        "id": d.id,
-        "name": d.name,
-        "dataActions": d.data_actions,
-        "notDataActions": d.not_data_actions,
-        "principals": d.principals,
-        "excludePrincipals": d.exclude_principals,
-        "cluster": d.cluster,
-        "createdAt": rfc3339(d.created_at),
-    });
-    if let (Some(ns), Some(obj)) = (&d.namespace, v.as_object_mut()) {
-        obj.insert("namespace".into(), Value::String(ns.clone()));
+pub(crate) fn deny_view(d: &DenyAssignmentRecord) -> admin::DenyAssignment {
+    admin::DenyAssignment {
+        cluster: d.cluster.clone(),
+        created_at: rfc3339(d.created_at),
+        data_actions: d.data_actions.clone(),
+        exclude_principals: d.exclude_principals.clone(),
+        id: d.id.clone(),
+        name: d.name.clone(),
+        namespace: d.namespace.clone(),
+        not_data_actions: d.not_data_actions.clone(),
+        principals: d.principals.clone(),
     }
-    v
 }
 
-fn directory_json(e: &DirectoryEntry) -> Value {
-    json!({
-        "oid": e.oid,
-        "tid": e.tid,
-        "groups": e.groups,
-        "updatedAt": rfc3339(e.updated_at),
-    })
+fn directory_view(e: DirectoryEntry) -> admin::DirectoryEntry {
+    admin::DirectoryEntry {
+        groups: e.groups,
+        oid: e.oid,
+        tid: e.tid,
+        updated_at: rfc3339(e.updated_at),
+    }
 }
 
 /// Splits `rest` (what follows the collection's path) into an optional item id, percent-decoded (so
@@ -136,22 +133,22 @@ pub(crate) async fn role_definitions(
             let text = std::str::from_utf8(&body)
                 .map_err(|_| ApiError::bad_request("the role definition is not UTF-8"))?;
             let role = rbac.create_role(text).await?;
-            Ok(respond::json(StatusCode::CREATED, &role_json(&role, false)))
+            Ok(respond::json(StatusCode::CREATED, &role_view(&role, false)))
         }
         (Method::GET, None) => {
             let custom = rbac.custom_roles().await?;
-            let items: Vec<Value> = model::builtin_roles()
+            let items = model::builtin_roles()
                 .iter()
-                .map(|r| role_json(r, true))
-                .chain(custom.iter().map(|r| role_json(r, false)))
+                .map(|r| role_view(r, true))
+                .chain(custom.iter().map(|r| role_view(r, false)))
                 .collect();
-            Ok(respond::json(StatusCode::OK, &json!({ "items": items })))
+            Ok(respond::json(StatusCode::OK, &admin::List { items }))
         }
         (Method::GET, Some(id)) => {
             let role = rbac.role(id).await?;
             Ok(respond::json(
                 StatusCode::OK,
-                &role_json(&role, rbac::is_builtin(&role.id)),
+                &role_view(&role, rbac::is_builtin(&role.id)),
             ))
         }
         (Method::DELETE, Some(id)) => {
@@ -160,16 +157,6 @@ pub(crate) async fn role_definitions(
         }
         _ => Err(ApiError::method_not_allowed()),
     }
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct AssignBody {
-    role: String,
-    principal_id: String,
-    cluster: String,
-    #[serde(default)]
-    namespace: Option<String>,
 }
 
 /// `/api/v1/roleassignments[/ID]`.
@@ -183,7 +170,8 @@ pub(crate) async fn role_assignments(
     let rbac = shared.rbac();
     match (req.method().clone(), id.as_deref()) {
         (Method::POST, None) => {
-            let body: AssignBody = respond::read_json(req.into_body(), body_limit(shared)).await?;
+            let body: admin::NewRoleAssignment =
+                respond::read_json(req.into_body(), body_limit(shared)).await?;
             let record = rbac
                 .assign(NewAssignment {
                     role: body.role,
@@ -195,23 +183,23 @@ pub(crate) async fn role_assignments(
             let custom = rbac.custom_roles().await?;
             Ok(respond::json(
                 StatusCode::CREATED,
-                &assignment_json(&record, &custom),
+                &assignment_view(&record, &custom),
             ))
         }
         (Method::GET, None) => {
             let cluster = cluster_filter(req.uri().query())?;
             let records = rbac.assignments(cluster.as_deref()).await?;
             let custom = rbac.custom_roles().await?;
-            let items: Vec<Value> = records
+            let items = records
                 .iter()
-                .map(|a| assignment_json(a, &custom))
+                .map(|a| assignment_view(a, &custom))
                 .collect();
-            Ok(respond::json(StatusCode::OK, &json!({ "items": items })))
+            Ok(respond::json(StatusCode::OK, &admin::List { items }))
         }
         (Method::GET, Some(id)) => {
             let custom = rbac.custom_roles().await?;
             let a = rbac.assignment(id).await?;
-            Ok(respond::json(StatusCode::OK, &assignment_json(&a, &custom)))
+            Ok(respond::json(StatusCode::OK, &assignment_view(&a, &custom)))
         }
         (Method::DELETE, Some(id)) => {
             rbac.unassign(id).await?;
@@ -219,22 +207,6 @@ pub(crate) async fn role_assignments(
         }
         _ => Err(ApiError::method_not_allowed()),
     }
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct DenyBody {
-    #[serde(default)]
-    name: String,
-    data_actions: Vec<String>,
-    #[serde(default)]
-    not_data_actions: Vec<String>,
-    principals: Vec<String>,
-    #[serde(default)]
-    exclude_principals: Vec<String>,
-    cluster: String,
-    #[serde(default)]
-    namespace: Option<String>,
 }
 
 /// `/api/v1/denyassignments[/ID]`.
@@ -248,7 +220,8 @@ pub(crate) async fn deny_assignments(
     let rbac = shared.rbac();
     match (req.method().clone(), id.as_deref()) {
         (Method::POST, None) => {
-            let body: DenyBody = respond::read_json(req.into_body(), body_limit(shared)).await?;
+            let body: admin::NewDenyAssignment =
+                respond::read_json(req.into_body(), body_limit(shared)).await?;
             let record = rbac
                 .deny(NewDeny {
                     name: body.name,
@@ -260,21 +233,21 @@ pub(crate) async fn deny_assignments(
                     namespace: body.namespace,
                 })
                 .await?;
-            Ok(respond::json(StatusCode::CREATED, &deny_json(&record)))
+            Ok(respond::json(StatusCode::CREATED, &deny_view(&record)))
         }
         (Method::GET, None) => {
             let cluster = cluster_filter(req.uri().query())?;
-            let items: Vec<Value> = rbac
+            let items = rbac
                 .denies(cluster.as_deref())
                 .await?
                 .iter()
-                .map(deny_json)
+                .map(deny_view)
                 .collect();
-            Ok(respond::json(StatusCode::OK, &json!({ "items": items })))
+            Ok(respond::json(StatusCode::OK, &admin::List { items }))
         }
         (Method::GET, Some(id)) => {
             let d = rbac.deny_assignment(id).await?;
-            Ok(respond::json(StatusCode::OK, &deny_json(&d)))
+            Ok(respond::json(StatusCode::OK, &deny_view(&d)))
         }
         (Method::DELETE, Some(id)) => {
             rbac.undeny(id).await?;
@@ -282,14 +255,6 @@ pub(crate) async fn deny_assignments(
         }
         _ => Err(ApiError::method_not_allowed()),
     }
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct SetGroups {
-    groups: Vec<String>,
-    #[serde(default)]
-    tid: Option<String>,
 }
 
 /// `/api/v1/directory/users/OID`: the groups of users whose tokens carry a group overage.
@@ -306,13 +271,14 @@ pub(crate) async fn directory(
     let rbac = shared.rbac();
     match req.method().clone() {
         Method::PUT => {
-            let body: SetGroups = respond::read_json(req.into_body(), body_limit(shared)).await?;
+            let body: admin::SetGroups =
+                respond::read_json(req.into_body(), body_limit(shared)).await?;
             let entry = rbac.set_groups(&oid, &body.groups, body.tid).await?;
-            Ok(respond::json(StatusCode::OK, &directory_json(&entry)))
+            Ok(respond::json(StatusCode::OK, &directory_view(entry)))
         }
         Method::GET => {
             let entry = rbac.directory_entry(&oid).await?;
-            Ok(respond::json(StatusCode::OK, &directory_json(&entry)))
+            Ok(respond::json(StatusCode::OK, &directory_view(entry)))
         }
         Method::DELETE => {
             rbac.delete_directory_entry(&oid).await?;
