@@ -26,9 +26,6 @@ pub enum RelayError {
     /// TLS material could not be loaded or generated.
     #[error("TLS setup failed: {0}")]
     Tls(String),
-    /// Accepting connections failed.
-    #[error("accepting connections failed: {0}")]
-    Accept(#[source] std::io::Error),
 }
 
 impl RelayError {

@@ -107,30 +107,19 @@ fn check_size(cluster: &str, snapshot: &Snapshot) -> Result<(), RbacError> {
     }
 }
 
-/// A random id in the form of a version-4 UUID.
+/// A random version-4 UUID (the thread's CSPRNG), hyphenated and lowercase.
 pub(crate) fn new_id() -> String {
-    let mut b = [0u8; 16];
-    rand::fill(&mut b);
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    let h = hex::encode(b);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    )
+    let mut bytes = [0u8; 16];
+    rand::fill(&mut bytes);
+    uuid::Builder::from_random_bytes(bytes)
+        .into_uuid()
+        .hyphenated()
+        .to_string()
 }
 
+/// An object id: a GUID in its hyphenated form (36 characters, any case).
 fn is_guid(s: &str) -> bool {
-    let b = s.as_bytes();
-    b.len() == 36
-        && b.iter().enumerate().all(|(i, c)| match i {
-            8 | 13 | 18 | 23 => *c == b'-',
-            _ => c.is_ascii_hexdigit(),
-        })
+    s.len() == 36 && uuid::Uuid::try_parse(s).is_ok()
 }
 
 /// Checks a principal id and returns it as stored: an object id (GUID, lowercased as Entra writes them in

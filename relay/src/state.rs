@@ -1,13 +1,10 @@
 //! The state every connection, handler and tunnel task shares. It imports no handler: handlers and domain
 //! services import it.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use rustls::pki_types::CertificateDer;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::task::TaskTracker;
 
 use crate::activity::ActivityLog;
@@ -91,14 +88,7 @@ impl Shared {
     }
 }
 
-/// What a request handler knows about its connection.
-#[derive(Clone)]
-pub(crate) struct ConnCtx {
-    /// Held for as long as anything uses the connection, upgraded byte pipes and tunnels included, so
-    /// `max_connections` counts them too.
-    pub(crate) permit: Arc<OwnedSemaphorePermit>,
-    pub(crate) peer: SocketAddr,
-    /// The client certificate the peer presented, already verified against the agent CA (expiry aside). Only
-    /// the tunnel endpoint looks at it.
-    pub(crate) client_cert: Option<Arc<CertificateDer<'static>>>,
-}
+/// What a request handler knows about its connection: the peer, its verified client certificate (only the
+/// tunnel endpoint looks at it) and the connection's slot under `max_connections` (held by upgraded pipes and
+/// tunnels too, so the limit counts them).
+pub(crate) type ConnCtx = tether_runtime::serve::Conn;

@@ -86,20 +86,21 @@ fn item(collection: &str, rest: Option<&str>) -> Result<Option<String>, ApiError
     }
 }
 
-/// `%XX` escapes decoded; `None` for a malformed escape or bytes that are not UTF-8.
+/// `%XX` escapes decoded; `None` for a malformed escape (which `percent-encoding` would keep as it is) or bytes
+/// that are not UTF-8.
 fn percent_decode(s: &str) -> Option<String> {
-    let mut out = Vec::with_capacity(s.len());
-    let mut bytes = s.bytes();
-    while let Some(b) = bytes.next() {
-        if b == b'%' {
-            let hi = (bytes.next()? as char).to_digit(16)?;
-            let lo = (bytes.next()? as char).to_digit(16)?;
-            out.push(u8::try_from(hi * 16 + lo).ok()?);
-        } else {
-            out.push(b);
-        }
+    let well_formed = s.match_indices('%').all(|(i, _)| {
+        s.as_bytes()
+            .get(i + 1..i + 3)
+            .is_some_and(|hex| hex.iter().all(u8::is_ascii_hexdigit))
+    });
+    if !well_formed {
+        return None;
     }
-    String::from_utf8(out).ok()
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8()
+        .ok()
+        .map(std::borrow::Cow::into_owned)
 }
 
 /// The only query parameter of the assignment lists: `cluster`.
