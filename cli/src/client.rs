@@ -394,15 +394,13 @@ fn segment(id: &str) -> Result<String, ClientError> {
     if id.is_empty() {
         return Err(ClientError::InvalidRequest("an empty id".into()));
     }
-    Ok(id
-        .bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
-                (b as char).to_string()
-            }
-            other => format!("%{other:02X}"),
-        })
-        .collect())
+    // Everything but RFC 3986's unreserved characters.
+    const ESCAPED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    Ok(percent_encoding::utf8_percent_encode(id, ESCAPED).to_string())
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

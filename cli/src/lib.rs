@@ -19,9 +19,10 @@ use std::error::Error as _;
 
 pub use args::Cli;
 
+#[cfg(feature = "quickstart")]
+use args::TokenFormat;
 use args::{
     ClusterCommand, Command, DenyCommand, DirectoryCommand, OutputFormat, RoleCommand, TokenArgs,
-    TokenFormat,
 };
 use client::{ClientError, RelayClient};
 use config::{ConfigError, ResolvedConfig};
@@ -79,12 +80,10 @@ pub fn init_tracing(verbose: bool) {
     } else {
         "warn,tether_cli=info"
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    tether_runtime::process::init_tracing_with_default(
+        tether_runtime::process::LogFormat::Text,
+        default,
+    );
 }
 
 /// Runs one `tether` command.
@@ -122,8 +121,20 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
 }
 
 /// The longest lifetime `tether token` gives a development token.
+#[cfg(feature = "quickstart")]
 const MAX_DEV_TOKEN_LIFETIME: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
+#[cfg(not(feature = "quickstart"))]
+fn token_command(_global: &args::GlobalArgs, _args: &TokenArgs) -> Result<(), CliError> {
+    Err(ConfigError::Invalid(
+        "built without the quickstart feature: `tether token` mints tokens of the development issuer, which this \
+         build leaves out; use tokens from Entra ID (and tether up --kubeconfig for a real cluster)"
+            .into(),
+    )
+    .into())
+}
+
+#[cfg(feature = "quickstart")]
 fn token_command(global: &args::GlobalArgs, args: &TokenArgs) -> Result<(), CliError> {
     if args.lifetime.is_zero() || args.lifetime > MAX_DEV_TOKEN_LIFETIME {
         return Err(ConfigError::Invalid("--lifetime must be between 1s and 24h".into()).into());
