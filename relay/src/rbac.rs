@@ -447,16 +447,25 @@ impl Rbac<'_> {
 
     /// Deletes a role assignment.
     pub(crate) async fn unassign(&self, id: &str) -> Result<(), RbacError> {
-        match self.store.delete_role_assignment(id).await? {
-            Some((cluster, version)) => {
-                tracing::info!(assignment = id, cluster, version, "role assignment deleted");
-                self.hub.changed(&cluster, version);
-                Ok(())
-            }
-            None => Err(RbacError::NotFound(format!(
-                "roleassignments \"{id}\" not found"
-            ))),
-        }
+        let deleted = self.store.delete_role_assignment(id).await?;
+        self.deleted("roleassignments", id, deleted)
+    }
+
+    /// After a delete: the cluster's snapshot moved to `version`, or nothing had `id`.
+    fn deleted(
+        &self,
+        collection: &str,
+        id: &str,
+        deleted: Option<(String, u64)>,
+    ) -> Result<(), RbacError> {
+        let Some((cluster, version)) = deleted else {
+            return Err(RbacError::NotFound(format!(
+                "{collection} \"{id}\" not found"
+            )));
+        };
+        tracing::info!(collection, id, cluster, version, "assignment deleted");
+        self.hub.changed(&cluster, version);
+        Ok(())
     }
 
     /// The deny assignments, of one cluster (which must exist) or all.
@@ -510,16 +519,8 @@ impl Rbac<'_> {
 
     /// Deletes a deny assignment.
     pub(crate) async fn undeny(&self, id: &str) -> Result<(), RbacError> {
-        match self.store.delete_deny_assignment(id).await? {
-            Some((cluster, version)) => {
-                tracing::info!(deny = id, cluster, version, "deny assignment deleted");
-                self.hub.changed(&cluster, version);
-                Ok(())
-            }
-            None => Err(RbacError::NotFound(format!(
-                "denyassignments \"{id}\" not found"
-            ))),
-        }
+        let deleted = self.store.delete_deny_assignment(id).await?;
+        self.deleted("denyassignments", id, deleted)
     }
 
     /// What an export carries besides the cluster's registration: its assignments and the custom roles they use.
