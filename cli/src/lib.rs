@@ -205,7 +205,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                 .await?;
             match args.output {
                 OutputFormat::Json => output::json(&mut out, &created),
-                OutputFormat::Table => output::assigned(&mut out, &output::value(&created)),
+                OutputFormat::Table => output::assigned(&mut out, &created),
             }
         }
         RoleCommand::List(args) => {
@@ -214,7 +214,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                 OutputFormat::Json => {
                     output::json(&mut out, &serde_json::json!({ "items": items }))
                 }
-                OutputFormat::Table => output::assignment_table(&mut out, &output::values(&items)),
+                OutputFormat::Table => output::assignment_table(&mut out, &items),
             }
         }
         RoleCommand::Delete(args) => {
@@ -238,7 +238,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                 OutputFormat::Json => {
                     output::json(&mut out, &serde_json::json!({ "items": items }))
                 }
-                OutputFormat::Table => output::role_table(&mut out, &output::values(&items)),
+                OutputFormat::Table => output::role_table(&mut out, &items),
             }
         }
         RoleCommand::DeleteDefinition(args) => {
@@ -274,7 +274,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                     OutputFormat::Json => {
                         output::json(&mut out, &serde_json::json!({ "items": items }))
                     }
-                    OutputFormat::Table => output::deny_table(&mut out, &output::values(&items)),
+                    OutputFormat::Table => output::deny_table(&mut out, &items),
                 }
             }
             DenyCommand::Delete(args) => {
@@ -364,7 +364,7 @@ async fn cluster_command(
                 }
                 OutputFormat::Table => output::cluster_table(
                     &mut out,
-                    &output::values(&clusters),
+                    &clusters,
                     filtered,
                     time::OffsetDateTime::now_utc(),
                 ),
@@ -375,7 +375,6 @@ async fn cluster_command(
             match args.output {
                 OutputFormat::Json => output::json(&mut out, &cluster),
                 OutputFormat::Table => {
-                    let cluster = output::value(&cluster);
                     output::cluster_details(&mut out, &cluster, time::OffsetDateTime::now_utc())
                 }
             }
