@@ -1,5 +1,7 @@
 //! The typed contract between Tether's programs, used by both sides of each exchange so they cannot drift:
 //!
+//! - [`admin`]: the admin REST API's request and response bodies (the relay serializes them, `tether`
+//!   deserializes them).
 //! - [`control`]: the messages relay and agent exchange on a tunnel's control stream (hello, heartbeat, metadata,
 //!   health, renewal, guard snapshots, group overage, draining) and their framing.
 //! - [`reconnect`]: how an agent paces its reconnects, including its reading of the relay's `draining` window (the
@@ -7,5 +9,6 @@
 //!
 //! What it does not do: open connections or streams, decide who sends what when (relay and agent do), or serve HTTP.
 
+pub mod admin;
 pub mod control;
 pub mod reconnect;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use tether_runtime::parse_duration;
 
-use crate::config::ConfigError;
+use crate::usage::ConfigError;
 
 /// Tether: reach Kubernetes clusters that accept no inbound connection.
 #[derive(Debug, Parser)]

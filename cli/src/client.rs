@@ -9,7 +9,10 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
+use tether_api::admin;
 use tether_runtime::Secret;
 
 use crate::config::ResolvedConfig;
@@ -57,40 +60,33 @@ impl ClientError {
 /// A registered cluster, as returned by `POST /api/v1/clusters`.
 #[derive(Debug, Clone)]
 pub struct CreatedCluster {
-    /// Its name.
+    /// The cluster's name.
     pub name: String,
-    /// The one-time onboarding token for its agent.
+    /// The one-time onboarding token.
     pub onboarding_token: Secret,
-    /// The whole answer (includes the token: print it only where the user asked for it).
-    pub raw: Value,
+    /// The relay's whole answer.
+    pub raw: admin::Created,
 }
 
 impl CreatedCluster {
-    fn from_answer(raw: Value) -> Result<Self, ClientError> {
-        let name = raw
-            .get("name")
-            .and_then(Value::as_str)
-            .ok_or_else(|| ClientError::Decode("no name in the answer".into()))?
-            .to_string();
-        let onboarding_token = raw
-            .get("onboardingToken")
-            .and_then(Value::as_str)
-            .ok_or_else(|| ClientError::Decode("no onboardingToken in the answer".into()))?;
-        Ok(CreatedCluster {
-            name,
-            onboarding_token: Secret::new(onboarding_token),
+    fn from_answer(raw: admin::Created) -> Self {
+        CreatedCluster {
+            name: raw.cluster.name.clone(),
+            onboarding_token: Secret::new(raw.onboarding_token.clone()),
             raw,
-        })
+        }
     }
 }
 
-/// The admin API client.
 #[derive(Clone)]
 pub struct RelayClient {
     base: String,
     token: Secret,
     http: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
 }
+
+/// No request body.
+const NO_BODY: Option<&Value> = None;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_ANSWER: usize = 16 * 1024 * 1024;
@@ -132,15 +128,18 @@ impl RelayClient {
         name: &str,
         tags: &BTreeMap<String, String>,
     ) -> Result<CreatedCluster, ClientError> {
-        let body = serde_json::json!({ "name": name, "tags": tags });
+        let body = admin::NewCluster {
+            name: name.to_owned(),
+            tags: tags.clone(),
+        };
         let raw = self
-            .call(Method::POST, "/api/v1/clusters", Some(body))
+            .call(Method::POST, "/api/v1/clusters", Some(&body))
             .await?;
-        CreatedCluster::from_answer(raw)
+        Ok(CreatedCluster::from_answer(raw))
     }
 
     /// Lists clusters.
-    pub async fn list_clusters(&self) -> Result<Vec<Value>, ClientError> {
+    pub async fn list_clusters(&self) -> Result<Vec<admin::Cluster>, ClientError> {
         self.list_clusters_matching(&[], &[]).await
     }
 
@@ -150,7 +149,7 @@ impl RelayClient {
         &self,
         statuses: &[&str],
         tags: &[String],
-    ) -> Result<Vec<Value>, ClientError> {
+    ) -> Result<Vec<admin::Cluster>, ClientError> {
         let mut query = url::form_urlencoded::Serializer::new(String::new());
         for status in statuses {
             query.append_pair("status", status);
@@ -164,19 +163,16 @@ impl RelayClient {
         } else {
             format!("/api/v1/clusters?{query}")
         };
-        let answer = self.call(Method::GET, &path, None).await?;
-        match answer.get("items") {
-            Some(Value::Array(items)) => Ok(items.clone()),
-            _ => Err(ClientError::Decode("no items array in the answer".into())),
-        }
+        let answer: admin::List<admin::Cluster> = self.call(Method::GET, &path, NO_BODY).await?;
+        Ok(answer.items)
     }
 
     /// A cluster's export document (`kind: ClusterExport`): what `import` needs at another relay.
-    pub async fn export_cluster(&self, name: &str) -> Result<Value, ClientError> {
+    pub async fn export_cluster(&self, name: &str) -> Result<admin::ClusterExport, ClientError> {
         self.call(
             Method::GET,
             &format!("{}/export", cluster_path(name)?),
-            None,
+            NO_BODY,
         )
         .await
     }
@@ -185,25 +181,19 @@ impl RelayClient {
     /// new onboarding token.
     pub async fn import_cluster(&self, document: &Value) -> Result<CreatedCluster, ClientError> {
         let raw = self
-            .call(
-                Method::POST,
-                "/api/v1/clusters/import",
-                Some(document.clone()),
-            )
+            .call(Method::POST, "/api/v1/clusters/import", Some(document))
             .await?;
-        CreatedCluster::from_answer(raw)
+        Ok(CreatedCluster::from_answer(raw))
     }
 
     /// Shows one cluster.
-    pub async fn show_cluster(&self, name: &str) -> Result<Value, ClientError> {
-        self.call(Method::GET, &cluster_path(name)?, None).await
+    pub async fn show_cluster(&self, name: &str) -> Result<admin::Cluster, ClientError> {
+        self.call(Method::GET, &cluster_path(name)?, NO_BODY).await
     }
 
     /// Deletes a cluster.
     pub async fn delete_cluster(&self, name: &str) -> Result<(), ClientError> {
-        self.call(Method::DELETE, &cluster_path(name)?, None)
-            .await
-            .map(|_| ())
+        self.delete(&cluster_path(name)?).await
     }
 
     /// Assigns `role` (id or name, built-ins included) to `principal` (an object id) on `cluster`, or on one
@@ -214,91 +204,107 @@ impl RelayClient {
         principal: &str,
         cluster: &str,
         namespace: Option<&str>,
-    ) -> Result<Value, ClientError> {
-        let mut body =
-            serde_json::json!({"role": role, "principalId": principal, "cluster": cluster});
-        if let Some(ns) = namespace {
-            body["namespace"] = Value::String(ns.to_string());
-        }
-        self.call(Method::POST, "/api/v1/roleassignments", Some(body))
+    ) -> Result<admin::RoleAssignment, ClientError> {
+        let body = admin::NewRoleAssignment {
+            cluster: cluster.to_owned(),
+            namespace: namespace.map(str::to_owned),
+            principal_id: principal.to_owned(),
+            role: role.to_owned(),
+        };
+        self.call(Method::POST, "/api/v1/roleassignments", Some(&body))
             .await
     }
 
     /// Role assignments, of one cluster or all.
-    pub async fn role_assignments(&self, cluster: Option<&str>) -> Result<Vec<Value>, ClientError> {
+    pub async fn role_assignments(
+        &self,
+        cluster: Option<&str>,
+    ) -> Result<Vec<admin::RoleAssignment>, ClientError> {
         self.items("/api/v1/roleassignments", cluster).await
     }
 
     /// Deletes a role assignment.
     pub async fn delete_role_assignment(&self, id: &str) -> Result<(), ClientError> {
         let path = format!("/api/v1/roleassignments/{}", segment(id)?);
-        self.call(Method::DELETE, &path, None).await.map(|_| ())
+        self.delete(&path).await
     }
 
     /// Creates a custom role definition from its JSON (any form `tether_auth::rbac::RoleDefinition::from_json`
     /// accepts: this one, `az role definition`'s, or ARM's).
-    pub async fn define_role(&self, definition: &Value) -> Result<Value, ClientError> {
-        self.call(
-            Method::POST,
-            "/api/v1/roledefinitions",
-            Some(definition.clone()),
-        )
-        .await
+    pub async fn define_role(
+        &self,
+        definition: &Value,
+    ) -> Result<admin::RoleDefinition, ClientError> {
+        self.call(Method::POST, "/api/v1/roledefinitions", Some(definition))
+            .await
     }
 
     /// Role definitions: the built-ins, then the custom ones.
-    pub async fn role_definitions(&self) -> Result<Vec<Value>, ClientError> {
+    pub async fn role_definitions(&self) -> Result<Vec<admin::RoleDefinition>, ClientError> {
         self.items("/api/v1/roledefinitions", None).await
     }
 
     /// Deletes a custom role definition (refused while it is assigned).
     pub async fn delete_role_definition(&self, id: &str) -> Result<(), ClientError> {
         let path = format!("/api/v1/roledefinitions/{}", segment(id)?);
-        self.call(Method::DELETE, &path, None).await.map(|_| ())
+        self.delete(&path).await
     }
 
     /// Creates a deny assignment (`{name, dataActions, notDataActions, principals, excludePrincipals, cluster,
     /// namespace?}`).
-    pub async fn create_deny_assignment(&self, body: &Value) -> Result<Value, ClientError> {
-        self.call(Method::POST, "/api/v1/denyassignments", Some(body.clone()))
+    pub async fn create_deny_assignment(
+        &self,
+        body: &admin::NewDenyAssignment,
+    ) -> Result<admin::DenyAssignment, ClientError> {
+        self.call(Method::POST, "/api/v1/denyassignments", Some(body))
             .await
     }
 
     /// Deny assignments, of one cluster or all.
-    pub async fn deny_assignments(&self, cluster: Option<&str>) -> Result<Vec<Value>, ClientError> {
+    pub async fn deny_assignments(
+        &self,
+        cluster: Option<&str>,
+    ) -> Result<Vec<admin::DenyAssignment>, ClientError> {
         self.items("/api/v1/denyassignments", cluster).await
     }
 
     /// Deletes a deny assignment.
     pub async fn delete_deny_assignment(&self, id: &str) -> Result<(), ClientError> {
         let path = format!("/api/v1/denyassignments/{}", segment(id)?);
-        self.call(Method::DELETE, &path, None).await.map(|_| ())
+        self.delete(&path).await
     }
 
     /// Records the groups of user `oid` in the relay's directory (used when a token carries a group overage).
-    pub async fn set_groups(&self, oid: &str, groups: &[String]) -> Result<Value, ClientError> {
+    pub async fn set_groups(
+        &self,
+        oid: &str,
+        groups: &[String],
+    ) -> Result<admin::DirectoryEntry, ClientError> {
         let path = format!("/api/v1/directory/users/{}", segment(oid)?);
-        self.call(
-            Method::PUT,
-            &path,
-            Some(serde_json::json!({ "groups": groups })),
-        )
-        .await
+        let body = admin::SetGroups {
+            groups: groups.to_vec(),
+            tid: None,
+        };
+        self.call(Method::PUT, &path, Some(&body)).await
     }
 
     /// A user's directory entry.
-    pub async fn directory_entry(&self, oid: &str) -> Result<Value, ClientError> {
+    pub async fn directory_entry(&self, oid: &str) -> Result<admin::DirectoryEntry, ClientError> {
         let path = format!("/api/v1/directory/users/{}", segment(oid)?);
-        self.call(Method::GET, &path, None).await
+        self.call(Method::GET, &path, NO_BODY).await
     }
 
     /// Removes a user from the relay's directory.
     pub async fn delete_directory_entry(&self, oid: &str) -> Result<(), ClientError> {
         let path = format!("/api/v1/directory/users/{}", segment(oid)?);
-        self.call(Method::DELETE, &path, None).await.map(|_| ())
+        self.delete(&path).await
     }
 
-    async fn items(&self, path: &str, cluster: Option<&str>) -> Result<Vec<Value>, ClientError> {
+    async fn items<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        cluster: Option<&str>,
+    ) -> Result<Vec<T>, ClientError> {
         let path = match cluster {
             Some(c) => format!(
                 "{path}?{}",
@@ -308,23 +314,27 @@ impl RelayClient {
             ),
             None => path.to_string(),
         };
-        let answer = self.call(Method::GET, &path, None).await?;
-        match answer.get("items") {
-            Some(Value::Array(items)) => Ok(items.clone()),
-            _ => Err(ClientError::Decode("no items array in the answer".into())),
-        }
+        let answer: admin::List<T> = self.call(Method::GET, &path, NO_BODY).await?;
+        Ok(answer.items)
     }
 
-    async fn call(
+    async fn delete(&self, path: &str) -> Result<(), ClientError> {
+        self.call::<serde::de::IgnoredAny>(Method::DELETE, path, NO_BODY)
+            .await
+            .map(|_| ())
+    }
+
+    /// Sends `body` as JSON and reads the answer as a `T` (an empty answer reads as JSON `null`).
+    async fn call<T: DeserializeOwned>(
         &self,
         method: Method,
         path: &str,
-        body: Option<Value>,
-    ) -> Result<Value, ClientError> {
+        body: Option<&(impl Serialize + ?Sized)>,
+    ) -> Result<T, ClientError> {
         let url = format!("{}{}", self.base, path);
         let body = match body {
             Some(v) => Bytes::from(
-                serde_json::to_vec(&v).map_err(|e| ClientError::InvalidRequest(e.to_string()))?,
+                serde_json::to_vec(v).map_err(|e| ClientError::InvalidRequest(e.to_string()))?,
             ),
             None => Bytes::new(),
         };
@@ -361,10 +371,8 @@ impl RelayClient {
                 .unwrap_or_else(|| String::from_utf8_lossy(&bytes).chars().take(500).collect());
             return Err(ClientError::Status { status, message });
         }
-        if bytes.is_empty() {
-            return Ok(Value::Null);
-        }
-        serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode(e.to_string()))
+        let bytes: &[u8] = if bytes.is_empty() { b"null" } else { &bytes };
+        serde_json::from_slice(bytes).map_err(|e| ClientError::Decode(e.to_string()))
     }
 }
 
@@ -386,15 +394,13 @@ fn segment(id: &str) -> Result<String, ClientError> {
     if id.is_empty() {
         return Err(ClientError::InvalidRequest("an empty id".into()));
     }
-    Ok(id
-        .bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
-                (b as char).to_string()
-            }
-            other => format!("%{other:02X}"),
-        })
-        .collect())
+    // Everything but RFC 3986's unreserved characters.
+    const ESCAPED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    Ok(percent_encoding::utf8_percent_encode(id, ESCAPED).to_string())
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

@@ -13,14 +13,16 @@ pub mod config;
 pub mod kubeconfig;
 mod output;
 pub mod up;
+mod usage;
 
 use std::error::Error as _;
 
 pub use args::Cli;
 
+#[cfg(feature = "quickstart")]
+use args::TokenFormat;
 use args::{
     ClusterCommand, Command, DenyCommand, DirectoryCommand, OutputFormat, RoleCommand, TokenArgs,
-    TokenFormat,
 };
 use client::{ClientError, RelayClient};
 use config::{ConfigError, ResolvedConfig};
@@ -78,12 +80,10 @@ pub fn init_tracing(verbose: bool) {
     } else {
         "warn,tether_cli=info"
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    tether_runtime::process::init_tracing_with_default(
+        tether_runtime::process::LogFormat::Text,
+        default,
+    );
 }
 
 /// Runs one `tether` command.
@@ -121,8 +121,20 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
 }
 
 /// The longest lifetime `tether token` gives a development token.
+#[cfg(feature = "quickstart")]
 const MAX_DEV_TOKEN_LIFETIME: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
+#[cfg(not(feature = "quickstart"))]
+fn token_command(_global: &args::GlobalArgs, _args: &TokenArgs) -> Result<(), CliError> {
+    Err(ConfigError::Invalid(
+        "built without the quickstart feature: `tether token` mints tokens of the development issuer, which this \
+         build leaves out; use tokens from Entra ID (and tether up --kubeconfig for a real cluster)"
+            .into(),
+    )
+    .into())
+}
+
+#[cfg(feature = "quickstart")]
 fn token_command(global: &args::GlobalArgs, args: &TokenArgs) -> Result<(), CliError> {
     if args.lifetime.is_zero() || args.lifetime > MAX_DEV_TOKEN_LIFETIME {
         return Err(ConfigError::Invalid("--lifetime must be between 1s and 24h".into()).into());
@@ -216,11 +228,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                 OutputFormat::Json => output::json(&mut out, &created),
                 OutputFormat::Table => output::line(
                     &mut out,
-                    &format!(
-                        "role \"{}\" defined (id {})",
-                        created["name"].as_str().unwrap_or_default(),
-                        created["id"].as_str().unwrap_or_default()
-                    ),
+                    &format!("role \"{}\" defined (id {})", created.name, created.id),
                 ),
             }
         }
@@ -239,17 +247,15 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
         }
         RoleCommand::Deny { command } => match command {
             DenyCommand::Add(args) => {
-                let mut body = serde_json::json!({
-                    "name": args.name,
-                    "dataActions": args.actions,
-                    "notDataActions": args.not_actions,
-                    "principals": args.principals,
-                    "excludePrincipals": args.exclude,
-                    "cluster": args.cluster,
-                });
-                if let Some(ns) = &args.namespace {
-                    body["namespace"] = serde_json::Value::String(ns.clone());
-                }
+                let body = tether_api::admin::NewDenyAssignment {
+                    cluster: args.cluster.clone(),
+                    data_actions: args.actions.clone(),
+                    exclude_principals: args.exclude.clone(),
+                    name: args.name.clone(),
+                    namespace: args.namespace.clone(),
+                    not_data_actions: args.not_actions.clone(),
+                    principals: args.principals.clone(),
+                };
                 let created = client.create_deny_assignment(&body).await?;
                 match args.output {
                     OutputFormat::Json => output::json(&mut out, &created),
@@ -257,8 +263,7 @@ async fn role_command(client: &RelayClient, command: RoleCommand) -> Result<(), 
                         &mut out,
                         &format!(
                             "deny assignment \"{}\" created (id {})",
-                            args.name,
-                            created["id"].as_str().unwrap_or_default()
+                            args.name, created.id
                         ),
                     ),
                 }

@@ -1,9 +1,7 @@
 use std::process::ExitCode;
 
-use clap::Parser;
-
 fn main() -> ExitCode {
-    let cli = tether_cli::Cli::parse();
+    let cli: tether_cli::Cli = tether_runtime::cli::parse();
     tether_cli::init_tracing(cli.verbose);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,

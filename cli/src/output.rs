@@ -2,14 +2,16 @@
 
 use std::io::{self, Write};
 
-use serde_json::Value;
+use std::collections::BTreeMap;
+
+use tether_api::admin;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 use crate::client::CreatedCluster;
 use crate::config::ResolvedConfig;
 
-pub(crate) fn json(out: &mut impl Write, value: &Value) -> io::Result<()> {
+pub(crate) fn json(out: &mut impl Write, value: &impl serde::Serialize) -> io::Result<()> {
     serde_json::to_writer_pretty(&mut *out, value).map_err(io::Error::other)?;
     writeln!(out)
 }
@@ -37,7 +39,7 @@ pub(crate) fn import_instructions(
     config: &ResolvedConfig,
     created: &CreatedCluster,
 ) -> io::Result<()> {
-    let tags = tags(&created.raw);
+    let tags = tags(&created.raw.cluster.tags);
     writeln!(
         out,
         "Cluster \"{}\" imported at {}{}.",
@@ -102,63 +104,29 @@ pub(crate) fn agent_command(config: &ResolvedConfig, created: &CreatedCluster) -
     command
 }
 
-fn field<'a>(cluster: &'a Value, name: &str) -> &'a str {
-    cluster.get(name).and_then(Value::as_str).unwrap_or("")
-}
-
-fn number(cluster: &Value, name: &str) -> Option<f64> {
-    cluster.get(name).and_then(Value::as_f64)
+/// A text field as shown: `-` when absent or empty.
+fn or_dash(value: Option<&str>) -> String {
+    value.filter(|v| !v.is_empty()).unwrap_or("-").to_string()
 }
 
 /// A timestamp field, parsed (RFC 3339).
-fn timestamp(cluster: &Value, name: &str) -> Option<OffsetDateTime> {
-    cluster
-        .get(name)
-        .and_then(Value::as_str)
-        .and_then(|s| OffsetDateTime::parse(s, &Rfc3339).ok())
+fn timestamp(value: Option<&str>) -> Option<OffsetDateTime> {
+    value.and_then(|s| OffsetDateTime::parse(s, &Rfc3339).ok())
 }
 
-fn status(cluster: &Value) -> String {
-    if let Some(s) = cluster.get("connectivityStatus").and_then(Value::as_str) {
-        return s.to_string();
-    }
-    let connected = cluster
-        .get("connected")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let onboarded = cluster
-        .get("onboarded")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    match (connected, onboarded) {
-        (true, _) => "Connected",
-        (false, false) => "Connecting",
-        (false, true) => "Offline",
-    }
-    .to_string()
-}
-
-fn tags(cluster: &Value) -> String {
-    match cluster.get("tags") {
-        Some(Value::Object(map)) => map
-            .iter()
-            .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("")))
-            .collect::<Vec<_>>()
-            .join(","),
-        _ => String::new(),
-    }
+fn tags(tags: &BTreeMap<String, String>) -> String {
+    tags.iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// The agent version, with "(upgrade available)" when the relay offers a newer one.
-fn agent_version(cluster: &Value) -> String {
-    let version = field(cluster, "agentVersion");
-    if version.is_empty() {
-        return "-".into();
-    }
-    if cluster.get("upgradeAvailable").and_then(Value::as_bool) == Some(true) {
-        format!("{version} (upgrade available)")
-    } else {
-        version.to_string()
+fn agent_version(cluster: &admin::Cluster) -> String {
+    match cluster.agent_version.as_deref() {
+        None | Some("") => "-".into(),
+        Some(version) if cluster.upgrade_available => format!("{version} (upgrade available)"),
+        Some(version) => version.to_string(),
     }
 }
 
@@ -227,7 +195,7 @@ fn time_and_age(t: OffsetDateTime, now: OffsetDateTime) -> String {
 
 pub(crate) fn cluster_table(
     out: &mut impl Write,
-    clusters: &[Value],
+    clusters: &[admin::Cluster],
     filtered: bool,
     now: OffsetDateTime,
 ) -> io::Result<()> {
@@ -253,16 +221,14 @@ pub(crate) fn cluster_table(
     let rows: Vec<[String; 6]> = clusters
         .iter()
         .map(|c| {
-            let k8s = field(c, "kubernetesVersion");
             [
-                field(c, "name").to_string(),
-                status(c),
-                if k8s.is_empty() { "-" } else { k8s }.to_string(),
-                c.get("nodeCount")
-                    .and_then(Value::as_u64)
+                c.name.clone(),
+                c.connectivity_status.clone(),
+                or_dash(c.kubernetes_version.as_deref()),
+                c.node_count
                     .map_or_else(|| "-".to_string(), |n| n.to_string()),
                 agent_version(c),
-                timestamp(c, "lastConnectivityTime")
+                timestamp(c.last_connectivity_time.as_deref())
                     .map_or_else(|| "never".to_string(), |t| age(t, now)),
             ]
         })
@@ -297,100 +263,79 @@ fn table<const N: usize>(
 
 pub(crate) fn cluster_details(
     out: &mut impl Write,
-    cluster: &Value,
+    cluster: &admin::Cluster,
     now: OffsetDateTime,
 ) -> io::Result<()> {
     let mut rows: Vec<(&str, String)> = vec![
-        ("Name", field(cluster, "name").into()),
-        ("Status", status(cluster)),
+        ("Name", cluster.name.clone()),
+        ("Status", cluster.connectivity_status.clone()),
     ];
-    let onboarded = cluster.get("onboarded").and_then(Value::as_bool);
     let tunnel = match (
-        cluster.get("connected").and_then(Value::as_bool),
-        timestamp(cluster, "connectedSince"),
+        cluster.connected,
+        timestamp(cluster.connected_since.as_deref()),
     ) {
-        (Some(true), Some(since)) => format!("connected since {}", time_and_age(since, now)),
-        (Some(true), None) => "connected".into(),
-        _ if onboarded == Some(false) => {
+        (true, Some(since)) => format!("connected since {}", time_and_age(since, now)),
+        (true, None) => "connected".into(),
+        _ if !cluster.onboarded => {
             "never connected: run the agent command `tether cluster connect` printed".into()
         }
         _ => "not connected".into(),
     };
     rows.push(("Tunnel", tunnel));
-    let tags = tags(cluster);
+    let tags = tags(&cluster.tags);
     rows.push(("Tags", if tags.is_empty() { "-".into() } else { tags }));
-    if let Some(t) = timestamp(cluster, "createdAt") {
+    if let Some(t) = timestamp(cluster.created_at.as_deref()) {
         rows.push(("Created", time_and_age(t, now)));
     }
     rows.push((
         "Last seen",
-        timestamp(cluster, "lastConnectivityTime")
+        timestamp(cluster.last_connectivity_time.as_deref())
             .map_or_else(|| "never".into(), |t| time_and_age(t, now)),
     ));
-
-    let text = |name: &str| {
-        let v = field(cluster, name);
-        if v.is_empty() {
-            "-".into()
-        } else {
-            v.to_string()
-        }
-    };
-    rows.push(("Kubernetes version", text("kubernetesVersion")));
-    rows.push(("Distribution", text("distribution")));
-    rows.push(("Infrastructure", text("infrastructure")));
+    rows.push((
+        "Kubernetes version",
+        or_dash(cluster.kubernetes_version.as_deref()),
+    ));
+    rows.push(("Distribution", or_dash(cluster.distribution.as_deref())));
+    rows.push(("Infrastructure", or_dash(cluster.infrastructure.as_deref())));
     rows.push((
         "Nodes",
         cluster
-            .get("nodeCount")
-            .and_then(Value::as_u64)
+            .node_count
             .map_or_else(|| "-".into(), |n| n.to_string()),
     ));
     rows.push((
         "vCPU",
-        number(cluster, "totalCpuMillis").map_or_else(|| "-".into(), vcpus),
+        cluster
+            .total_cpu_millis
+            .map_or_else(|| "-".into(), |m| vcpus(m as f64)),
     ));
     rows.push((
         "Memory",
-        number(cluster, "totalMemoryBytes").map_or_else(|| "-".into(), bytes),
+        cluster
+            .total_memory_bytes
+            .map_or_else(|| "-".into(), |b| bytes(b as f64)),
     ));
 
-    let latest = field(cluster, "latestAgentVersion");
+    let latest = cluster.latest_agent_version.as_str();
     let mut version = agent_version(cluster);
-    if cluster.get("upgradeAvailable").and_then(Value::as_bool) == Some(true) && !latest.is_empty()
-    {
+    if cluster.upgrade_available && !latest.is_empty() {
         version = format!(
             "{} (upgrade available: {latest})",
-            field(cluster, "agentVersion")
+            cluster.agent_version.as_deref().unwrap_or_default()
         );
     }
     rows.push(("Agent version", version));
-    match cluster.get("agentHealth") {
-        Some(health @ Value::Object(_)) => {
+    match &cluster.agent_health {
+        Some(health) => {
             rows.push(("Agent health", String::new()));
-            let seconds = |name: &str| number(health, name).map(|s| s.max(0.0) as u64);
-            rows.push((
-                "  Uptime",
-                seconds("uptimeSeconds").map_or_else(|| "-".into(), human_duration),
-            ));
-            rows.push((
-                "  Memory",
-                number(health, "memoryBytes").map_or_else(|| "-".into(), bytes),
-            ));
-            rows.push((
-                "  CPU time",
-                number(health, "cpuSeconds").map_or_else(|| "-".into(), |s| format!("{s:.1}s")),
-            ));
-            rows.push((
-                "  Reconnects",
-                health
-                    .get("reconnects")
-                    .and_then(Value::as_u64)
-                    .map_or_else(|| "-".into(), |n| n.to_string()),
-            ));
+            rows.push(("  Uptime", human_duration(health.uptime_seconds)));
+            rows.push(("  Memory", bytes(health.memory_bytes as f64)));
+            rows.push(("  CPU time", format!("{:.1}s", health.cpu_seconds)));
+            rows.push(("  Reconnects", health.reconnects.to_string()));
             rows.push((
                 "  Tunnel RTT",
-                number(health, "tunnelRttMillis").map_or_else(
+                health.tunnel_rtt_millis.map_or_else(
                     || "-".into(),
                     |ms| {
                         if ms < 10.0 {
@@ -401,16 +346,16 @@ pub(crate) fn cluster_details(
                     },
                 ),
             ));
-            if let Some(t) = timestamp(health, "reportedAt") {
+            if let Some(t) = timestamp(health.reported_at.as_deref()) {
                 rows.push(("  Reported", time_and_age(t, now)));
             }
         }
-        _ => rows.push(("Agent health", "not reported yet".into())),
+        None => rows.push(("Agent health", "not reported yet".into())),
     }
 
-    match cluster.get("identity") {
-        Some(identity @ Value::Object(_)) => {
-            let expiry = match timestamp(identity, "notAfter") {
+    match &cluster.identity {
+        Some(identity) => {
+            let expiry = match timestamp(identity.not_after.as_deref()) {
                 Some(t) if t <= now => format!(
                     "expired at {} — delete the cluster and connect it again",
                     time_and_age(t, now)
@@ -423,9 +368,9 @@ pub(crate) fn cluster_details(
                 None => "-".into(),
             };
             rows.push(("Identity", expiry));
-            rows.push(("  Fingerprint", text_of(identity, "fingerprint")));
+            rows.push(("  Fingerprint", or_dash(Some(&identity.fingerprint))));
         }
-        _ => rows.push(("Identity", "none (the agent has not onboarded)".into())),
+        None => rows.push(("Identity", "none (the agent has not onboarded)".into())),
     }
 
     let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0) + 1;
@@ -436,65 +381,41 @@ pub(crate) fn cluster_details(
     Ok(())
 }
 
-fn text_of(value: &Value, name: &str) -> String {
-    let v = field(value, name);
-    if v.is_empty() {
-        "-".into()
-    } else {
-        v.to_string()
-    }
-}
-
-fn scope(item: &Value) -> String {
-    match item.get("namespace").and_then(Value::as_str) {
+fn scope(namespace: Option<&str>) -> String {
+    match namespace {
         Some(ns) => format!("namespace {ns}"),
         None => "cluster".to_string(),
     }
 }
 
-fn list(item: &Value, name: &str) -> String {
-    item.get(name)
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_str)
-                .collect::<Vec<_>>()
-                .join(",")
-        })
-        .unwrap_or_default()
-}
-
 /// What `tether role assign` prints.
-pub(crate) fn assigned(out: &mut impl Write, created: &Value) -> io::Result<()> {
-    let role = created["roleName"]
-        .as_str()
-        .or_else(|| created["roleId"].as_str())
-        .unwrap_or_default();
+pub(crate) fn assigned(out: &mut impl Write, created: &admin::RoleAssignment) -> io::Result<()> {
+    let role = created.role_name.as_deref().unwrap_or(&created.role_id);
     writeln!(
         out,
         "Role \"{role}\" assigned to {} on cluster \"{}\" ({}): id {}",
-        field(created, "principalId"),
-        field(created, "cluster"),
-        scope(created),
-        field(created, "id"),
+        created.principal_id,
+        created.cluster,
+        scope(created.namespace.as_deref()),
+        created.id,
     )
 }
 
 /// `tether role list`.
-pub(crate) fn assignment_table(out: &mut impl Write, items: &[Value]) -> io::Result<()> {
+pub(crate) fn assignment_table(
+    out: &mut impl Write,
+    items: &[admin::RoleAssignment],
+) -> io::Result<()> {
     let header = ["ID", "ROLE", "PRINCIPAL", "CLUSTER", "SCOPE"].map(String::from);
     let rows: Vec<[String; 5]> = items
         .iter()
         .map(|a| {
             [
-                field(a, "id").to_string(),
-                a["roleName"]
-                    .as_str()
-                    .unwrap_or_else(|| field(a, "roleId"))
-                    .to_string(),
-                field(a, "principalId").to_string(),
-                field(a, "cluster").to_string(),
-                scope(a),
+                a.id.clone(),
+                a.role_name.clone().unwrap_or_else(|| a.role_id.clone()),
+                a.principal_id.clone(),
+                a.cluster.clone(),
+                scope(a.namespace.as_deref()),
             ]
         })
         .collect();
@@ -502,7 +423,7 @@ pub(crate) fn assignment_table(out: &mut impl Write, items: &[Value]) -> io::Res
 }
 
 /// `tether role deny list`.
-pub(crate) fn deny_table(out: &mut impl Write, items: &[Value]) -> io::Result<()> {
+pub(crate) fn deny_table(out: &mut impl Write, items: &[admin::DenyAssignment]) -> io::Result<()> {
     let header = [
         "ID",
         "NAME",
@@ -517,13 +438,13 @@ pub(crate) fn deny_table(out: &mut impl Write, items: &[Value]) -> io::Result<()
         .iter()
         .map(|d| {
             [
-                field(d, "id").to_string(),
-                field(d, "name").to_string(),
-                list(d, "dataActions"),
-                list(d, "principals"),
-                list(d, "excludePrincipals"),
-                field(d, "cluster").to_string(),
-                scope(d),
+                d.id.clone(),
+                d.name.clone(),
+                d.data_actions.join(","),
+                d.principals.join(","),
+                d.exclude_principals.join(","),
+                d.cluster.clone(),
+                scope(d.namespace.as_deref()),
             ]
         })
         .collect();
@@ -531,17 +452,17 @@ pub(crate) fn deny_table(out: &mut impl Write, items: &[Value]) -> io::Result<()
 }
 
 /// `tether role definitions`.
-pub(crate) fn role_table(out: &mut impl Write, items: &[Value]) -> io::Result<()> {
+pub(crate) fn role_table(out: &mut impl Write, items: &[admin::RoleDefinition]) -> io::Result<()> {
     let header = ["ID", "NAME", "BUILT-IN", "DATA ACTIONS"].map(String::from);
     let rows: Vec<[String; 4]> = items
         .iter()
         .map(|r| {
-            let actions = r["dataActions"].as_array().map_or(0, Vec::len);
-            let not = r["notDataActions"].as_array().map_or(0, Vec::len);
+            let actions = r.data_actions.len();
+            let not = r.not_data_actions.len();
             [
-                field(r, "id").to_string(),
-                field(r, "name").to_string(),
-                if r["builtIn"].as_bool() == Some(true) {
+                r.id.clone(),
+                r.name.clone(),
+                if r.built_in {
                     "yes".to_string()
                 } else {
                     "no".to_string()
@@ -559,21 +480,41 @@ pub(crate) fn role_table(out: &mut impl Write, items: &[Value]) -> io::Result<()
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
+    use serde_json::{Value, json};
     use time::macros::datetime;
 
     use super::*;
 
     const NOW: OffsetDateTime = datetime!(2026-11-21 12:00:00 UTC);
 
+    /// A cluster as the relay would send it: `fields` over an unknown, never-connected cluster.
+    fn cluster(fields: Value) -> anyhow::Result<admin::Cluster> {
+        let mut value = json!({
+            "agentHealth": null, "agentVersion": null, "connected": false, "connectedSince": null,
+            "connectivityStatus": "Connecting", "createdAt": null, "distribution": null, "identity": null,
+            "infrastructure": null, "kubernetesVersion": null, "lastConnectivityTime": null, "lastSeen": null,
+            "latestAgentVersion": "", "metadataReportedAt": null, "name": "", "nodeCount": null,
+            "onboarded": false, "tags": {}, "totalCpuMillis": null, "totalMemoryBytes": null,
+            "upgradeAvailable": false,
+        });
+        if let (Some(base), Value::Object(fields)) = (value.as_object_mut(), fields) {
+            base.extend(fields);
+        }
+        Ok(serde_json::from_value(value)?)
+    }
+
     #[test]
     fn table_has_the_inventory_columns() -> anyhow::Result<()> {
         let clusters = vec![
-            json!({"name":"prod","connectivityStatus":"Connected","kubernetesVersion":"v1.33.1","nodeCount":3,
+            cluster(
+                json!({"name":"prod","connectivityStatus":"Connected","kubernetesVersion":"v1.33.1","nodeCount":3,
                    "agentVersion":"0.1.0","upgradeAvailable":true,"lastConnectivityTime":"2026-11-21T11:59:48Z",
                    "tags":{"env":"prod"}}),
-            json!({"name":"edge-cluster-7","connectivityStatus":"Connecting","connected":false,"onboarded":false,
+            )?,
+            cluster(
+                json!({"name":"edge-cluster-7","connectivityStatus":"Connecting","connected":false,"onboarded":false,
                    "kubernetesVersion":null,"nodeCount":null,"agentVersion":null,"lastConnectivityTime":null}),
+            )?,
         ];
         let mut out = Vec::new();
         cluster_table(&mut out, &clusters, false, NOW)?;
@@ -608,7 +549,7 @@ mod tests {
 
     #[test]
     fn details_show_metadata_health_and_identity() -> anyhow::Result<()> {
-        let cluster = json!({
+        let cluster = cluster(json!({
             "name": "prod", "tags": {"env": "prod", "team": "blue"}, "createdAt": "2026-11-01T00:00:00Z",
             "onboarded": true, "connected": true, "connectedSince": "2026-11-21T10:00:00Z",
             "connectivityStatus": "Connected", "lastConnectivityTime": "2026-11-21T11:59:55Z",
@@ -618,7 +559,7 @@ mod tests {
             "agentHealth": {"uptimeSeconds": 3725, "memoryBytes": 31_457_280, "cpuSeconds": 2.5,
                             "reconnects": 1, "tunnelRttMillis": 3.2, "reportedAt": "2026-11-21T11:59:55Z"},
             "identity": {"notAfter": "2027-02-19T12:00:00Z", "fingerprint": "ab:cd"},
-        });
+        }))?;
         let mut out = Vec::new();
         cluster_details(&mut out, &cluster, NOW)?;
         let text = String::from_utf8(out)?;
@@ -652,10 +593,10 @@ mod tests {
 
     #[test]
     fn details_of_an_expired_cluster_say_how_to_recover() -> anyhow::Result<()> {
-        let cluster = json!({
+        let cluster = cluster(json!({
             "name": "old", "connectivityStatus": "Expired", "connected": false, "onboarded": true,
             "identity": {"notAfter": "2026-11-21T11:55:00Z", "fingerprint": "ef"},
-        });
+        }))?;
         let mut out = Vec::new();
         cluster_details(&mut out, &cluster, NOW)?;
         let text = String::from_utf8(out)?;

@@ -17,11 +17,14 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+#[cfg(feature = "quickstart")]
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tether_runtime::Secret;
+#[cfg(feature = "quickstart")]
 use tether_testkit::dev_issuer::{DEV_AUDIENCE, DEV_TENANT, DevIssuer};
+#[cfg(feature = "quickstart")]
 use tether_testkit::{SampleApiserver, SampleOptions, certs};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -30,6 +33,17 @@ use crate::args::UpArgs;
 use crate::client::{ClientError, RelayClient};
 use crate::config::ConfigFile;
 use crate::kubeconfig::{self, KubeconfigSpec};
+
+/// Without the development issuer there are no development tokens: no audience or tenant to configure.
+#[cfg(not(feature = "quickstart"))]
+const DEV_AUDIENCE: &str = "";
+#[cfg(not(feature = "quickstart"))]
+const DEV_TENANT: &str = "";
+
+/// What `tether up` says when asked for a piece this build left out.
+#[cfg(not(feature = "quickstart"))]
+pub const WITHOUT_QUICKSTART: &str = "built without the quickstart feature (no sample apiserver, no development \
+     issuer); use --kubeconfig with a real cluster's kubeconfig";
 
 /// Why the quickstart failed.
 #[derive(Debug, thiserror::Error)]
@@ -184,9 +198,12 @@ pub struct Up {
     /// The bearer token the kubeconfig carries (passed through to the cluster).
     pub user_token: Option<String>,
     /// The sample apiserver, when no kubeconfig was given.
+    #[cfg(feature = "quickstart")]
     pub sample: Option<SampleApiserver>,
     /// The DEVELOPMENT-ONLY token issuer, when guard is wired in.
+    #[cfg(feature = "quickstart")]
     pub issuer: Option<DevIssuer>,
+    #[cfg(feature = "quickstart")]
     guard: Option<GuardRuntime>,
     entra: Option<Entra>,
     cluster_kubeconfig: PathBuf,
@@ -194,6 +211,7 @@ pub struct Up {
     agent: Option<Running<tether_agent::AgentError>>,
 }
 
+#[cfg(feature = "quickstart")]
 /// tether-guard in process: its engine, where it listens, and what the agent needs to push to it.
 struct GuardRuntime {
     guard: Arc<tether_guard::Guard>,
@@ -207,6 +225,7 @@ struct GuardRuntime {
     running: Option<Running<tether_guard::server::ServeError>>,
 }
 
+#[cfg(feature = "quickstart")]
 impl GuardRuntime {
     /// Makes guard's certificate and the apiserver's client certificate, opens the snapshot file, binds, serves.
     /// Returns guard and the apiserver's client certificate.
@@ -365,6 +384,102 @@ impl Up {
             source,
         })?;
 
+        #[cfg(feature = "quickstart")]
+        let (sample, issuer, guard, entra, cluster_kubeconfig, user_token) =
+            Self::start_cluster(&dir, &options).await?;
+        #[cfg(not(feature = "quickstart"))]
+        let (entra, cluster_kubeconfig, user_token) = match &options.kubeconfig {
+            Some(path) => (None::<Entra>, path.clone(), bearer_token_of(path)?),
+            None => return Err(UpError::Config(WITHOUT_QUICKSTART.into())),
+        };
+
+        let relay_config = relay_config(&dir, &options, entra.as_ref());
+        let relay = tether_relay::Relay::new(relay_config)
+            .await
+            .map_err(|e| UpError::Relay(e.to_string()))?;
+        let admin_token = relay.admin_token().clone();
+        let ca_pem = relay.ca_pem().map(str::to_string).unwrap_or_default();
+        let listener = tokio::net::TcpListener::bind(options.listen)
+            .await
+            .map_err(|e| {
+                UpError::Config(format!(
+                    "cannot listen on {}: {e} (choose another address with --listen)",
+                    options.listen
+                ))
+            })?;
+        let relay_addr = listener
+            .local_addr()
+            .map_err(|e| UpError::Relay(e.to_string()))?;
+        let relay_url = format!("https://{}", display_addr(relay_addr));
+        let relay_task = spawn_relay(relay, listener);
+
+        let mut up = Up {
+            relay_addr,
+            relay_url,
+            ca_pem,
+            admin_token,
+            kubeconfig_path: dir.join("kubeconfig"),
+            config_path: dir.join("config.json"),
+            user_token,
+            #[cfg(feature = "quickstart")]
+            sample,
+            #[cfg(feature = "quickstart")]
+            issuer,
+            #[cfg(feature = "quickstart")]
+            guard,
+            entra,
+            cluster_kubeconfig,
+            relay: Some(relay_task),
+            agent: None,
+            options: UpOptions {
+                dir: dir.clone(),
+                ..options
+            },
+        };
+        let onboarding_token = up.register().await?;
+        up.spawn_agent(onboarding_token);
+        up.wait_connected(CONNECT_WAIT).await?;
+        up.write_files()?;
+        Ok(up)
+    }
+
+    /// A client of the relay's admin API.
+    pub fn client(&self) -> Result<RelayClient, ClientError> {
+        RelayClient::with_token(
+            &self.relay_url,
+            Some(self.ca_pem.as_bytes()),
+            self.admin_token.clone(),
+        )
+    }
+
+    /// The cluster name.
+    pub fn cluster(&self) -> &str {
+        &self.options.cluster
+    }
+
+    /// The state directory.
+    pub fn dir(&self) -> &Path {
+        &self.options.dir
+    }
+
+    /// The cluster side of the quickstart: the development issuer and guard (unless `--no-guard`), and the
+    /// sample apiserver unless a kubeconfig was given.
+    #[cfg(feature = "quickstart")]
+    #[allow(clippy::type_complexity)]
+    async fn start_cluster(
+        dir: &Path,
+        options: &UpOptions,
+    ) -> Result<
+        (
+            Option<SampleApiserver>,
+            Option<DevIssuer>,
+            Option<GuardRuntime>,
+            Option<Entra>,
+            PathBuf,
+            Option<String>,
+        ),
+        UpError,
+    > {
         let (issuer, guard) = if options.guard && options.kubeconfig.is_none() {
             let issuer = DevIssuer::start(
                 &dir.join(DEV_ISSUER_DIR),
@@ -423,83 +538,23 @@ impl Up {
             audience: options.audience.clone(),
         });
 
-        let relay_config = relay_config(&dir, &options, entra.as_ref());
-        let relay = tether_relay::Relay::new(relay_config)
-            .await
-            .map_err(|e| UpError::Relay(e.to_string()))?;
-        let admin_token = relay.admin_token().clone();
-        let ca_pem = relay.ca_pem().map(str::to_string).unwrap_or_default();
-        let listener = tokio::net::TcpListener::bind(options.listen)
-            .await
-            .map_err(|e| {
-                UpError::Config(format!(
-                    "cannot listen on {}: {e} (choose another address with --listen)",
-                    options.listen
-                ))
-            })?;
-        let relay_addr = listener
-            .local_addr()
-            .map_err(|e| UpError::Relay(e.to_string()))?;
-        let relay_url = format!("https://{}", display_addr(relay_addr));
-        let relay_task = spawn_relay(relay, listener);
-
-        let mut up = Up {
-            relay_addr,
-            relay_url,
-            ca_pem,
-            admin_token,
-            kubeconfig_path: dir.join("kubeconfig"),
-            config_path: dir.join("config.json"),
-            user_token,
-            sample,
-            issuer,
-            guard,
-            entra,
-            cluster_kubeconfig,
-            relay: Some(relay_task),
-            agent: None,
-            options: UpOptions {
-                dir: dir.clone(),
-                ..options
-            },
-        };
-        let onboarding_token = up.register().await?;
-        up.spawn_agent(onboarding_token);
-        up.wait_connected(CONNECT_WAIT).await?;
-        up.write_files()?;
-        Ok(up)
-    }
-
-    /// A client of the relay's admin API.
-    pub fn client(&self) -> Result<RelayClient, ClientError> {
-        RelayClient::with_token(
-            &self.relay_url,
-            Some(self.ca_pem.as_bytes()),
-            self.admin_token.clone(),
-        )
-    }
-
-    /// The cluster name.
-    pub fn cluster(&self) -> &str {
-        &self.options.cluster
-    }
-
-    /// The state directory.
-    pub fn dir(&self) -> &Path {
-        &self.options.dir
+        Ok((sample, issuer, guard, entra, cluster_kubeconfig, user_token))
     }
 
     /// Guard's engine (its snapshot store, cache, metrics), when guard is wired in.
+    #[cfg(feature = "quickstart")]
     pub fn guard(&self) -> Option<&Arc<tether_guard::Guard>> {
         self.guard.as_ref().map(|g| &g.guard)
     }
 
     /// Guard's base URL (`https://127.0.0.1:PORT`), when guard is wired in.
+    #[cfg(feature = "quickstart")]
     pub fn guard_url(&self) -> Option<String> {
         self.guard.as_ref().map(GuardRuntime::url)
     }
 
     /// Stops guard's server (the sample apiserver's webhooks then fail: its failure policy applies).
+    #[cfg(feature = "quickstart")]
     pub async fn stop_guard(&mut self) -> Result<(), UpError> {
         match &mut self.guard {
             Some(g) => g.stop().await,
@@ -508,6 +563,7 @@ impl Up {
     }
 
     /// Restarts guard on the same address with a fresh engine that loads its last snapshot from disk.
+    #[cfg(feature = "quickstart")]
     pub async fn restart_guard(&mut self) -> Result<(), UpError> {
         match &mut self.guard {
             Some(g) => g.restart().await,
@@ -581,6 +637,7 @@ impl Up {
                 authority_ca: Some(entra.authority_ca.clone()),
             });
         }
+        #[cfg(feature = "quickstart")]
         if let Some(guard) = &self.guard {
             let mut push = tether_agent::GuardConfig::new(
                 format!("{}/snapshot", guard.url()),
@@ -610,10 +667,7 @@ impl Up {
         let deadline = Instant::now() + limit;
         loop {
             if let Ok(cluster) = client.show_cluster(&self.options.cluster).await
-                && cluster
-                    .get("connected")
-                    .and_then(serde_json::Value::as_bool)
-                    == Some(true)
+                && cluster.connected
             {
                 return Ok(());
             }
@@ -721,14 +775,18 @@ impl Up {
     pub async fn shutdown(mut self) -> Result<(), UpError> {
         let agent = self.stop_agent().await;
         let relay = self.stop_relay().await;
-        if let Some(sample) = self.sample.take() {
-            sample.shutdown().await;
-        }
-        let guard = self.stop_guard().await;
-        if let Some(issuer) = self.issuer.take() {
-            issuer.shutdown().await;
-        }
-        agent.and(relay).and(guard)
+        #[cfg(feature = "quickstart")]
+        let relay = {
+            if let Some(sample) = self.sample.take() {
+                sample.shutdown().await;
+            }
+            let guard = self.stop_guard().await;
+            if let Some(issuer) = self.issuer.take() {
+                issuer.shutdown().await;
+            }
+            relay.and(guard)
+        };
+        agent.and(relay)
     }
 }
 
@@ -891,17 +949,22 @@ pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
         "  relay:    {}  (admin API, agent tunnels, kubectl endpoint)",
         up.relay_url
     );
-    match &up.sample {
-        Some(sample) => println!(
+    #[cfg(feature = "quickstart")]
+    let sample_url = up.sample.as_ref().map(SampleApiserver::url);
+    #[cfg(not(feature = "quickstart"))]
+    let sample_url: Option<String> = None;
+    match sample_url {
+        Some(url) => println!(
             "  cluster:  \"{}\" — the sample apiserver at {}, connected through an agent",
             up.cluster(),
-            sample.url()
+            url
         ),
         None => println!(
             "  cluster:  \"{}\" — connected through an agent",
             up.cluster()
         ),
     }
+    #[cfg(feature = "quickstart")]
     if let (Some(guard), Some(issuer)) = (up.guard_url(), &up.issuer) {
         println!(
             "  guard:    {guard}  (the cluster's authentication and authorization webhooks; audit log: {})",
@@ -926,6 +989,7 @@ pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
     let config = up.config_path.display().to_string();
     println!("  tether --config {config} cluster list");
     println!("  tether --config {config} cluster show {}", up.cluster());
+    #[cfg(feature = "quickstart")]
     if up.issuer.is_some() {
         let alice = "alice@contoso.com";
         let oid = tether_testkit::dev_issuer::object_id(alice);
@@ -953,24 +1017,9 @@ pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
     }
     println!();
     println!("Press Ctrl-C to stop.");
-    wait_for_signal().await;
+    tether_runtime::process::shutdown_signal().await;
     println!("Shutting down…");
     up.shutdown().await
-}
-
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            return;
-        }
-    }
-    let _ = tokio::signal::ctrl_c().await;
 }
 
 #[cfg(test)]

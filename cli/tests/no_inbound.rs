@@ -104,7 +104,7 @@ async fn kubectl_reaches_a_cluster_that_accepts_no_inbound_connection() -> anyho
         client
             .show_cluster("fenced")
             .await
-            .is_ok_and(|c| c["connected"] == serde_json::Value::Bool(true))
+            .is_ok_and(|c| c.connected)
     })
     .await;
     anyhow::ensure!(connected, "the agent inside the namespace never connected");

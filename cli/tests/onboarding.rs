@@ -64,7 +64,7 @@ async fn an_onboarding_token_cannot_be_used_twice() -> anyhow::Result<()> {
         answer.get("credential").is_none(),
         "bearer credentials are gone: {body}"
     );
-    let shown = client.show_cluster("edge-1").await?;
+    let shown = serde_json::to_value(client.show_cluster("edge-1").await?)?;
     assert_eq!(shown["onboarded"], serde_json::Value::Bool(true));
     assert_eq!(shown["identity"]["notAfter"], answer["notAfter"], "{shown}");
 
@@ -75,7 +75,7 @@ async fn an_onboarding_token_cannot_be_used_twice() -> anyhow::Result<()> {
     let (status, _) = post_onboard(&env, "edge-2", &token).await?;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
 
-    let shown = client.show_cluster("edge-2").await?;
+    let shown = serde_json::to_value(client.show_cluster("edge-2").await?)?;
     assert_eq!(shown["onboarded"], serde_json::Value::Bool(false));
     assert!(
         shown.get("onboardingToken").is_none(),

@@ -193,7 +193,7 @@ impl AgentProcess {
             if client
                 .show_cluster(cluster)
                 .await
-                .is_ok_and(|c| c["connectivityStatus"] == "Connected" && c["connected"] == true)
+                .is_ok_and(|c| c.connectivity_status == "Connected" && c.connected)
             {
                 return Ok(());
             }
@@ -499,7 +499,7 @@ async fn the_agent_reaches_the_relay_only_through_an_authenticating_proxy() -> a
         "the agent logged the proxy password:\n{log}"
     );
     let shown = fx.client.show_cluster("wrong-pass").await?;
-    assert_eq!(shown["onboarded"], false, "{shown}");
+    assert!(!shown.onboarded, "{shown:?}");
 
     // The right password: onboarding and the tunnel go through the proxy, and kubectl works.
     let token = fx.register("proxied").await?;

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use tether_loadtest::cli::Cli;
-use tether_runtime::process::{LogFormat, init_tracing_with};
+use tether_runtime::process::{LogFormat, init_tracing_with_default};
 
 /// Exit status for a command line that cannot be used (EX_USAGE).
 const EXIT_USAGE: u8 = 64;
@@ -19,7 +19,7 @@ fn main() -> ExitCode {
         }
     };
     // Progress bars own the terminal: only warnings by default.
-    init_tracing_with(LogFormat::Text, "warn");
+    init_tracing_with_default(LogFormat::Text, "warn");
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {

@@ -124,10 +124,20 @@ pub(crate) fn load(
 /// The CA's parameters. Only its name, key usages and key-id method matter when it signs, so rebuilding them
 /// from constants next to the stored key gives an issuer equivalent to the one that made `ca.pem`.
 fn ca_params(now: OffsetDateTime) -> CertificateParams {
+    ca_params_named("Tether relay CA", now, CA_VALIDITY)
+}
+
+/// Parameters of one of the relay's CAs (the server CA, the agent CA): only the common name and validity
+/// differ.
+pub(crate) fn ca_params_named(
+    common_name: &str,
+    now: OffsetDateTime,
+    validity: Duration,
+) -> CertificateParams {
     let mut params = CertificateParams::default();
     let mut dn = DistinguishedName::new();
     dn.push(DnType::OrganizationName, "Tether");
-    dn.push(DnType::CommonName, "Tether relay CA");
+    dn.push(DnType::CommonName, common_name);
     params.distinguished_name = dn;
     params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
     params.key_usages = vec![
@@ -136,7 +146,7 @@ fn ca_params(now: OffsetDateTime) -> CertificateParams {
         KeyUsagePurpose::DigitalSignature,
     ];
     params.not_before = now - Duration::hours(1);
-    params.not_after = now + CA_VALIDITY;
+    params.not_after = now + validity;
     params
 }
 

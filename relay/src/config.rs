@@ -3,40 +3,66 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::{Args, CommandFactory as _, FromArgMatches as _};
+use tether_runtime::parse_duration;
 use tether_tunnel::{Role, SessionConfig};
 
-/// Everything the relay needs to run. Build it with [`Config::new`], adjust fields, then [`Config::validate`]
-/// (also done by [`crate::Relay::new`]).
-#[derive(Debug, Clone)]
+/// Everything the relay needs to run. Build it with [`Config::new`] (or parse it with clap: it is the relay's
+/// command line, flags and `TETHER_RELAY_*` variables), adjust fields, then [`Config::validate`] (also done by
+/// [`crate::Relay::new`]). Every default is written once, on its field.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "tether-relay")]
 pub struct Config {
-    /// Where the SQLite database, the generated TLS material and the admin token live (created 0700).
+    /// Directory for the database, generated TLS material and admin token (created 0700).
+    #[arg(
+        long,
+        env = "TETHER_RELAY_DATA_DIR",
+        default_value = "./tether-relay-data"
+    )]
     pub data_dir: PathBuf,
-    /// PEM certificate chain to serve; with `tls_key`. When both are `None` a CA and a server certificate are
-    /// generated into `data_dir`.
+    /// PEM certificate chain to serve (with --tls-key); otherwise a CA and certificate are generated.
+    #[arg(long, env = "TETHER_RELAY_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
-    /// PEM private key for `tls_cert`.
+    /// PEM private key for --tls-cert.
+    #[arg(long, env = "TETHER_RELAY_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
-    /// Subject alternative names of the generated server certificate (DNS names or IP addresses).
+    /// Hostname or IP for the generated certificate (repeatable).
+    #[arg(
+        long = "hostname",
+        env = "TETHER_RELAY_HOSTNAMES",
+        value_delimiter = ',',
+        default_values_t = ["localhost".to_owned(), "127.0.0.1".to_owned(), "::1".to_owned()]
+    )]
     pub hostnames: Vec<String>,
-    /// File holding the admin token. When `None`, `DATA_DIR/admin-token` is generated once (0600) and reused.
+    /// File holding the admin token (default: DATA_DIR/admin-token, generated once, 0600).
+    #[arg(long, env = "TETHER_RELAY_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<PathBuf>,
-    /// How long an agent has to accept a stream before the user gets a 504.
+    /// How long an agent has to accept a request before the user gets a 504 (e.g. 10s, 500ms).
+    #[arg(long, env = "TETHER_RELAY_OPEN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub open_timeout: Duration,
-    /// Database URL; `None` means `sqlite://DATA_DIR/relay.db`. Only `sqlite:` URLs are supported today.
+    /// Database URL (default sqlite://DATA_DIR/relay.db).
+    #[arg(long, env = "TETHER_RELAY_DATABASE_URL")]
     pub database_url: Option<String>,
     /// Connection and request limits.
+    #[command(flatten)]
     pub limits: Limits,
     /// Session settings for agent tunnels (the role is always forced to [`Role::Server`]).
+    #[arg(skip = SessionConfig::new(Role::Server))]
     pub tunnel: SessionConfig,
-    /// How often agents send heartbeats (told to them in `welcome`; whole seconds, at least 1).
+    /// How often agents send heartbeats (whole seconds, e.g. 30s).
+    #[arg(long, env = "TETHER_RELAY_HEARTBEAT_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub heartbeat_interval: Duration,
-    /// A cluster not heard from (heartbeat or connect) for this long is `Offline`.
+    /// A cluster not heard from for this long shows as Offline (e.g. 15m).
+    #[arg(long, env = "TETHER_RELAY_OFFLINE_THRESHOLD", default_value = "15m", value_parser = parse_duration)]
     pub offline_threshold: Duration,
-    /// How long an issued cluster identity (client certificate) is valid.
+    /// Validity of the identity (client certificate) issued to each cluster; agents renew at about 2/3 (e.g. 90d).
+    #[arg(long, env = "TETHER_RELAY_IDENTITY_VALIDITY", default_value = "90d", value_parser = parse_duration)]
     pub identity_validity: Duration,
-    /// The newest agent version this relay offers (semver); older agents show `upgradeAvailable`.
+    /// The newest agent version this relay offers; clusters running an older one show "upgrade available".
+    #[arg(long, env = "TETHER_RELAY_LATEST_AGENT_VERSION", default_value = env!("CARGO_PKG_VERSION"))]
     pub latest_agent_version: String,
-    /// Relay-side validation of Entra-style tokens; `None`: every token passes through to the cluster.
+    /// Relay-side validation of Entra-style tokens; `None` (no --entra-* flag): every token passes through.
+    #[command(flatten)]
     pub entra: Option<EntraConfig>,
 }
 
@@ -46,16 +72,28 @@ pub struct Config {
 /// (`{authority}/…/v2.0` or `https://sts.windows.net/…/`) must validate (signature, tenant, audience,
 /// lifetime: `tether_auth::token::Authenticator`), else the request is refused with 401. Other tokens
 /// (Kubernetes service-account tokens, opaque tokens) pass through to the cluster unchanged.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Args)]
 pub struct EntraConfig {
-    /// Accepted tenant ids (`tid`); at least one.
+    /// Entra tenant id whose tokens the relay validates before forwarding (repeatable; with --entra-audience).
+    #[arg(
+        long = "entra-tenant",
+        env = "TETHER_RELAY_ENTRA_TENANTS",
+        value_delimiter = ','
+    )]
     pub tenants: Vec<String>,
-    /// Accepted audiences (`aud`); at least one.
+    /// Accepted audience of Entra tokens (repeatable; with --entra-tenant).
+    #[arg(
+        long = "entra-audience",
+        env = "TETHER_RELAY_ENTRA_AUDIENCES",
+        value_delimiter = ','
+    )]
     pub audiences: Vec<String>,
-    /// Base URL of v2 issuers and of discovery (default `https://login.microsoftonline.com`); https only.
+    /// Base URL of the Entra issuer and its discovery documents (default https://login.microsoftonline.com).
+    #[arg(long = "entra-authority", env = "TETHER_RELAY_ENTRA_AUTHORITY")]
     pub authority: Option<String>,
-    /// PEM CA bundle trusted for discovery and JWKS fetches in addition to the public roots (development
-    /// and tests, where the authority is a local issuer).
+    /// PEM CA trusted for the authority's discovery and keys, besides the public roots (development issuers
+    /// and tests).
+    #[arg(long = "entra-authority-ca", env = "TETHER_RELAY_ENTRA_AUTHORITY_CA")]
     pub authority_ca: Option<PathBuf>,
 }
 
@@ -72,45 +110,45 @@ impl EntraConfig {
 }
 
 /// Bounds on what one client can make the relay hold.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Args)]
 pub struct Limits {
-    /// Most TCP connections served at once (upgraded tunnels and exec sessions included); further
-    /// connections wait in the kernel backlog.
+    /// Most concurrent TCP connections (agent tunnels and user connections together, exec sessions included);
+    /// past it new connections wait. Size it for the number of clusters plus the users' connections.
+    #[arg(long, env = "TETHER_RELAY_MAX_CONNECTIONS", default_value_t = 50_000)]
     pub max_connections: usize,
     /// Time allowed for the TLS handshake.
+    #[arg(skip = Duration::from_secs(10))]
     pub tls_handshake_timeout: Duration,
     /// Time allowed to receive a request's headers (HTTP/1.1).
+    #[arg(skip = Duration::from_secs(30))]
     pub header_read_timeout: Duration,
     /// Largest request head accepted (HTTP/1.1 read buffer; HTTP/2 header list size).
+    #[arg(skip = 64 * 1024_usize)]
     pub max_header_bytes: usize,
     /// Most concurrent HTTP/2 streams per client connection.
+    #[arg(skip = 250_u32)]
     pub h2_max_concurrent_streams: u32,
     /// Largest JSON body accepted by the admin and agent endpoints.
+    #[arg(skip = 64 * 1024_usize)]
     pub max_control_body_bytes: usize,
     /// On shutdown, how long in-flight requests and tunnels get to finish before they are cut.
+    #[arg(skip = Duration::from_secs(10))]
     pub shutdown_grace: Duration,
-    /// Tunnels per second the relay expects to accept right after a restart. On shutdown each agent is told
-    /// (`draining`) to come back within `tunnels / reconnect_rate` seconds (at least 1 s), at a uniformly
-    /// random moment, so a fleet does not reconnect all at once.
+    /// Tunnels per second this relay can accept after a restart. On shutdown every agent is told (`draining`)
+    /// to come back within TUNNELS / RATE seconds (at least 1 s), at a random moment, so they do not all
+    /// reconnect at once.
+    #[arg(long, env = "TETHER_RELAY_RECONNECT_RATE", default_value_t = 1_000)]
     pub reconnect_rate: u32,
     /// How often heartbeats and health reports gathered in memory are written to the store, all clusters in
     /// one transaction.
+    #[arg(skip = Duration::from_secs(5))]
     pub last_seen_interval: Duration,
 }
 
 impl Default for Limits {
+    /// The defaults written on the fields.
     fn default() -> Self {
-        Self {
-            max_connections: 50_000,
-            tls_handshake_timeout: Duration::from_secs(10),
-            header_read_timeout: Duration::from_secs(30),
-            max_header_bytes: 64 * 1024,
-            h2_max_concurrent_streams: 250,
-            max_control_body_bytes: 64 * 1024,
-            shutdown_grace: Duration::from_secs(10),
-            reconnect_rate: 1_000,
-            last_seen_interval: Duration::from_secs(5),
-        }
+        Config::new(PathBuf::new()).limits
     }
 }
 
@@ -157,23 +195,16 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// Defaults for everything but the data directory.
+    /// The defaults written on the fields (the environment is not read), with `data_dir`.
     pub fn new(data_dir: PathBuf) -> Self {
-        Self {
-            data_dir,
-            tls_cert: None,
-            tls_key: None,
-            hostnames: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
-            admin_token_file: None,
-            open_timeout: Duration::from_secs(10),
-            database_url: None,
-            limits: Limits::default(),
-            tunnel: SessionConfig::new(Role::Server),
-            heartbeat_interval: Duration::from_secs(30),
-            offline_threshold: Duration::from_secs(15 * 60),
-            identity_validity: Duration::from_secs(90 * 24 * 3600),
-            latest_agent_version: env!("CARGO_PKG_VERSION").to_owned(),
-            entra: None,
+        let command = Self::command().mut_args(|arg| arg.env(None::<&str>));
+        let parsed = command
+            .try_get_matches_from(["tether-relay"])
+            .and_then(|matches| Self::from_arg_matches(&matches));
+        match parsed {
+            Ok(config) => Config { data_dir, ..config },
+            // Every flag has a default and the defaults parse: `defaults_parse` tests it.
+            Err(e) => unreachable!("the relay's defaults do not parse: {e}"),
         }
     }
 
@@ -318,6 +349,35 @@ fn valid_hostname(h: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn defaults_parse_and_the_command_line_is_sound() {
+        Config::command().debug_assert();
+        let c = Config::new("/d".into());
+        assert_eq!(c.data_dir, PathBuf::from("/d"));
+        assert_eq!(c.open_timeout, Duration::from_secs(10));
+        assert_eq!(c.identity_validity, Duration::from_secs(90 * 86_400));
+        assert_eq!(c.hostnames, ["localhost", "127.0.0.1", "::1"]);
+        assert_eq!(c.limits.max_connections, 50_000);
+        assert_eq!(c.limits.max_header_bytes, 64 * 1024);
+        assert!(c.entra.is_none());
+        let c = <Config as clap::Parser>::try_parse_from([
+            "r",
+            "--entra-tenant",
+            "t",
+            "--open-timeout",
+            "500ms",
+        ]);
+        let c = c.map_err(|e| e.to_string());
+        assert_eq!(
+            c.as_ref()
+                .ok()
+                .and_then(|c| c.entra.clone())
+                .map(|e| e.tenants),
+            Some(vec!["t".to_owned()])
+        );
+        assert_eq!(c.map(|c| c.open_timeout), Ok(Duration::from_millis(500)));
+    }
 
     #[test]
     fn defaults_validate() {

@@ -1,7 +1,7 @@
 //! The relay's side of the control channel: one stream of kind CONTROL per tunnel, opened by the agent.
 //!
 //! `hello` is answered with `welcome` and the cluster's guard snapshot (`guardSnapshot`), which is sent again
-//! whenever the admin API changes the cluster's assignments (the [`crate::rbac::GuardHub`] wakes the channel;
+//! whenever the admin API changes the cluster's assignments (the [`crate::guard_hub::GuardHub`] wakes the channel;
 //! the snapshot is read back from the store, so only the newest of several quick changes is sent). Heartbeats
 //! and health go to the [`crate::activity::ActivityLog`] (batched writes); metadata is written at once (it
 //! changes rarely); `renew` is answered with a new certificate or an `error`; `resolveGroups` with `groups`
@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::identity::IssueError;
 use crate::rbac;
-use crate::server::Shared;
+use crate::state::Shared;
 use crate::store::{AgentHealth, ClusterMetadata, NewIdentity};
 
 /// Longest string the relay keeps from an agent report (versions, distribution names, …).

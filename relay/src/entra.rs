@@ -17,11 +17,11 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use http::HeaderMap;
 use tether_auth::jwks::HttpsFetcher;
 use tether_auth::token::GroupResolver;
-use tether_auth::{Authenticator, TokenConfig};
+use tether_auth::{Authenticator, TokenConfig, TokenError};
 
 use crate::auth;
 use crate::config::{ConfigError, EntraConfig};
-use crate::error::{ApiError, RelayError};
+use crate::error::RelayError;
 use crate::store::Store;
 
 /// Builds the authenticator for `config`: keys fetched over HTTPS (trusting `authority_ca` too), group
@@ -89,12 +89,12 @@ pub(crate) fn is_entra_style(config: &TokenConfig, token: &str) -> bool {
         })
 }
 
-/// Refuses (401) a request whose bearer token is Entra-style and does not validate; lets every other request
-/// through.
+/// Refuses a request whose bearer token is Entra-style and does not validate (the handler answers 401); lets
+/// every other request through.
 pub(crate) async fn check(
     authenticator: &Authenticator,
     headers: &HeaderMap,
-) -> Result<(), ApiError> {
+) -> Result<(), TokenError> {
     let Some(token) = auth::bearer(headers) else {
         return Ok(());
     };
@@ -108,7 +108,7 @@ pub(crate) async fn check(
         }
         Err(e) => {
             tracing::info!(reason = e.label(), "Entra token refused at the relay");
-            Err(ApiError::unauthorized(e.to_string()))
+            Err(e)
         }
     }
 }

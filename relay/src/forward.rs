@@ -18,8 +18,8 @@ use hyper_util::rt::TokioIo;
 use tether_tunnel::{TunnelError, code};
 use tokio::io::{AsyncRead, AsyncWrite};
 
+use crate::api_error::ApiError;
 use crate::body::{Body, BoxError};
-use crate::error::ApiError;
 
 /// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1, plus the legacy proxy ones).
 const HOP_BY_HOP: [HeaderName; 8] = [

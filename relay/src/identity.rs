@@ -14,8 +14,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use rcgen::{
-    BasicConstraints, CertificateParams, CertificateSigningRequestParams, DistinguishedName,
-    DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber,
+    CertificateParams, CertificateSigningRequestParams, DistinguishedName, DnType,
+    ExtendedKeyUsagePurpose, Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber,
 };
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::{CertificateDer, UnixTime};
@@ -137,20 +137,7 @@ pub(crate) fn parse_peer(der: &[u8]) -> Result<PeerCert, String> {
 }
 
 fn ca_params(now: OffsetDateTime) -> CertificateParams {
-    let mut params = CertificateParams::default();
-    let mut dn = DistinguishedName::new();
-    dn.push(DnType::OrganizationName, "Tether");
-    dn.push(DnType::CommonName, "Tether agent CA");
-    params.distinguished_name = dn;
-    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    params.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    params.not_before = now - Duration::hours(1);
-    params.not_after = now + AGENT_CA_VALIDITY;
-    params
+    crate::certs::ca_params_named("Tether agent CA", now, AGENT_CA_VALIDITY)
 }
 
 impl AgentCa {

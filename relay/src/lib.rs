@@ -25,9 +25,10 @@
 //! refused before it enters a tunnel (the cluster validates it again). The relay does not talk to any
 //! apiserver itself, and it does not dial agents: agents dial it.
 
+// Layers, each importing only those below it: listener → router → handlers → domain services (tunnels,
+// control, rbac, entra, identity, activity) → state and store.
 mod activity;
-mod agent;
-mod api;
+mod api_error;
 mod auth;
 mod body;
 mod certs;
@@ -36,13 +37,18 @@ mod control;
 mod entra;
 mod error;
 mod forward;
+mod guard_hub;
+mod handlers;
 mod identity;
+mod listener;
 mod rbac;
 mod registry;
-mod server;
+mod respond;
+mod router;
+mod state;
 mod status;
 pub mod store;
-mod user;
+mod tunnels;
 
 use std::future::Future;
 use std::path::Path;
@@ -130,14 +136,14 @@ impl Relay {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), RelayError> {
-        let shared = Arc::new(server::Shared::new(
+        let shared = Arc::new(state::Shared::new(
             self.config,
             self.store,
             TokenHash::of(self.admin_token.expose()),
             self.agent_ca,
             self.entra,
         ));
-        server::serve(shared, self.tls.server_config, listener, shutdown).await
+        listener::serve(shared, self.tls.server_config, listener, shutdown).await
     }
 }
 

@@ -26,22 +26,22 @@ impl FromStr for LogFormat {
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`).
 pub fn init_tracing(format: LogFormat) {
-    init_tracing_with(format, "info");
+    init_tracing_with_default(format, "info");
 }
 
-/// Logs to stderr, filtered by `RUST_LOG`, else by `default_filter` (a tool that draws progress bars keeps
-/// to `warn`).
-pub fn init_tracing_with(format: LogFormat, default_filter: &str) {
+/// Logs to stderr, filtered by `RUST_LOG`, else by `default` (an `EnvFilter` directive such as
+/// `warn,tether_cli=info`). A second call keeps the first setup.
+pub fn init_tracing_with_default(format: LogFormat, default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -71,7 +71,8 @@ impl Env {
 
     /// The cluster as `GET /api/v1/clusters/NAME` returns it.
     pub async fn cluster(&self, name: &str) -> anyhow::Result<serde_json::Value> {
-        Ok(self.up.client()?.show_cluster(name).await?)
+        let cluster = self.up.client()?.show_cluster(name).await?;
+        Ok(serde_json::to_value(cluster)?)
     }
 
     /// Waits until `name` shows `connectivityStatus == status`; returns the cluster then.

@@ -375,14 +375,16 @@ impl Admin {
         self.client.send(false, req).await
     }
 
-    /// Waits until the API reports `name` as `connected == want`.
+    /// Waits until the API reports `name` as `connected == want`; when connected, also until the relay has
+    /// recorded the connection (it registers the tunnel first, then writes the agent version to the store).
     pub async fn wait_connected(&self, name: &str, want: bool) -> anyhow::Result<Value> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         loop {
             let reply = self.show(name).await?;
             if reply.status == StatusCode::OK {
                 let v = reply.json()?;
-                if v["connected"] == want {
+                let recorded = !want || !v["agentVersion"].is_null();
+                if v["connected"] == want && recorded {
                     return Ok(v);
                 }
             }

@@ -1,65 +1,26 @@
 //! The admin REST API for clusters: `/api/v1/clusters[/NAME[/export]]`, `/api/v1/clusters/import`, bearer
-//! admin token. Role definitions, assignments and the directory are in [`crate::rbac`].
+//! admin token. Role definitions, assignments and the directory are in [`super::rbac`].
 
 use std::collections::BTreeMap;
 
-use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
+use tether_api::admin::{self, EXPORT_API_VERSION, EXPORT_KIND};
 use tether_tunnel::code;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
+use super::rbac::{assignment_view, deny_view, role_view};
+use super::{body_limit, require_admin};
+use crate::api_error::ApiError;
 use crate::auth;
 use crate::body::Body;
-use crate::error::ApiError;
-use crate::rbac;
-use crate::server::{self, Shared};
+use crate::rbac::{ImportRequest, Imported, NewDeny};
+use crate::respond;
+use crate::state::Shared;
 use crate::status::{self, ConnectivityStatus};
 use crate::store::{ClusterRecord, NewCluster, TokenHash};
-
-/// `apiVersion` and `kind` of an exported cluster.
-const EXPORT_API_VERSION: &str = "tether.dev/v1";
-const EXPORT_KIND: &str = "ClusterExport";
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CreateCluster {
-    name: String,
-    #[serde(default)]
-    tags: BTreeMap<String, String>,
-}
-
-/// The document `GET …/export` writes and `POST …/import` reads.
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct ClusterExport {
-    api_version: String,
-    kind: String,
-    name: String,
-    #[serde(default)]
-    tags: BTreeMap<String, String>,
-    #[serde(default)]
-    role_assignments: Vec<Value>,
-    #[serde(default)]
-    deny_assignments: Vec<Value>,
-    #[serde(default)]
-    role_definitions: Vec<Value>,
-}
-
-/// Refuses a request without the admin token.
-pub(crate) fn require_admin(shared: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
-    let authorized = auth::bearer(headers)
-        .is_some_and(|t| TokenHash::of(t.expose()).ct_eq(&shared.admin_token_hash));
-    if authorized {
-        Ok(())
-    } else {
-        Err(ApiError::unauthorized(
-            "a valid admin token is required (Authorization: Bearer ADMIN_TOKEN)",
-        ))
-    }
-}
 
 /// Handles `/api/v1/clusters` (`name` = `None`) and `/api/v1/clusters/{name}` (`NAME`, `NAME/export`, `import`).
 pub(crate) async fn handle(
@@ -112,7 +73,7 @@ async fn register(
     shared: &Shared,
     name: String,
     tags: BTreeMap<String, String>,
-    imported: Option<rbac::Imported>,
+    imported: Option<Imported>,
 ) -> Result<Response<Body>, ApiError> {
     check_registration(&name, &tags)?;
     let token = auth::generate_token();
@@ -134,24 +95,21 @@ async fn register(
     };
     shared.activity.forget(&record.name);
     tracing::info!(cluster = %record.name, how, "cluster registered");
-    let mut value = cluster_json(shared, record, OffsetDateTime::now_utc());
-    if let Some(obj) = value.as_object_mut() {
-        // The only time the onboarding token is ever shown.
-        obj.insert(
-            "onboardingToken".into(),
-            Value::String(token.expose().to_owned()),
-        );
-    }
-    Ok(server::json(StatusCode::CREATED, &value))
+    // The only time the onboarding token is ever shown.
+    let created = admin::Created {
+        cluster: cluster_view(shared, record, OffsetDateTime::now_utc()),
+        onboarding_token: token.expose().to_owned(),
+    };
+    Ok(respond::json(StatusCode::CREATED, &created))
 }
 
 async fn create(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
-    let body: CreateCluster = server::read_json(shared, req.into_body()).await?;
+    let body: admin::NewCluster = respond::read_json(req.into_body(), body_limit(shared)).await?;
     register(shared, body.name, body.tags, None).await
 }
 
 async fn import(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
-    let doc: ClusterExport = server::read_json(shared, req.into_body()).await?;
+    let doc: admin::ClusterExport = respond::read_json(req.into_body(), body_limit(shared)).await?;
     if doc.api_version != EXPORT_API_VERSION || doc.kind != EXPORT_KIND {
         return Err(ApiError::invalid(format!(
             "expected apiVersion {EXPORT_API_VERSION:?} and kind {EXPORT_KIND:?}, got {:?} and {:?}",
@@ -159,14 +117,8 @@ async fn import(shared: &Shared, req: Request<Incoming>) -> Result<Response<Body
         )));
     }
     check_registration(&doc.name, &doc.tags)?;
-    let imported = rbac::prepare_import(
-        shared.store.as_ref(),
-        &doc.name,
-        &doc.role_definitions,
-        &doc.role_assignments,
-        &doc.deny_assignments,
-    )
-    .await?;
+    let request = import_request(&doc)?;
+    let imported = shared.rbac().prepare_import(&doc.name, request).await?;
     register(shared, doc.name, doc.tags, Some(imported)).await
 }
 
@@ -176,19 +128,72 @@ async fn export(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
         .cluster(name)
         .await?
         .ok_or_else(|| ApiError::cluster_not_found(name))?;
-    let (assignments, denies, roles) = rbac::export(shared, name).await?;
-    Ok(server::json(
-        StatusCode::OK,
-        &json!({
-            "apiVersion": EXPORT_API_VERSION,
-            "kind": EXPORT_KIND,
-            "name": record.name,
-            "tags": record.tags,
-            "roleAssignments": assignments,
-            "denyAssignments": denies,
-            "roleDefinitions": roles,
-        }),
-    ))
+    let state = shared.rbac().export(name).await?;
+    let items = |values: Vec<Result<Value, serde_json::Error>>| {
+        values
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ApiError::internal(format!("cannot encode the export: {e}")))
+    };
+    let document = admin::ClusterExport {
+        api_version: EXPORT_API_VERSION.to_owned(),
+        deny_assignments: items(
+            state
+                .deny_assignments
+                .iter()
+                .map(|d| serde_json::to_value(deny_view(d)))
+                .collect(),
+        )?,
+        kind: EXPORT_KIND.to_owned(),
+        name: record.name,
+        role_assignments: items(
+            state
+                .assignments
+                .iter()
+                .map(|a| serde_json::to_value(assignment_view(a, &state.roles)))
+                .collect(),
+        )?,
+        role_definitions: items(
+            state
+                .roles
+                .iter()
+                .map(|r| serde_json::to_value(role_view(r, false)))
+                .collect(),
+        )?,
+        tags: record.tags,
+    };
+    Ok(respond::json(StatusCode::OK, &document))
+}
+
+/// The guard part of an export document, read for the RBAC service.
+fn import_request(doc: &admin::ClusterExport) -> Result<ImportRequest, ApiError> {
+    let mut assignments = Vec::new();
+    for value in &doc.role_assignments {
+        let a: admin::RoleAssignment = serde_json::from_value(value.clone()).map_err(|e| {
+            ApiError::invalid(format!("invalid role assignment in the export: {e}"))
+        })?;
+        assignments.push((a.role_id, a.principal_id, a.namespace));
+    }
+    let mut denies = Vec::new();
+    for value in &doc.deny_assignments {
+        let d: admin::DenyAssignment = serde_json::from_value(value.clone()).map_err(|e| {
+            ApiError::invalid(format!("invalid deny assignment in the export: {e}"))
+        })?;
+        denies.push(NewDeny {
+            name: d.name,
+            data_actions: d.data_actions,
+            not_data_actions: d.not_data_actions,
+            principals: d.principals,
+            exclude_principals: d.exclude_principals,
+            cluster: doc.name.clone(),
+            namespace: d.namespace,
+        });
+    }
+    Ok(ImportRequest {
+        roles: doc.role_definitions.iter().map(Value::to_string).collect(),
+        assignments,
+        denies,
+    })
 }
 
 /// `?status=S` (repeatable: any of them) and `?tag=KEY=VALUE` or `?tag=KEY` (repeatable: all of them).
@@ -256,17 +261,17 @@ async fn list(shared: &Shared, query: &str) -> Result<Response<Body>, ApiError> 
     for mut record in shared.store.list_clusters().await? {
         shared.activity.overlay(&mut record);
         if filters.matches(&record, connectivity(shared, &record, now)) {
-            items.push(cluster_json(shared, record, now));
+            items.push(cluster_view(shared, record, now));
         }
     }
-    Ok(server::json(StatusCode::OK, &json!({ "items": items })))
+    Ok(respond::json(StatusCode::OK, &admin::List { items }))
 }
 
 async fn show(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError> {
     match shared.store.cluster(name).await? {
-        Some(record) => Ok(server::json(
+        Some(record) => Ok(respond::json(
             StatusCode::OK,
-            &cluster_json(shared, record, OffsetDateTime::now_utc()),
+            &cluster_view(shared, record, OffsetDateTime::now_utc()),
         )),
         None => Err(ApiError::cluster_not_found(name)),
     }
@@ -286,16 +291,13 @@ async fn delete(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
             .close(code::REFUSED, "cluster deleted at the relay");
     }
     tracing::info!(cluster = %name, "cluster deleted");
-    let mut resp = Response::new(crate::body::empty());
-    *resp.status_mut() = StatusCode::NO_CONTENT;
-    Ok(resp)
+    Ok(respond::no_content())
 }
 
 /// RFC 3339 in whole seconds (what the store keeps), so a value does not change when it is written.
-fn rfc3339(t: Option<OffsetDateTime>) -> Value {
+fn rfc3339(t: Option<OffsetDateTime>) -> Option<String> {
     t.and_then(|t| t.replace_nanosecond(0).ok())
         .and_then(|t| t.format(&Rfc3339).ok())
-        .map_or(Value::Null, Value::String)
 }
 
 fn connectivity(shared: &Shared, c: &ClusterRecord, now: OffsetDateTime) -> ConnectivityStatus {
@@ -309,44 +311,44 @@ fn connectivity(shared: &Shared, c: &ClusterRecord, now: OffsetDateTime) -> Conn
 
 /// The cluster as the API shows it. `connected` and `connectedSince` come from the live registry; heartbeats
 /// not yet written to the store are applied first.
-fn cluster_json(shared: &Shared, mut c: ClusterRecord, now: OffsetDateTime) -> Value {
+fn cluster_view(shared: &Shared, mut c: ClusterRecord, now: OffsetDateTime) -> admin::Cluster {
     shared.activity.overlay(&mut c);
     let live = shared.registry.get(&c.name);
     let latest = &shared.config.latest_agent_version;
     let metadata = c.metadata.as_ref();
-    json!({
-        "name": c.name,
-        "tags": c.tags,
-        "createdAt": rfc3339(Some(c.created_at)),
-        "onboarded": c.onboarded,
-        "connected": live.is_some(),
-        "connectedSince": rfc3339(live.map(|t| t.since)),
-        "connectivityStatus": connectivity(shared, &c, now).as_str(),
-        "lastConnectivityTime": rfc3339(c.last_seen),
-        "lastSeen": rfc3339(c.last_seen),
-        "kubernetesVersion": metadata.map(|m| m.kubernetes_version.as_str()),
-        "nodeCount": metadata.map(|m| m.node_count),
-        "totalCpuMillis": metadata.map(|m| m.total_cpu_millis),
-        "totalMemoryBytes": metadata.map(|m| m.total_memory_bytes),
-        "distribution": metadata.map(|m| m.distribution.as_str()),
-        "infrastructure": metadata.map(|m| m.infrastructure.as_str()),
-        "metadataReportedAt": rfc3339(metadata.map(|m| m.reported_at)),
-        "agentVersion": c.agent_version,
-        "agentHealth": c.health.as_ref().map(|h| json!({
-            "uptimeSeconds": h.uptime_seconds,
-            "memoryBytes": h.memory_bytes,
-            "cpuSeconds": h.cpu_seconds,
-            "reconnects": h.reconnects,
-            "tunnelRttMillis": h.tunnel_rtt_millis,
-            "reportedAt": rfc3339(Some(h.reported_at)),
-        })),
-        "identity": c.identity.as_ref().map(|i| json!({
-            "notAfter": rfc3339(Some(i.not_after)),
-            "fingerprint": i.fingerprint,
-        })),
-        "latestAgentVersion": latest,
-        "upgradeAvailable": status::upgrade_available(c.agent_version.as_deref(), latest),
-    })
+    admin::Cluster {
+        agent_health: c.health.as_ref().map(|h| admin::AgentHealth {
+            cpu_seconds: h.cpu_seconds,
+            memory_bytes: h.memory_bytes,
+            reconnects: h.reconnects,
+            reported_at: rfc3339(Some(h.reported_at)),
+            tunnel_rtt_millis: h.tunnel_rtt_millis,
+            uptime_seconds: h.uptime_seconds,
+        }),
+        upgrade_available: status::upgrade_available(c.agent_version.as_deref(), latest),
+        agent_version: c.agent_version.clone(),
+        connected: live.is_some(),
+        connected_since: rfc3339(live.map(|t| t.since)),
+        connectivity_status: connectivity(shared, &c, now).as_str().to_owned(),
+        created_at: rfc3339(Some(c.created_at)),
+        distribution: metadata.map(|m| m.distribution.clone()),
+        identity: c.identity.as_ref().map(|i| admin::Identity {
+            fingerprint: i.fingerprint.clone(),
+            not_after: rfc3339(Some(i.not_after)),
+        }),
+        infrastructure: metadata.map(|m| m.infrastructure.clone()),
+        kubernetes_version: metadata.map(|m| m.kubernetes_version.clone()),
+        last_connectivity_time: rfc3339(c.last_seen),
+        last_seen: rfc3339(c.last_seen),
+        latest_agent_version: latest.clone(),
+        metadata_reported_at: rfc3339(metadata.map(|m| m.reported_at)),
+        node_count: metadata.map(|m| m.node_count),
+        onboarded: c.onboarded,
+        total_cpu_millis: metadata.map(|m| m.total_cpu_millis),
+        total_memory_bytes: metadata.map(|m| m.total_memory_bytes),
+        name: c.name,
+        tags: c.tags,
+    }
 }
 
 #[cfg(test)]

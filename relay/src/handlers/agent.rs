@@ -1,27 +1,26 @@
 //! The agent endpoints: onboarding (token + CSR → the cluster's certificate) and the tunnel (mTLS, then a
-//! WebSocket upgrade), and the life of one tunnel: registration, the control channel, expiry, removal.
+//! WebSocket upgrade handed to [`crate::tunnels`], which owns the life of the tunnel).
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use serde_json::json;
-use tether_tunnel::{Connection, Role, code, kind, ws};
+use tether_tunnel::{Role, ws};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
-use tokio::sync::watch;
-use tokio_util::sync::CancellationToken;
 
+use super::body_limit;
+use crate::api_error::ApiError;
 use crate::auth;
 use crate::body::Body;
-use crate::control;
-use crate::error::ApiError;
-use crate::identity::{self, IssueError, PeerCert};
-use crate::server::{self, ConnCtx, Shared};
+use crate::identity::{self, PeerCert};
+use crate::respond;
+use crate::state::{ConnCtx, Shared};
 use crate::store::{NewIdentity, TokenHash};
+use crate::tunnels;
 
 const BAD_ONBOARDING_TOKEN: &str = "onboarding token is invalid or already used";
 const NO_CLIENT_CERT: &str = "no client certificate: the agent must present its cluster identity \
@@ -41,7 +40,7 @@ pub(crate) async fn onboard(
     shared: &Shared,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, ApiError> {
-    let body: Onboard = server::read_json(shared, req.into_body()).await?;
+    let body: Onboard = respond::read_json(req.into_body(), body_limit(shared)).await?;
     let token_hash = TokenHash::of(&body.token);
     // Unknown cluster, wrong token and used token all get the same answer: nothing leaks.
     let secrets = match auth::valid_cluster_name(&body.cluster) {
@@ -57,18 +56,12 @@ pub(crate) async fn onboard(
         return Err(ApiError::unauthorized(BAD_ONBOARDING_TOKEN));
     }
     let now = OffsetDateTime::now_utc();
-    let issued = shared
-        .agent_ca
-        .issue(
-            &body.cluster,
-            &body.csr,
-            shared.config.identity_validity,
-            now,
-        )
-        .map_err(|e| match e {
-            IssueError::InvalidCsr(_) => ApiError::bad_request(e.to_string()),
-            IssueError::Sign(_) => ApiError::internal(e.to_string()),
-        })?;
+    let issued = shared.agent_ca.issue(
+        &body.cluster,
+        &body.csr,
+        shared.config.identity_validity,
+        now,
+    )?;
     let identity = NewIdentity {
         fingerprint: issued.fingerprint.clone(),
         not_after: issued.not_after,
@@ -86,7 +79,7 @@ pub(crate) async fn onboard(
         .format(&Rfc3339)
         .map_err(|e| ApiError::internal(format!("cannot format the expiry: {e}")))?;
     tracing::info!(cluster = %body.cluster, %not_after, fingerprint = %issued.fingerprint, "agent onboarded");
-    Ok(server::json(
+    Ok(respond::json(
         StatusCode::OK,
         &json!({ "cluster": body.cluster, "certificate": issued.pem, "notAfter": not_after }),
     ))
@@ -182,137 +175,11 @@ pub(crate) async fn tunnel(
         let mut session = task_shared.config.tunnel.clone();
         session.role = Role::Server;
         let conn = ws::accept_upgraded(TokioIo::new(upgraded), session);
-        run_tunnel(&task_shared, &cluster, &version, &peer, conn).await;
+        tunnels::run(&task_shared, &cluster, &version, &peer, conn).await;
         drop(ctx);
     });
     let (parts, ()) = switch.into_parts();
     Ok(Response::from_parts(parts, crate::body::empty()))
-}
-
-/// Accepts the agent's streams: the first CONTROL stream is served, any other stream is refused.
-async fn accept_streams(
-    shared: Arc<Shared>,
-    cluster: String,
-    peer: PeerCert,
-    conn: Connection,
-    valid_until: watch::Sender<OffsetDateTime>,
-    draining: CancellationToken,
-) {
-    let mut valid_until = Some(valid_until);
-    let mut control_task = None;
-    while let Some(incoming) = conn.accept().await {
-        if incoming.kind != kind::CONTROL {
-            incoming.refuse(
-                code::UNSUPPORTED_KIND,
-                "the relay accepts only a control stream from agents",
-            );
-            continue;
-        }
-        let Some(valid_until) = valid_until.take() else {
-            incoming.refuse(
-                code::REFUSED,
-                "a control channel is already open on this tunnel",
-            );
-            continue;
-        };
-        match incoming.accept(Bytes::new()) {
-            Ok(stream) => {
-                let channel = control::Channel {
-                    shared: shared.clone(),
-                    cluster: cluster.clone(),
-                    held_fingerprint: peer.fingerprint.clone(),
-                    valid_until,
-                    draining: draining.clone(),
-                };
-                control_task = Some(tokio::spawn(control::serve(channel, stream)));
-            }
-            Err(e) => tracing::debug!(cluster, error = %e, "control stream failed to open"),
-        }
-    }
-    if let Some(mut task) = control_task {
-        // A tunnel going away lets its control channel say goodbye (`draining`, bounded in `control::serve`).
-        if tokio::time::timeout(CONTROL_GOODBYE, &mut task)
-            .await
-            .is_err()
-        {
-            task.abort();
-        }
-    }
-}
-
-/// How long a control channel may outlive its tunnel's stream acceptor (it needs at most two seconds).
-const CONTROL_GOODBYE: std::time::Duration = std::time::Duration::from_secs(3);
-
-/// Owns one agent tunnel from registration to removal.
-async fn run_tunnel(
-    shared: &Arc<Shared>,
-    cluster: &str,
-    version: &str,
-    peer: &PeerCert,
-    conn: Connection,
-) {
-    let (tunnel, replaced) = shared.registry.insert(cluster, conn.clone());
-    let id = tunnel.id;
-    if let Some(old) = replaced {
-        old.go_away(
-            code::SHUTDOWN,
-            "replaced by a newer tunnel for the same cluster",
-        );
-    }
-    // A delete that ran between authentication and registration must still win.
-    if !matches!(shared.store.cluster(cluster).await, Ok(Some(_))) {
-        shared.registry.remove_if(cluster, id);
-        conn.close(code::REFUSED, "cluster deleted at the relay");
-        return;
-    }
-    tracing::info!(cluster, agent_version = version, "agent tunnel connected");
-    if let Err(e) = shared
-        .store
-        .record_connected(cluster, version, OffsetDateTime::now_utc())
-        .await
-    {
-        tracing::warn!(cluster, error = %e, "cannot record the connection");
-    }
-
-    let (valid_until, mut expiry) = watch::channel(peer.not_after);
-    let acceptor = tokio::spawn(accept_streams(
-        shared.clone(),
-        cluster.to_owned(),
-        peer.clone(),
-        conn.clone(),
-        valid_until,
-        tunnel.draining.clone(),
-    ));
-
-    let closed = conn.closed();
-    tokio::pin!(closed);
-    let mut closing = false;
-    let info = loop {
-        let until = *expiry.borrow_and_update();
-        let left = until - OffsetDateTime::now_utc();
-        let left = std::time::Duration::try_from(left).unwrap_or_default();
-        tokio::select! {
-            info = &mut closed => break info,
-            // A renewal moved the expiry: wait for the new one.
-            Ok(()) = expiry.changed() => {}
-            () = tokio::time::sleep(left), if !closing => {
-                if *expiry.borrow() <= OffsetDateTime::now_utc() {
-                    closing = true;
-                    tracing::info!(cluster, "closing the tunnel: the cluster's identity expired");
-                    conn.close(code::REFUSED, "the cluster's identity expired");
-                }
-            }
-        }
-    };
-    acceptor.abort();
-    let current = shared.registry.remove_if(cluster, id);
-    match &info.error {
-        None => tracing::info!(cluster, "agent tunnel closed"),
-        Some(e) => tracing::info!(cluster, error = %e, "agent tunnel lost"),
-    }
-    if current && let Err(e) = shared.store.record_disconnected(cluster).await {
-        tracing::warn!(cluster, error = %e, "cannot record the disconnection");
-    }
 }
 
 #[cfg(test)]

@@ -5,10 +5,10 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use tether_tunnel::{OpenOptions, Priority, kind};
 
+use crate::api_error::ApiError;
 use crate::body::Body;
-use crate::error::ApiError;
 use crate::forward::{self, Target};
-use crate::server::{ConnCtx, Shared};
+use crate::state::{ConnCtx, Shared};
 use crate::{auth, entra};
 
 /// Handles `/clusters/{rest}` where `rest` is `NAME` or `NAME/…`. Refuses at once — before anything enters a
@@ -30,7 +30,9 @@ pub(crate) async fn handle(
         ));
     }
     if let Some(authenticator) = &shared.entra {
-        entra::check(authenticator, req.headers()).await?;
+        entra::check(authenticator, req.headers())
+            .await
+            .map_err(|e| ApiError::unauthorized(e.to_string()))?;
     }
     if !auth::valid_cluster_name(name) {
         return Err(ApiError::cluster_not_found(name));

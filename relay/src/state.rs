@@ -1,0 +1,94 @@
+//! The state every connection, handler and tunnel task shares. It imports no handler: handlers and domain
+//! services import it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio_util::task::TaskTracker;
+
+use crate::activity::ActivityLog;
+use crate::config::Config;
+use crate::guard_hub::GuardHub;
+use crate::identity::AgentCa;
+use crate::rbac::Rbac;
+use crate::registry::Registry;
+use crate::store::{Store, TokenHash};
+
+/// State shared by every connection and tunnel task.
+pub(crate) struct Shared {
+    pub(crate) config: Config,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) registry: Registry,
+    pub(crate) admin_token_hash: TokenHash,
+    pub(crate) agent_ca: AgentCa,
+    /// Heartbeats and health waiting for the next batched write.
+    pub(crate) activity: ActivityLog,
+    /// Tunnel tasks, awaited on shutdown.
+    pub(crate) tasks: TaskTracker,
+    /// Wakes control channels when their cluster's guard snapshot changed.
+    pub(crate) guard: GuardHub,
+    /// Validates Entra-style tokens before they enter a tunnel, when configured.
+    pub(crate) entra: Option<Arc<tether_auth::Authenticator>>,
+    shutting_down: AtomicBool,
+    /// Set on shutdown: the window, in milliseconds, within which agents are told to come back (0: none).
+    reconnect_window_ms: AtomicU64,
+}
+
+impl Shared {
+    pub(crate) fn new(
+        config: Config,
+        store: Arc<dyn Store>,
+        admin_token_hash: TokenHash,
+        agent_ca: AgentCa,
+        entra: Option<Arc<tether_auth::Authenticator>>,
+    ) -> Self {
+        Self {
+            config,
+            store,
+            registry: Registry::default(),
+            admin_token_hash,
+            agent_ca,
+            activity: ActivityLog::default(),
+            tasks: TaskTracker::new(),
+            guard: GuardHub::default(),
+            entra,
+            shutting_down: AtomicBool::new(false),
+            reconnect_window_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// The RBAC domain service over this relay's store and hub.
+    pub(crate) fn rbac(&self) -> Rbac<'_> {
+        Rbac {
+            store: self.store.as_ref(),
+            hub: &self.guard,
+        }
+    }
+
+    /// The reconnect window set on shutdown, if any.
+    pub(crate) fn reconnect_window(&self) -> Option<Duration> {
+        match self.reconnect_window_ms.load(Ordering::Acquire) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+
+    pub(crate) fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Acquire)
+    }
+
+    /// Marks the relay as shutting down, agents to come back within `window`.
+    pub(crate) fn start_shutdown(&self, window: Duration) {
+        self.shutting_down.store(true, Ordering::Release);
+        self.reconnect_window_ms.store(
+            u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Release,
+        );
+    }
+}
+
+/// What a request handler knows about its connection: the peer, its verified client certificate (only the
+/// tunnel endpoint looks at it) and the connection's slot under `max_connections` (held by upgraded pipes and
+/// tunnels too, so the limit counts them).
+pub(crate) type ConnCtx = tether_runtime::serve::Conn;
