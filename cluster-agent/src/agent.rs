@@ -136,14 +136,15 @@ pub async fn run(
     }
     // Group overages are resolved through the relay, over whichever control channel is up.
     let directory = Arc::new(RelayDirectory::default());
-    let upstream = match &config.entra {
+    let auth_proxy = match &config.entra {
         Some(entra) => {
             let resolver: Arc<dyn tether_auth::token::GroupResolver> = directory.clone();
-            let proxy = AuthProxy::new(entra, Some(resolver))?;
-            Upstream::with_auth_proxy(&kube_config, proxy)?
+            Some(AuthProxy::new(entra, Some(resolver))?)
         }
-        None => Upstream::from_kube_config(&kube_config)?,
+        None => None,
     };
+    let upstream =
+        Upstream::from_kube_config_with(&kube_config, auth_proxy, config.upstream.clone())?;
     // Dropping the pusher (when `run` returns) stops it.
     let (snapshots, _pusher) = match &config.guard {
         Some(guard) => {

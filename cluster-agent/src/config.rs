@@ -11,6 +11,7 @@ use tether_runtime::{Secret, parse_duration};
 use tether_tunnel::proxy::{NoProxy, Proxy, ProxyConfig, ProxyError};
 
 use crate::identity;
+use crate::pool::PoolOptions;
 use crate::state_secret::SecretRef;
 
 /// Everything the agent needs to run: the `tether-agent` command line itself (`clap` parses flags and their
@@ -97,6 +98,9 @@ pub struct Config {
     /// Timeout of each attempt to reach the relay (TCP, TLS, WebSocket and onboarding request).
     #[arg(long, env = "TETHER_CONNECT_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
     pub connect_timeout: Duration,
+    /// How the connections to the apiserver grow with load (`--upstream-*`, [`crate::pool`]).
+    #[command(flatten)]
+    pub upstream: PoolOptions,
     /// The in-cluster authentication proxy: Entra-style tokens are validated here and forwarded with
     /// impersonation on the agent's own credentials; `None` (no --entra-* flag) passes every token through
     /// unchanged.

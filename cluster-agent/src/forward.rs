@@ -38,11 +38,12 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tower::ServiceExt as _;
 
 use crate::auth_proxy::{AuthProxy, Credential, impersonate};
+use crate::pool::{self, Busy, Leased, Pool, PoolOptions};
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
 /// The body of a response the agent sends back over a stream: the apiserver's, streamed, or a small error.
-pub type ResponseBody = Either<Incoming, Full<Bytes>>;
+pub type ResponseBody = Either<Leased, Full<Bytes>>;
 
 /// Connect timeout to the apiserver when the kube config sets none.
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -96,8 +97,8 @@ struct UpstreamInner {
     authority: Authority,
     /// The cluster URL's path without its trailing slash ("" when none).
     base_path: String,
-    /// h2 or HTTP/1.1, pooled keep-alive connections: ordinary requests.
-    pooled: UpstreamClient,
+    /// h2 or HTTP/1.1, pooled keep-alive connections that grow with load: ordinary requests.
+    pooled: Pool<UpstreamClient>,
     /// HTTP/1.1 only, no idle pool: upgrade requests (an h2 connection cannot upgrade).
     upgrade: UpstreamClient,
     /// The authentication proxy and the clients carrying the agent's own credentials; `None`: pass-through
@@ -109,7 +110,7 @@ struct UpstreamInner {
 struct Impersonating {
     proxy: AuthProxy,
     /// Like [`UpstreamInner::pooled`], presenting the agent's client certificate if it has one.
-    pooled: UpstreamClient,
+    pooled: Pool<UpstreamClient>,
     /// Like [`UpstreamInner::upgrade`], presenting the agent's client certificate if it has one.
     upgrade: UpstreamClient,
     /// Produces the agent's `Authorization` header (static or refreshed token, basic auth); `None` when the
@@ -135,8 +136,22 @@ impl Upstream {
     /// `accept_invalid_certs`), `tls_server_name` and `connect_timeout`.
     /// The config's credentials (client certificate, token, exec plugin) are deliberately NOT used.
     pub fn from_kube_config(config: &kube::Config) -> Result<Self, UpstreamError> {
+        Self::from_kube_config_with(config, None, PoolOptions::default())
+    }
+
+    /// [`Upstream::from_kube_config`] or, with `proxy`, [`Upstream::with_auth_proxy`], with the connection pool
+    /// sized by `pool` ([`crate::pool`]).
+    pub fn from_kube_config_with(
+        config: &kube::Config,
+        proxy: Option<AuthProxy>,
+        pool: PoolOptions,
+    ) -> Result<Self, UpstreamError> {
+        let mut inner = UpstreamInner::pass_through(config, &pool)?;
+        if let Some(proxy) = proxy {
+            inner.impersonating = Some(Impersonating::new(config, proxy, &pool)?);
+        }
         Ok(Self {
-            inner: Arc::new(UpstreamInner::pass_through(config)?),
+            inner: Arc::new(inner),
         })
     }
 
@@ -145,11 +160,7 @@ impl Upstream {
     /// certificate, token, token file or exec plugin, as kube-rs loads them) and impersonation headers. Fails
     /// when `config` holds no credential of the agent's own.
     pub fn with_auth_proxy(config: &kube::Config, proxy: AuthProxy) -> Result<Self, UpstreamError> {
-        let mut inner = UpstreamInner::pass_through(config)?;
-        inner.impersonating = Some(Impersonating::new(config, proxy)?);
-        Ok(Self {
-            inner: Arc::new(inner),
-        })
+        Self::from_kube_config_with(config, Some(proxy), PoolOptions::default())
     }
 
     /// Whether the authentication proxy is on.
@@ -196,7 +207,7 @@ impl Upstream {
 
 impl UpstreamInner {
     /// The plain clients (no credential of the agent's) for `config`.
-    fn pass_through(config: &kube::Config) -> Result<Self, UpstreamError> {
+    fn pass_through(config: &kube::Config, pool: &PoolOptions) -> Result<Self, UpstreamError> {
         let url = &config.cluster_url;
         let invalid = |reason| UpstreamError::InvalidUrl {
             url: url.to_string(),
@@ -218,7 +229,7 @@ impl UpstreamInner {
             );
         }
         let tls = upstream_tls(config)?;
-        let (pooled, upgrade) = clients(config, tls)?;
+        let (pooled, upgrade) = clients(config, tls, pool)?;
         Ok(Self {
             scheme,
             authority,
@@ -232,7 +243,11 @@ impl UpstreamInner {
 
 impl Impersonating {
     /// The impersonating clients, presenting the agent's own credentials from `config`.
-    fn new(config: &kube::Config, proxy: AuthProxy) -> Result<Self, UpstreamError> {
+    fn new(
+        config: &kube::Config,
+        proxy: AuthProxy,
+        pool: &PoolOptions,
+    ) -> Result<Self, UpstreamError> {
         let tls = kube_tls(config)?;
         let own_identity = tls.client_auth_cert_resolver.clone();
         let authorization = config
@@ -253,7 +268,7 @@ impl Impersonating {
         if !own_identity.has_certs() && authorization.is_none() {
             return Err(UpstreamError::NoOwnCredentials);
         }
-        let (pooled, upgrade) = clients(config, tls)?;
+        let (pooled, upgrade) = clients(config, tls, pool)?;
         Ok(Self {
             proxy,
             pooled,
@@ -281,7 +296,8 @@ pub enum TargetError {
 fn clients(
     config: &kube::Config,
     tls: rustls::ClientConfig,
-) -> Result<(UpstreamClient, UpstreamClient), UpstreamError> {
+    pool: &PoolOptions,
+) -> Result<(Pool<UpstreamClient>, UpstreamClient), UpstreamError> {
     let server_name = match &config.tls_server_name {
         Some(name) => Some(
             ServerName::try_from(name.clone())
@@ -313,11 +329,14 @@ fn clients(
             timeout: connect_timeout,
         }
     };
-    let pooled = Client::builder(TokioExecutor::new())
-        .timer(TokioTimer::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-        .build(connector(true));
+    let http2 = connector(true);
+    let pooled = Pool::new(pool.clone(), move || {
+        Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .build(http2.clone())
+    });
     let upgrade = Client::builder(TokioExecutor::new())
         .timer(TokioTimer::new())
         .pool_max_idle_per_host(0)
@@ -546,7 +565,18 @@ async fn forward(
         Err(e) => return status_response(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
     };
 
-    let client = if upgrade { upgrading } else { pooled };
+    let lease = if upgrade {
+        None
+    } else {
+        match pooled
+            .acquire(pool::is_long_running(&out.method().clone(), out.uri()))
+            .await
+        {
+            Ok(lease) => Some(lease),
+            Err(Busy) => return busy(&upstream.base()),
+        }
+    };
+    let client = lease.as_ref().map_or(upgrading, |lease| lease.client());
     let mut resp = match client.request(out).await {
         Ok(resp) => resp,
         Err(e) => return upstream_error(&e, &upstream.base()),
@@ -590,7 +620,31 @@ async fn forward(
 
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers, false);
+    let body = match lease {
+        Some(lease) => Leased::new(body, lease),
+        None => Leased::unleased(body),
+    };
     Response::from_parts(parts, Either::Left(body))
+}
+
+/// Every upstream connection is full and none may be added: 503 with `Retry-After`, as kube-apiserver's
+/// max-in-flight filter answers.
+fn busy(base: &str) -> Response<ResponseBody> {
+    tracing::warn!(
+        apiserver = base,
+        "every upstream connection is full; shedding a request"
+    );
+    let mut response = status_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "ServiceUnavailable",
+        &format!(
+            "the agent has too many requests open to the apiserver at {base}; try again shortly"
+        ),
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
 }
 
 /// How one request goes to the apiserver.

@@ -38,6 +38,7 @@ mod health;
 pub mod identity;
 pub mod metadata;
 mod onboard;
+pub mod pool;
 pub mod probes;
 pub mod state_secret;
 mod store;
