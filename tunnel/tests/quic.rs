@@ -424,15 +424,33 @@ async fn idle_timeout_closes_a_dead_peer() -> anyhow::Result<()> {
 /// Connects with quinn directly, sends the session stream's version byte and HELLO by hand, and waits for
 /// WELCOME.
 async fn raw_client(relay: &Relay) -> anyhow::Result<quinn::Connection> {
-    let id = identity(&relay.pki.agent_ca, "prod")?;
-    let mut tls = (*client_tls(&relay.pki, Some(&id))?).clone();
+    let (conn, session) = raw_hello(&relay.pki, relay.addr).await?;
+    let mut peer = conn.accept_uni().await?;
+    let mut welcome = [0u8; 6];
+    peer.read_exact(&mut welcome).await?;
+    anyhow::ensure!(welcome == [1, 2, 0, 0, 0, 0], "not a WELCOME: {welcome:?}");
+    // Keep both session streams open for the life of the connection.
+    tokio::spawn(async move {
+        let _keep = (session, peer);
+        std::future::pending::<()>().await;
+    });
+    Ok(conn)
+}
+
+/// The QUIC handshake and the HELLO (one header, `tether-cluster: prod`), by hand.
+async fn raw_hello(
+    pki: &Pki,
+    addr: SocketAddr,
+) -> anyhow::Result<(quinn::Connection, quinn::SendStream)> {
+    let id = identity(&pki.agent_ca, "prod")?;
+    let mut tls = (*client_tls(pki, Some(&id))?).clone();
     tls.alpn_protocols = vec![quic::ALPN.to_vec()];
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(Arc::new(tls))?;
     let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
     let conn = endpoint
         .connect_with(
             quinn::ClientConfig::new(Arc::new(crypto)),
-            relay.addr,
+            addr,
             "localhost",
         )?
         .await?;
@@ -449,16 +467,51 @@ async fn raw_client(relay: &Relay) -> anyhow::Result<quinn::Connection> {
     first.put_u32(u32::try_from(hello.len())?);
     first.put_slice(&hello);
     session.write_all(&first).await?;
-    let mut peer = conn.accept_uni().await?;
-    let mut welcome = [0u8; 6];
-    peer.read_exact(&mut welcome).await?;
-    anyhow::ensure!(welcome == [1, 2, 0, 0, 0, 0], "not a WELCOME: {welcome:?}");
-    // Keep both session streams open for the life of the connection.
-    tokio::spawn(async move {
-        let _keep = (session, peer);
-        std::future::pending::<()>().await;
-    });
-    Ok(conn)
+    Ok((conn, session))
+}
+
+#[tokio::test]
+async fn no_stream_can_be_opened_before_the_relay_accepts() -> anyhow::Result<()> {
+    let pki = Arc::new(pki()?);
+    let listener = Listener::bind(
+        "127.0.0.1:0".parse()?,
+        server_tls(&pki)?,
+        SessionConfig::new(Role::Server),
+    )?;
+    let addr = listener.local_addr()?;
+    let client_pki = pki.clone();
+    let client = tokio::spawn(async move { raw_hello(&client_pki, addr).await });
+    let handshake = within("attempt", listener.accept())
+        .await?
+        .context("listener closed")?;
+    let pending = within("handshake", handshake.finish()).await??;
+    assert_eq!(
+        pending
+            .headers()
+            .get("tether-cluster")
+            .map(|v| v.as_bytes()),
+        Some(&b"prod"[..])
+    );
+    assert_eq!(pending.peer_certificates().len(), 1);
+    let (conn, _session) = within("client", client).await???;
+    // The relay has not answered: the client has no stream credit at all.
+    {
+        let mut open = std::pin::pin!(conn.open_bi());
+        assert!(
+            open.as_mut()
+                .poll(&mut Context::from_waker(Waker::noop()))
+                .is_pending()
+        );
+    }
+    let server = within("accept", pending.accept()).await??;
+    let _echo = spawn_echo_server(server);
+    let (mut send, mut recv) = within("open after WELCOME", conn.open_bi()).await??;
+    send.write_all(&header(1, 1, 0, b"")).await?;
+    send.write_all(b"now").await?;
+    send.finish()?;
+    let reply = within("reply", recv.read_to_end(1024)).await??;
+    assert_eq!(reply, [&[1u8, 0, 0, 0, 0, 0][..], b"now"].concat());
+    Ok(())
 }
 
 fn header(version: u8, priority: u8, metadata_len: u32, metadata: &[u8]) -> Bytes {
