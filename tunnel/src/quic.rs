@@ -129,7 +129,8 @@ pub enum QuicError {
 
 /// The QUIC transport settings derived from the session settings, so both transports share one set of knobs:
 /// stream window = `max_stream_window` (quinn does not auto-tune, so a stream gets the ceiling the WebSocket
-/// transport grows to), connection window and send window = `connection_window`, at most
+/// transport grows to; the connection window still bounds what all streams together may have unread),
+/// connection window and send window = `connection_window`, at most
 /// `max_concurrent_streams` streams from the peer, keepalive and idle timeout as configured, initial MTU 1,200
 /// with path MTU discovery, no datagrams. `accept_streams` false sets the peer's stream limit to 0 (raised
 /// once the relay has authenticated the tunnel).
@@ -864,19 +865,22 @@ impl Shared {
 /// Answers a peer's stream with REFUSE, then finishes it.
 fn refuse_parts(mut send: SendStream, mut recv: RecvStream, code: u32, reason: &str) {
     let _ = recv.stop(varint(code));
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        // No runtime to write the answer from: a reset with the code says as much.
+        let _ = send.reset(varint(code));
+        return;
+    };
     let answer = encode_refuse(code, reason);
-    let spawned = spawn(async move {
+    runtime.spawn(async move {
         if tokio::time::timeout(CLOSE_LINGER, send.write_all(&answer))
             .await
             .is_ok_and(|r| r.is_ok())
         {
             let _ = send.finish();
+        } else {
+            let _ = send.reset(varint(code));
         }
     });
-    if spawned.is_none() {
-        // No runtime to write the answer from: a reset says as much.
-        tracing::debug!("refusing a QUIC stream outside a runtime: resetting it instead");
-    }
 }
 
 /// One per connection, shared by `Connection` clones and streams: when the last one goes, the connection

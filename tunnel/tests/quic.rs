@@ -237,6 +237,26 @@ impl Harness for Quic {
 stream_cases!(Quic);
 
 #[tokio::test]
+async fn quic_handles_can_move_between_tasks() -> anyhow::Result<()> {
+    fn send_sync<T: Send + Sync>(_: &T) {}
+    fn send<T: Send>(_: &T) {}
+    let p = Quic::pair().await?;
+    send_sync(&p.client);
+    send(&p.client.accept());
+    send(&p.client.closed());
+    let stream = p.client.open(open_options("types"))?;
+    send_sync(&stream);
+    let control = stream.control();
+    send_sync(&control);
+    send(&control.accepted());
+    let incoming = within("accept", p.server.accept())
+        .await?
+        .context("no stream")?;
+    send_sync(&incoming);
+    Ok(())
+}
+
+#[tokio::test]
 async fn unanswered_stream_times_out_at_its_deadline() -> anyhow::Result<()> {
     common::cases::unanswered_stream_times_out_at_its_deadline::<Quic>().await
 }
