@@ -656,3 +656,68 @@ async fn a_peer_cannot_open_more_streams_than_allowed() -> anyhow::Result<()> {
     assert!(within("accept", server.accept()).await?.is_some());
     Ok(())
 }
+
+/// A raw quinn connection that has done the QUIC/TLS handshake and nothing else.
+async fn raw_connect(pki: &Pki, addr: SocketAddr) -> anyhow::Result<quinn::Connection> {
+    let id = identity(&pki.agent_ca, "prod")?;
+    let mut tls = (*client_tls(pki, Some(&id))?).clone();
+    tls.alpn_protocols = vec![quic::ALPN.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(Arc::new(tls))?;
+    let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
+    Ok(endpoint
+        .connect_with(
+            quinn::ClientConfig::new(Arc::new(crypto)),
+            addr,
+            "localhost",
+        )?
+        .await?)
+}
+
+#[tokio::test]
+async fn malformed_or_oversized_hello_closes_the_connection_before_the_relay_sees_it()
+-> anyhow::Result<()> {
+    let mut relay = relay(SessionConfig::new(Role::Server)).await?;
+    for (what, bytes) in [
+        // HELLO claiming 1 GiB: refused on the length alone.
+        ("oversized", vec![1u8, 1, 0x40, 0, 0, 0]),
+        // HELLO whose header count promises more than it carries.
+        ("truncated", vec![1u8, 1, 0, 0, 0, 2, 3, 1]),
+        // Not a HELLO first.
+        ("wrong message", vec![1u8, 3, 0, 0, 0, 4, 0, 0, 0, 0]),
+        // Unknown version byte.
+        ("wrong version", vec![7u8, 1, 0, 0, 0, 1, 0]),
+    ] {
+        let conn = raw_connect(&relay.pki, relay.addr).await?;
+        let mut session = conn.open_uni().await?;
+        session.write_all(&bytes).await?;
+        let end = within(what, conn.closed()).await?;
+        match end {
+            quinn::ConnectionError::ApplicationClosed(close) => {
+                assert_eq!(
+                    close.error_code.into_inner(),
+                    u64::from(code::PROTOCOL_ERROR),
+                    "{what}"
+                )
+            }
+            other => anyhow::bail!("{what}: expected a PROTOCOL_ERROR close, got {other:?}"),
+        }
+    }
+    assert!(relay.seen.try_recv().is_err());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_client_that_never_sends_hello_is_dropped_after_the_handshake_timeout()
+-> anyhow::Result<()> {
+    let mut config = SessionConfig::new(Role::Server);
+    config.handshake_timeout = Duration::from_secs(1);
+    let mut relay = relay(config).await?;
+    let conn = raw_connect(&relay.pki, relay.addr).await?;
+    let end = within("relay gives up", conn.closed()).await?;
+    assert!(
+        !matches!(end, quinn::ConnectionError::LocallyClosed),
+        "{end:?}"
+    );
+    assert!(relay.seen.try_recv().is_err());
+    Ok(())
+}
