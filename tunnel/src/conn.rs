@@ -1,7 +1,7 @@
 //! Transport-independent connection and stream handles, and the task that drives a [`Session`].
 //!
-//! A [`Connection`] is an `Arc` of one shared state (the session behind a mutex, plus per-stream wakers and
-//! status) and one driver task per connection. Stream operations lock the state, call the session, and
+//! A [`SessionConnection`] is an `Arc` of one shared state (the session behind a mutex, plus per-stream wakers and
+//! status) and one driver task per connection. SessionStream operations lock the state, call the session, and
 //! wake the driver when the session may have something to send; the driver pumps bytes between the session
 //! and a [`Transport`], fires the session timer, and turns session events into wake-ups. The mutex is never
 //! held across an `.await`.
@@ -170,7 +170,7 @@ fn now() -> Instant {
 struct Slot {
     read_waker: Option<Waker>,
     write_waker: Option<Waker>,
-    /// Resolves [`StreamControl::accepted`] waiters.
+    /// Resolves [`SessionStreamControl::accepted`] waiters.
     notify: Arc<Notify>,
     answer: Answer,
     /// Set once the stream can no longer be used: reads and writes fail with it.
@@ -218,7 +218,7 @@ impl Slot {
     }
 }
 
-/// A stream the peer opened that nobody took with [`Connection::accept`] yet.
+/// A stream the peer opened that nobody took with [`SessionConnection::accept`] yet.
 struct Queued {
     id: StreamId,
     kind: u16,
@@ -374,7 +374,7 @@ impl Shared {
     }
 }
 
-/// One per connection, shared by `Connection` clones, streams and incoming streams: when the last one goes,
+/// One per connection, shared by `SessionConnection` clones, streams and incoming streams: when the last one goes,
 /// nobody can use the connection any more and it is shut down.
 struct Handle {
     shared: Arc<Shared>,
@@ -397,14 +397,14 @@ impl Drop for Handle {
 /// A tunnel connection. Cheap to clone; all clones are the same connection. Dropping every clone and every
 /// stream closes it.
 #[derive(Clone)]
-pub struct Connection {
+pub(crate) struct SessionConnection {
     handle: Arc<Handle>,
 }
 
-impl Connection {
+impl SessionConnection {
     /// Starts a connection: a session with `config` and a driver task pumping it over the transport that
     /// `transport` resolves to. Must be called within a Tokio runtime.
-    pub(crate) fn spawn<T, F>(config: SessionConfig, transport: F) -> Connection
+    pub(crate) fn spawn<T, F>(config: SessionConfig, transport: F) -> SessionConnection
     where
         T: Transport,
         F: Future<Output = T> + Send + 'static,
@@ -428,7 +428,7 @@ impl Connection {
             let transport = transport.await;
             Driver::new(driver_shared, transport).await;
         });
-        Connection {
+        SessionConnection {
             handle: Arc::new(Handle { shared }),
         }
     }
@@ -438,8 +438,8 @@ impl Connection {
     }
 
     /// Opens a stream. Returns at once: data may be written before the peer accepts. Use
-    /// [`StreamControl::accepted`] to wait for the answer.
-    pub fn open(&self, options: OpenOptions) -> Result<Stream, TunnelError> {
+    /// [`SessionStreamControl::accepted`] to wait for the answer.
+    pub(crate) fn open(&self, options: OpenOptions) -> Result<SessionStream, TunnelError> {
         let mut st = self.shared().lock();
         let opened = st.session.open_stream(
             now(),
@@ -469,11 +469,11 @@ impl Connection {
         st.streams.insert(id, slot);
         st.wake_driver();
         drop(st);
-        Ok(Stream::new(self.handle.clone(), id, notify))
+        Ok(SessionStream::new(self.handle.clone(), id, notify))
     }
 
     /// The next stream the peer opened, or `None` once the connection is closed or going away.
-    pub async fn accept(&self) -> Option<Incoming> {
+    pub(crate) async fn accept(&self) -> Option<SessionIncoming> {
         loop {
             let notified = self.shared().notify.notified();
             tokio::pin!(notified);
@@ -485,7 +485,7 @@ impl Connection {
                     let notify = slot.notify.clone();
                     st.streams.insert(q.id, slot);
                     drop(st);
-                    return Some(Incoming {
+                    return Some(SessionIncoming {
                         kind: q.kind,
                         priority: q.priority,
                         deadline: q.deadline,
@@ -506,9 +506,9 @@ impl Connection {
         }
     }
 
-    /// Graceful shutdown: no new streams; resolves [`Connection::closed`] once open streams finish. Streams
+    /// Graceful shutdown: no new streams; resolves [`SessionConnection::closed`] once open streams finish. Streams
     /// the peer opened that were not accepted yet are refused with code SHUTDOWN (retryable elsewhere).
-    pub fn go_away(&self, code: u32, reason: &str) {
+    pub(crate) fn go_away(&self, code: u32, reason: &str) {
         let mut st = self.shared().lock();
         if st.closed.is_none() && !st.going_away {
             st.going_away = true;
@@ -521,7 +521,7 @@ impl Connection {
     }
 
     /// Immediate close: every stream fails.
-    pub fn close(&self, code: u32, reason: &str) {
+    pub(crate) fn close(&self, code: u32, reason: &str) {
         let mut st = self.shared().lock();
         st.going_away = true;
         st.session.close(code, reason);
@@ -532,7 +532,7 @@ impl Connection {
 
     /// Resolves when the connection has ended: the session is closed and what it had to send was flushed
     /// (or the transport died).
-    pub async fn closed(&self) -> CloseInfo {
+    pub(crate) async fn closed(&self) -> CloseInfo {
         loop {
             let notified = self.shared().notify.notified();
             tokio::pin!(notified);
@@ -550,34 +550,34 @@ impl Connection {
     }
 
     /// True once the connection has ended.
-    pub fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         let st = self.shared().lock();
         st.finished || st.closed.is_some()
     }
 
     /// Smoothed round-trip time measured by the protocol's pings.
-    pub fn rtt(&self) -> Option<Duration> {
+    pub(crate) fn rtt(&self) -> Option<Duration> {
         self.shared().lock().session.rtt()
     }
 
     /// Number of streams currently open.
-    pub fn open_streams(&self) -> usize {
+    pub(crate) fn open_streams(&self) -> usize {
         self.shared().lock().session.stats().open_streams as usize
     }
 
     /// Protocol counters (frames and bytes in and out, open streams).
-    pub fn stats(&self) -> tether_proto::Stats {
+    pub(crate) fn stats(&self) -> tether_proto::Stats {
         self.shared().lock().session.stats()
     }
 }
 
-impl std::fmt::Debug for Connection {
+impl std::fmt::Debug for SessionConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Connection").finish_non_exhaustive()
+        f.debug_struct("SessionConnection").finish_non_exhaustive()
     }
 }
 
-/// What `Stream`, `StreamControl` and `Incoming` share; the stream's slot goes when the last one does.
+/// What `SessionStream`, `SessionStreamControl` and `SessionIncoming` share; the stream's slot goes when the last one does.
 struct StreamInner {
     id: StreamId,
     handle: Arc<Handle>,
@@ -597,28 +597,28 @@ impl Drop for StreamInner {
 }
 
 /// A stream the peer opened, waiting for an answer. Dropping it unanswered refuses it (code REFUSED).
-pub struct Incoming {
+pub(crate) struct SessionIncoming {
     /// Its kind (see [`crate::kind`]).
-    pub kind: u16,
+    pub(crate) kind: u16,
     /// Its scheduling class.
-    pub priority: Priority,
+    pub(crate) priority: Priority,
     /// When the opener stops waiting.
-    pub deadline: Option<Instant>,
+    pub(crate) deadline: Option<Instant>,
     /// Opaque metadata from the opener.
-    pub metadata: Bytes,
+    pub(crate) metadata: Bytes,
     id: StreamId,
     /// `None` once answered.
     inner: Option<Arc<StreamInner>>,
 }
 
-impl Incoming {
+impl SessionIncoming {
     /// The stream id (for logs).
-    pub fn id(&self) -> StreamId {
+    pub(crate) fn id(&self) -> StreamId {
         self.id
     }
 
     /// Accepts the stream.
-    pub fn accept(mut self, metadata: Bytes) -> Result<Stream, TunnelError> {
+    pub(crate) fn accept(mut self, metadata: Bytes) -> Result<SessionStream, TunnelError> {
         let Some(inner) = self.inner.take() else {
             return Err(TunnelError::Closed("stream already answered".to_owned()));
         };
@@ -636,7 +636,7 @@ impl Incoming {
         }
         st.wake_driver();
         drop(st);
-        Ok(Stream {
+        Ok(SessionStream {
             inner,
             finished: false,
             eof: false,
@@ -644,7 +644,7 @@ impl Incoming {
     }
 
     /// Refuses the stream with a code and reason.
-    pub fn refuse(mut self, code: u32, reason: &str) {
+    pub(crate) fn refuse(mut self, code: u32, reason: &str) {
         if let Some(inner) = self.inner.take() {
             refuse(&inner, code, reason);
         }
@@ -657,7 +657,7 @@ fn refuse(inner: &StreamInner, code: u32, reason: &str) {
     st.wake_driver();
 }
 
-impl Drop for Incoming {
+impl Drop for SessionIncoming {
     fn drop(&mut self) {
         if let Some(inner) = self.inner.take() {
             refuse(&inner, code::REFUSED, "not accepted");
@@ -665,9 +665,9 @@ impl Drop for Incoming {
     }
 }
 
-impl std::fmt::Debug for Incoming {
+impl std::fmt::Debug for SessionIncoming {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Incoming")
+        f.debug_struct("SessionIncoming")
             .field("id", &self.id())
             .field("kind", &self.kind)
             .field("priority", &self.priority)
@@ -682,7 +682,7 @@ impl std::fmt::Debug for Incoming {
 ///
 /// `poll_flush` returns at once: written bytes are in the session, which sends them without further calls
 /// (as quinn's streams do).
-pub struct Stream {
+pub(crate) struct SessionStream {
     inner: Arc<StreamInner>,
     /// We called `finish` (shutdown).
     finished: bool,
@@ -690,7 +690,7 @@ pub struct Stream {
     eof: bool,
 }
 
-impl Stream {
+impl SessionStream {
     fn new(handle: Arc<Handle>, id: StreamId, notify: Arc<Notify>) -> Self {
         Self {
             inner: Arc::new(StreamInner { id, handle, notify }),
@@ -700,21 +700,21 @@ impl Stream {
     }
 
     /// A handle to watch or reset the stream while another task owns the reader/writer.
-    pub fn control(&self) -> StreamControl {
-        StreamControl {
+    pub(crate) fn control(&self) -> SessionStreamControl {
+        SessionStreamControl {
             inner: self.inner.clone(),
         }
     }
 
     /// The stream id (for logs).
-    pub fn id(&self) -> StreamId {
+    pub(crate) fn id(&self) -> StreamId {
         self.inner.id
     }
 }
 
-impl std::fmt::Debug for Stream {
+impl std::fmt::Debug for SessionStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stream")
+        f.debug_struct("SessionStream")
             .field("id", &self.inner.id)
             .field("finished", &self.finished)
             .field("eof", &self.eof)
@@ -722,7 +722,7 @@ impl std::fmt::Debug for Stream {
     }
 }
 
-impl Drop for Stream {
+impl Drop for SessionStream {
     fn drop(&mut self) {
         if self.finished && self.eof {
             return;
@@ -742,15 +742,15 @@ impl Drop for Stream {
 
 /// A handle on a stream that does not own its bytes. Cheap to clone.
 #[derive(Clone)]
-pub struct StreamControl {
+pub(crate) struct SessionStreamControl {
     inner: Arc<StreamInner>,
 }
 
-impl StreamControl {
+impl SessionStreamControl {
     /// Waits for the peer's answer to a stream we opened: accept metadata, or why it failed
     /// (refused, timed out, reset, tunnel closed). Resolves at once for streams the peer opened (with the
     /// metadata we accepted them with).
-    pub async fn accepted(&self) -> Result<Bytes, TunnelError> {
+    pub(crate) async fn accepted(&self) -> Result<Bytes, TunnelError> {
         loop {
             let notified = self.inner.notify.notified();
             tokio::pin!(notified);
@@ -769,7 +769,7 @@ impl StreamControl {
     }
 
     /// Resets the stream: both directions fail at once, here with [`TunnelError::Reset`], at the peer too.
-    pub fn reset(&self, code: u32) {
+    pub(crate) fn reset(&self, code: u32) {
         let mut st = self.inner.shared().lock();
         let Some(slot) = st.streams.get_mut(&self.inner.id) else {
             return;
@@ -785,20 +785,20 @@ impl StreamControl {
     }
 
     /// The stream id (for logs).
-    pub fn id(&self) -> StreamId {
+    pub(crate) fn id(&self) -> StreamId {
         self.inner.id
     }
 }
 
-impl std::fmt::Debug for StreamControl {
+impl std::fmt::Debug for SessionStreamControl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StreamControl")
+        f.debug_struct("SessionStreamControl")
             .field("id", &self.inner.id)
             .finish()
     }
 }
 
-impl AsyncRead for Stream {
+impl AsyncRead for SessionStream {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -845,7 +845,7 @@ fn set_waker(slot: &mut Option<Waker>, cx: &Context<'_>) {
     }
 }
 
-impl AsyncWrite for Stream {
+impl AsyncWrite for SessionStream {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

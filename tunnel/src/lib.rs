@@ -2,9 +2,10 @@
 //!
 //! [`Connection`] is the seam between the relay/agent logic and the wire: it opens and accepts logical
 //! [`Stream`]s (each an `AsyncRead + AsyncWrite` byte stream with half-close) and says when the tunnel is gone.
-//! Today one transport exists: the [`tether_proto::Session`] multiplexer pumped over a WebSocket over TLS
-//! ([`ws`]). A QUIC transport can later carry each logical stream as a native QUIC stream behind the same
-//! `Connection`/`Stream` types, without any change to relay or agent code.
+//! Two transports sit behind the same `Connection`/`Stream` types: the [`tether_proto::Session`]
+//! multiplexer pumped over a WebSocket over TLS ([`ws`]), and QUIC ([`quic`]), where each logical stream is a
+//! native QUIC stream. Relay and agent code does not depend on which one carries a tunnel
+//! ([`Connection::transport`] says, for display).
 //!
 //! Also here, because both sides need them: TLS configuration helpers ([`tls`]), the [`Secret`] type, and the
 //! control-channel message codec ([`control`]); and, for the agent's outbound connections, HTTP CONNECT proxy
@@ -18,11 +19,14 @@
 //! relay's HTTP server checks credentials before calling [`ws::upgrade_response`]) and does not retry or
 //! reconnect (the agent does).
 
+mod api;
 mod conn;
 pub mod proxy;
+pub mod quic;
 pub mod ws;
 
-pub use conn::{CloseInfo, Connection, Incoming, OpenOptions, Stream, StreamControl, TunnelError};
+pub use api::{Connection, Incoming, Stream, StreamControl, TransportKind};
+pub use conn::{CloseInfo, OpenOptions, TunnelError};
 pub use tether_proto::{ConnectionError, Priority, Role, Stats, code, kind};
 
 /// Session configuration, re-exported so callers can tune limits without depending on proto directly.

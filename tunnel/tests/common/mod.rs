@@ -2,6 +2,8 @@
 //! `ws::accept_upgraded`), connection pairs over in-memory pipes, TLS material, and data helpers.
 #![allow(dead_code)]
 
+pub(crate) mod cases;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
@@ -263,4 +265,45 @@ pub(crate) async fn tls_server(
         }
     });
     Ok(port)
+}
+
+/// How the shared cases (`cases.rs`) get a connected pair for one transport.
+pub(crate) trait Harness {
+    /// QUIC knows the RTT from its handshake; the session learns it from its first ping.
+    const RTT_FROM_HANDSHAKE: bool;
+    /// How long the idle case stays quiet.
+    const QUIET: Duration;
+    /// A client and a server connected over this transport, with these settings.
+    async fn pair_with(client: SessionConfig, server: SessionConfig) -> anyhow::Result<Pair>;
+    /// [`Harness::pair_with`] with default settings.
+    async fn pair() -> anyhow::Result<Pair> {
+        Self::pair_with(
+            SessionConfig::new(Role::Client),
+            SessionConfig::new(Role::Server),
+        )
+        .await
+    }
+    /// Shortens keepalive and idle timeout where the transport detects a dead peer only by silence.
+    fn quick_liveness(config: &mut SessionConfig);
+}
+
+/// The WebSocket transport over in-memory pipes (virtual time works: tests may pause the clock).
+pub(crate) struct Ws;
+
+impl Harness for Ws {
+    const RTT_FROM_HANDSHAKE: bool = false;
+    const QUIET: Duration = Duration::from_secs(600);
+
+    async fn pair_with(client: SessionConfig, server: SessionConfig) -> anyhow::Result<Pair> {
+        pair_with(
+            client,
+            ServerOptions {
+                config: server,
+                require_auth: None,
+            },
+        )
+        .await
+    }
+
+    fn quick_liveness(_config: &mut SessionConfig) {}
 }
