@@ -159,10 +159,9 @@ async fn viewer_reads_configmaps_not_secrets_and_cannot_reach_into_pods() -> any
     Ok(())
 }
 
-/// Azure Arc Kubernetes Viewer has no proxy data action: `pods/proxy` and `services/proxy` are refused. Guard
-/// still maps the proxy subresource to the parent's read action, so a Viewer gets through.
+/// Azure Arc Kubernetes Viewer has no proxy data action: `pods/proxy` and `services/proxy` map to their own
+/// `…/proxy/action` and are refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 10: guard maps pods/proxy and services/proxy to pods/read and services/read; Viewer has no proxy action"]
 async fn viewer_cannot_proxy_to_pods_or_services() -> anyhow::Result<()> {
     let env = Env::start().await?;
     assign(&env, "Viewer", VIOLET).await?;
