@@ -979,42 +979,38 @@ pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
     }
     println!("  state:    {}", up.dir().display());
     println!();
-    println!("Try:");
-    println!("  kubectl --kubeconfig {kubeconfig} get namespaces");
-    if up.user_token.is_none() {
-        println!(
-            "  (the kubeconfig has no user credential; add yours: tether passes it through to the cluster)"
-        );
-    }
     let config = up.config_path.display().to_string();
-    println!("  tether --config {config} cluster list");
-    println!("  tether --config {config} cluster show {}", up.cluster());
+    // The sample cluster gets the full tour (port-forward, exec, cp, auth can-i, and guard's Viewer).
     #[cfg(feature = "quickstart")]
-    if up.issuer.is_some() {
-        let alice = "alice@contoso.com";
-        let oid = tether_testkit::dev_issuer::object_id(alice);
-        let dir = up.dir().display().to_string();
-        println!();
-        println!("Access control (guard): give {alice} read access to namespace default:");
-        println!(
-            "  tether --config {config} token --user {alice} > {dir}/alice.token   # DEVELOPMENT ONLY token"
-        );
-        println!(
-            "  tether --config {config} kubeconfig {} --token-file {dir}/alice.token -f {dir}/alice.kubeconfig",
-            up.cluster()
-        );
-        println!(
-            "  kubectl --kubeconfig {dir}/alice.kubeconfig get configmaps     # Forbidden: no role yet"
-        );
-        println!(
-            "  tether --config {config} role assign --role Viewer --principal {oid} --cluster {} --namespace default",
-            up.cluster()
-        );
-        println!("  kubectl --kubeconfig {dir}/alice.kubeconfig get configmaps     # allowed");
-        println!(
-            "  kubectl --kubeconfig {dir}/alice.kubeconfig get configmaps -n kube-system   # Forbidden"
-        );
+    let toured = match up.sample {
+        Some(_) => {
+            print!(
+                "{}",
+                tether_testkit::tour(&tether_testkit::TourOptions {
+                    kubeconfig: &up.kubeconfig_path,
+                    config: &up.config_path,
+                    cluster: up.cluster(),
+                    state_dir: up.dir(),
+                    guard: up.issuer.is_some(),
+                })
+            );
+            true
+        }
+        None => false,
+    };
+    #[cfg(not(feature = "quickstart"))]
+    let toured = false;
+    if !toured {
+        println!("Try:");
+        println!("  kubectl --kubeconfig {kubeconfig} get namespaces");
+        if up.user_token.is_none() {
+            println!(
+                "  (the kubeconfig has no user credential; add yours: tether passes it through to the cluster)"
+            );
+        }
+        println!("  tether --config {config} cluster list");
     }
+    println!("  tether --config {config} cluster show {}", up.cluster());
     println!();
     println!("Press Ctrl-C to stop.");
     tether_runtime::process::shutdown_signal().await;

@@ -176,21 +176,19 @@ async fn viewer_cannot_proxy_to_pods_or_services() -> anyhow::Result<()> {
     ensure!(reached, "the Viewer assignment never took effect");
     ensure!(!can_i(&viewer, &["get", "services", "--subresource=proxy"]).await?);
     ensure!(!can_i(&viewer, &["get", "pods", "--subresource=proxy"]).await?);
-    let out = viewer
-        .run(&[
-            "get",
-            "--raw",
-            "/api/v1/namespaces/default/pods/demo/proxy/",
-        ])
-        .await?;
+    // `get --raw` does not add the server URL's path prefix (/clusters/NAME): give the whole path.
+    let path = format!(
+        "/clusters/{}/api/v1/namespaces/default/pods/demo/proxy/",
+        env.up.cluster()
+    );
+    let out = viewer.run(&["get", "--raw", &path]).await?;
     forbidden(&out, "Viewer pods/proxy")?;
-    let out = viewer
-        .run(&[
-            "get",
-            "--raw",
-            "/api/v1/namespaces/default/services/demo/proxy/",
-        ])
-        .await?;
+    // `get --raw` does not add the server URL's path prefix (/clusters/NAME): give the whole path.
+    let path = format!(
+        "/clusters/{}/api/v1/namespaces/default/services/demo/proxy/",
+        env.up.cluster()
+    );
+    let out = viewer.run(&["get", "--raw", &path]).await?;
     forbidden(&out, "Viewer services/proxy")?;
     env.up.shutdown().await?;
     Ok(())
