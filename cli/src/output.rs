@@ -38,7 +38,7 @@ pub(crate) fn connect_instructions(
     writeln!(out)?;
     writeln!(
         out,
-        "Or install it in the cluster with Helm (the token and the relay CA are in 0600 files next to you):"
+        "Or install it in the cluster with Helm (the token and the relay CA are in the 0600 files it names):"
     )?;
     writeln!(out)?;
     writeln!(out, "  {line}")
