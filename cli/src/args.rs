@@ -298,6 +298,36 @@ pub struct ConnectArgs {
     /// Output format.
     #[arg(short, long, value_enum, default_value_t)]
     pub output: OutputFormat,
+    /// Outbound proxy the agent reaches the relay through, http://[USER:PASSWORD@]HOST:PORT (as Azure Arc's
+    /// `--proxy-https`); a URL with credentials goes to a 0600 file, not onto the printed line.
+    #[arg(long, value_name = "URL")]
+    pub proxy_https: Option<String>,
+    /// Hosts that bypass the proxy, comma-separated (as Azure Arc's `--proxy-skip-range`).
+    #[arg(long, value_name = "LIST")]
+    pub proxy_skip_range: Option<String>,
+    /// PEM CA of a TLS-inspecting proxy (as Azure Arc's `--proxy-cert`).
+    #[arg(long, value_name = "FILE")]
+    pub proxy_cert: Option<PathBuf>,
+    /// Entra tenant whose tokens the cluster validates; repeatable.
+    #[arg(long = "entra-tenant", value_name = "ID")]
+    pub entra_tenants: Vec<String>,
+    /// Entra audience the cluster accepts; repeatable.
+    #[arg(long = "entra-audience", value_name = "AUDIENCE")]
+    pub entra_audiences: Vec<String>,
+    /// The agent chart in the printed `helm upgrade --install` line (a path or a chart reference).
+    #[arg(
+        long,
+        value_name = "CHART",
+        default_value = "deploy/charts/tether-agent"
+    )]
+    pub chart: String,
+    /// The namespace in the printed helm line.
+    #[arg(long, value_name = "NAMESPACE", default_value = "tether-system")]
+    pub namespace: String,
+    /// Where the relay CA, the onboarding token and a proxy URL with credentials are written (mode 0600) for
+    /// the helm line's `--set-file`.
+    #[arg(long, value_name = "DIR", default_value = ".")]
+    pub files_dir: PathBuf,
 }
 
 impl ConnectArgs {

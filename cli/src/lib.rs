@@ -10,6 +10,7 @@
 pub mod args;
 pub mod client;
 pub mod config;
+mod helm;
 pub mod kubeconfig;
 mod output;
 pub mod up;
@@ -347,10 +348,13 @@ async fn cluster_command(
     match command {
         ClusterCommand::Connect(args) => {
             let tags = args.parsed_tags()?;
+            let helm = helm::HelmPlan::new(&args)?;
             let created = client.create_cluster(&args.name, &tags).await?;
             match args.output {
                 OutputFormat::Json => output::json(&mut out, &created.raw),
-                OutputFormat::Table => output::connect_instructions(&mut out, config, &created),
+                OutputFormat::Table => {
+                    output::connect_instructions(&mut out, config, &created, &helm)
+                }
             }
         }
         ClusterCommand::List(args) => {

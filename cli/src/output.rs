@@ -10,6 +10,7 @@ use time::format_description::well_known::Rfc3339;
 
 use crate::client::CreatedCluster;
 use crate::config::ResolvedConfig;
+use crate::helm::HelmPlan;
 
 pub(crate) fn json(out: &mut impl Write, value: &impl serde::Serialize) -> io::Result<()> {
     serde_json::to_writer_pretty(&mut *out, value).map_err(io::Error::other)?;
@@ -24,6 +25,7 @@ pub(crate) fn connect_instructions(
     out: &mut impl Write,
     config: &ResolvedConfig,
     created: &CreatedCluster,
+    helm: &HelmPlan,
 ) -> io::Result<()> {
     writeln!(
         out,
@@ -31,7 +33,15 @@ pub(crate) fn connect_instructions(
         created.name, config.relay_url
     )?;
     writeln!(out)?;
-    agent_instructions(out, config, created)
+    agent_instructions(out, config, created)?;
+    let line = helm.write(config, created)?;
+    writeln!(out)?;
+    writeln!(
+        out,
+        "Or install it in the cluster with Helm (the token and the relay CA are in the 0600 files it names):"
+    )?;
+    writeln!(out)?;
+    writeln!(out, "  {line}")
 }
 
 pub(crate) fn import_instructions(

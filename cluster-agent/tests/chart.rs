@@ -162,7 +162,6 @@ async fn the_agent_charts_command_connects_with_its_state_on_an_empty_dir() -> R
 /// Both replicas become ready with one onboarding; then a new pod with an empty filesystem connects with the
 /// identity from the Secret (the onboarding token is spent by then).
 #[tokio::test]
-#[ignore = "needs --state-secret (issue 12): tether-agent --state-secret and --health-listen, Secrets in the sample apiserver"]
 async fn the_agent_charts_default_command_keeps_its_identity_in_a_secret() -> Result<()> {
     let Some(helm) = helm()? else { return Ok(()) };
     let setup = Setup::start(&helm, "ci/default-values.yaml").await?;
@@ -238,6 +237,10 @@ async fn the_agent_charts_default_command_keeps_its_identity_in_a_secret() -> Re
     let pod = setup.pod("pod-3")?;
     let mut child = setup.spawn(&pod, "pod-3")?;
     setup.wait_connected(&mut child, &pod, "pod-3").await?;
+    ensure!(
+        !pod.root.join("var/lib/tether-agent").exists(),
+        "the new pod kept its identity on its filesystem"
+    );
     child.kill().await?;
     setup.relay.stop().await?;
     setup.sample.shutdown().await;

@@ -9,7 +9,8 @@
 //!   streamed, `101` upgrades (exec, attach, port-forward) turned into raw byte pipes;
 //! - operators: the admin REST API under `/api/v1/` (bearer admin token): clusters (inventory with
 //!   connectivity status, filters, export/import), guard's role definitions, role assignments and deny
-//!   assignments per cluster, and the group directory; and `GET /healthz`.
+//!   assignments per cluster, and the group directory; and the probes `GET /healthz` (liveness) and `GET /readyz` (readiness: store
+//!   reachable, not draining).
 //!
 //! Each cluster's role and deny assignments form a guard snapshot (`tether_auth::Snapshot`) with a version
 //! raised on every change; the relay pushes it over the cluster's control channel at `hello` and whenever it

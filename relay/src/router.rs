@@ -2,13 +2,12 @@
 
 use std::sync::Arc;
 
-use http::{Method, Request, Response, StatusCode};
+use http::{Method, Request, Response};
 use hyper::body::Incoming;
 
 use crate::api_error::ApiError;
 use crate::body::Body;
-use crate::handlers::{agent, clusters, rbac, user};
-use crate::respond;
+use crate::handlers::{agent, clusters, health, rbac, user};
 use crate::state::{ConnCtx, Shared};
 
 /// Dispatches a request; every error becomes a `Status` response here.
@@ -19,7 +18,9 @@ pub(crate) async fn route(
 ) -> Response<Body> {
     let path = req.uri().path().to_owned();
     let result = if path == "/healthz" {
-        Ok(respond::text(StatusCode::OK, "ok"))
+        health::healthz(req.method())
+    } else if path == "/readyz" {
+        health::readyz(&shared, req.method()).await
     } else if let Some(rest) = path.strip_prefix("/clusters/") {
         user::handle(&shared, ctx, req, rest).await
     } else if path == "/agent/v1/onboard" {

@@ -685,17 +685,12 @@ async fn the_relay_charts_command_runs_and_answers_its_probes() -> Result<()> {
     let (startup_path, startup_port, _) = pod.http_probe("startupProbe")?;
     let (status, _) = http_get(startup_port, host, &startup_path, Some(tls.clone()), None).await?;
     ensure!(status == 200, "{startup_path}: {status}");
-    // Readiness: /readyz arrives with the relay-fleet work (it goes false when a drain starts). Until the relay
-    // serves it, a 404 is what this binary answers; anything else is a failure.
-    let (ready_path, ready_port, _) = pod.http_probe("readinessProbe")?;
-    let (status, _) = http_get(ready_port, host, &ready_path, Some(tls.clone()), None).await?;
-    if status == 404 && ready_path == "/readyz" {
-        eprintln!(
-            "NOTE: this tether-relay does not serve /readyz yet (relay-fleet work); the chart probes it"
-        );
-    } else {
-        ensure!(status == 200, "{ready_path}: {status}");
-    }
+    // Readiness: the relay's /readyz (store reachable, not draining) is what the chart probes.
+    let (ready_path, ready_port, ready_https) = pod.http_probe("readinessProbe")?;
+    ensure!(ready_https, "the readiness probe speaks HTTPS");
+    ensure!(ready_path == "/readyz", "readiness probes {ready_path}");
+    let (status, body) = http_get(ready_port, host, &ready_path, Some(tls.clone()), None).await?;
+    ensure!(status == 200, "{ready_path}: {status} {body}\n{}", log());
 
     // The admin token the chart generated into a Secret is the one the relay uses.
     let admin = key_of(

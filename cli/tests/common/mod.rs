@@ -36,7 +36,7 @@ impl Env {
         self.up.dir().join("relay").join("ca.pem")
     }
 
-    /// Runs the real `tether` binary with `--config` pointing at this quickstart.
+    /// Runs the real `tether` binary with `--config` pointing at this quickstart, in this quickstart's directory.
     pub async fn tether(&self, args: &[&str]) -> anyhow::Result<CliOutput> {
         let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_tether"));
         command
@@ -46,6 +46,8 @@ impl Env {
             .env_remove("TETHER_RELAY")
             .env_remove("TETHER_RELAY_CA")
             .env_remove("TETHER_ADMIN_TOKEN_FILE")
+            // `cluster connect` writes the helm line's 0600 files to the current directory: keep them here.
+            .current_dir(self.dir.path())
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
         let out = tokio::time::timeout(Duration::from_secs(60), command.output()).await??;

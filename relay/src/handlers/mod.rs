@@ -3,6 +3,7 @@
 
 pub(crate) mod agent;
 pub(crate) mod clusters;
+pub(crate) mod health;
 pub(crate) mod rbac;
 pub(crate) mod user;
 
