@@ -40,7 +40,8 @@ pub struct Config {
     /// How long an agent has to accept a request before the user gets a 504 (e.g. 10s, 500ms).
     #[arg(long, env = "TETHER_RELAY_OPEN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub open_timeout: Duration,
-    /// Database URL (default sqlite://DATA_DIR/relay.db).
+    /// Database URL: sqlite:PATH (the default, sqlite://DATA_DIR/relay.db) for one relay, or
+    /// postgres://USER:PASSWORD@HOST/DB for replicas sharing one store.
     #[arg(long, env = "TETHER_RELAY_DATABASE_URL")]
     pub database_url: Option<String>,
     /// Connection and request limits.
@@ -167,8 +168,8 @@ pub enum ConfigError {
     /// The open timeout is zero.
     #[error("open timeout must be greater than zero")]
     ZeroOpenTimeout,
-    /// The database URL names a backend this build does not support.
-    #[error("unsupported database URL {0:?}: only sqlite: URLs are supported")]
+    /// The database URL names a backend the relay does not support; the text hides any password.
+    #[error("{0} (use sqlite:PATH, or postgres://USER@HOST/DB for several replicas)")]
     UnsupportedDatabase(String),
     /// A lifecycle setting (heartbeat interval, offline threshold, identity validity) is out of range.
     #[error("invalid {name}: {why}")]
@@ -226,10 +227,9 @@ impl Config {
         if self.open_timeout.is_zero() {
             return Err(ConfigError::ZeroOpenTimeout);
         }
-        if let Some(url) = &self.database_url
-            && !url.starts_with("sqlite:")
-        {
-            return Err(ConfigError::UnsupportedDatabase(url.clone()));
+        if let Some(url) = &self.database_url {
+            crate::store::Backend::of_url(url)
+                .map_err(|e| ConfigError::UnsupportedDatabase(e.to_string()))?;
         }
         let l = &self.limits;
         let checks: [(&'static str, bool, &'static str); 7] = [
@@ -409,13 +409,20 @@ mod tests {
     }
 
     #[test]
-    fn only_sqlite_urls() {
+    fn sqlite_and_postgres_urls_only() {
         let mut c = Config::new("/tmp/x".into());
         c.database_url = Some("postgres://db/tether".into());
-        assert!(matches!(
-            c.validate(),
-            Err(ConfigError::UnsupportedDatabase(_))
-        ));
+        assert!(c.validate().is_ok());
+        c.database_url = Some("postgresql://relay@db/tether".into());
+        assert!(c.validate().is_ok());
+        c.database_url = Some("mysql://relay:hunter2@db/tether".into());
+        let err = c
+            .validate()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("mysql://relay:***@db/tether"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
         c.database_url = Some("sqlite::memory:".into());
         assert!(c.validate().is_ok());
         c.database_url = None;
