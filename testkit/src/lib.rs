@@ -294,7 +294,7 @@ impl SampleApiserver {
         };
         tracker.spawn(server::accept_loop(
             listener,
-            tokio_rustls::TlsAcceptor::from(tls),
+            tls,
             shared.clone(),
             max_streams,
         ));
@@ -457,21 +457,6 @@ impl Drop for SampleApiserver {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
-}
-
-/// Resolves on Ctrl-C or SIGTERM (Ctrl-C only where SIGTERM cannot be listened for): when the sample apiserver
-/// binary stops.
-pub async fn shutdown_signal() {
-    #[cfg(unix)]
-    if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-    {
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        return;
-    }
-    let _ = tokio::signal::ctrl_c().await;
 }
 
 /// Writes `ca.pem`, `token` and `kubeconfig` into `dir`; returns the kubeconfig path.
