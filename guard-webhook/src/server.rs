@@ -41,8 +41,8 @@ use tokio_util::task::TaskTracker;
 
 use crate::engine::{Guard, new_request_id};
 use crate::review::{
-    AccessReviewRequest, TokenReviewRequest, access_review_answer, token_review_authenticated,
-    token_review_refused,
+    AccessReviewRequest, ReviewError, TokenReviewRequest, access_review_answer,
+    token_review_authenticated, token_review_refused,
 };
 use crate::snapshot::UpdateOutcome;
 
@@ -512,29 +512,40 @@ fn unauthenticated_caller(
     status(StatusCode::UNAUTHORIZED, "Unauthorized", message)
 }
 
-async fn authenticate(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) -> Response<Body> {
+/// What both webhooks do first: check the caller, read the body and parse the review; each refusal is audited.
+async fn admit<T>(
+    shared: &Shared,
+    ctx: &ConnCtx,
+    req: Request<Incoming>,
+    webhook: &'static str,
+    parse: fn(&[u8]) -> Result<T, ReviewError>,
+) -> Result<(String, T), Response<Body>> {
     let id = request_id(req.headers());
     if !ctx.subject_in(&shared.limits.callers.webhook_subjects) {
-        return unauthenticated_caller(shared, "authenticate", &id, ctx);
+        return Err(unauthenticated_caller(shared, webhook, &id, ctx));
     }
-    let body = match read_body(req, shared.limits.max_body_bytes).await {
-        Ok(b) => b,
-        Err(r) => {
-            shared
-                .guard
-                .record_error("authenticate", &id, "unreadable body");
-            return r;
-        }
-    };
-    let review = match TokenReviewRequest::parse(&body) {
-        Ok(r) => r,
+    let body = read_body(req, shared.limits.max_body_bytes)
+        .await
+        .inspect_err(|_| shared.guard.record_error(webhook, &id, "unreadable body"))?;
+    match parse(&body) {
+        Ok(review) => Ok((id, review)),
         Err(e) => {
-            shared
-                .guard
-                .record_error("authenticate", &id, &e.to_string());
-            return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string());
+            shared.guard.record_error(webhook, &id, &e.to_string());
+            Err(status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                &e.to_string(),
+            ))
         }
-    };
+    }
+}
+
+async fn authenticate(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) -> Response<Body> {
+    let (id, review) =
+        match admit(shared, ctx, req, "authenticate", TokenReviewRequest::parse).await {
+            Ok(admitted) => admitted,
+            Err(refused) => return refused,
+        };
     let answer = match shared.guard.authenticate(&review.token, &id).await {
         Ok(identity) => token_review_authenticated(&review.api_version, &identity),
         Err(e) => token_review_refused(&review.api_version, &e.to_string()),
@@ -543,25 +554,10 @@ async fn authenticate(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) ->
 }
 
 async fn authorize(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) -> Response<Body> {
-    let id = request_id(req.headers());
-    if !ctx.subject_in(&shared.limits.callers.webhook_subjects) {
-        return unauthenticated_caller(shared, "authorize", &id, ctx);
-    }
-    let body = match read_body(req, shared.limits.max_body_bytes).await {
-        Ok(b) => b,
-        Err(r) => {
-            shared
-                .guard
-                .record_error("authorize", &id, "unreadable body");
-            return r;
-        }
-    };
-    let review = match AccessReviewRequest::parse(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            shared.guard.record_error("authorize", &id, &e.to_string());
-            return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string());
-        }
+    let (id, review) = match admit(shared, ctx, req, "authorize", AccessReviewRequest::parse).await
+    {
+        Ok(admitted) => admitted,
+        Err(refused) => return refused,
     };
     let decision = shared.guard.authorize(&review.request, &id);
     json_response(

@@ -269,16 +269,7 @@ impl DevIssuer {
         let serving =
             ca.issue_server(&["127.0.0.1".to_string(), "localhost".into(), "::1".into()])?;
         let tls = certs::server_config(vec![serving.cert_der()], serving.key_der())?;
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .map_err(|source| TestkitError::Bind {
-                addr: listen,
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| TestkitError::Bind {
-            addr: listen,
-            source,
-        })?;
+        let (listener, addr) = crate::bind(listen).await?;
         let host = if addr.ip().is_unspecified() {
             "127.0.0.1".to_string()
         } else {

@@ -224,16 +224,7 @@ impl SampleApiserver {
             serving.key_der(),
         )?;
 
-        let listener = tokio::net::TcpListener::bind(opts.listen)
-            .await
-            .map_err(|source| TestkitError::Bind {
-                addr: opts.listen,
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| TestkitError::Bind {
-            addr: opts.listen,
-            source,
-        })?;
+        let (listener, addr) = bind(opts.listen).await?;
         let url_ip = if ip.is_unspecified() {
             IpAddr::V4(Ipv4Addr::LOCALHOST)
         } else {
@@ -457,6 +448,19 @@ impl Drop for SampleApiserver {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
+}
+
+/// Binds `listen`; returns the listener and its address (port 0 resolved).
+async fn bind(listen: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), TestkitError> {
+    let bind_error = |source| TestkitError::Bind {
+        addr: listen,
+        source,
+    };
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(bind_error)?;
+    let addr = listener.local_addr().map_err(bind_error)?;
+    Ok((listener, addr))
 }
 
 /// Writes `ca.pem`, `token` and `kubeconfig` into `dir`; returns the kubeconfig path.
