@@ -6,10 +6,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use tether_agent::{AgentError, Config};
+use tether_runtime::cli::EX_USAGE;
 use tether_runtime::process::{LogFormat, init_tracing, shutdown_signal};
-
-/// Exit status for a configuration that cannot be used (EX_USAGE).
-const EXIT_USAGE: u8 = 64;
 
 #[derive(Parser)]
 #[command(
@@ -27,13 +25,7 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
-        Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { 0 });
-        }
-    };
+    let cli: Cli = tether_runtime::cli::parse();
     init_tracing(cli.log_format);
     let config = match cli.config.with_proxy_env() {
         Ok(config) => config,
@@ -58,5 +50,5 @@ async fn main() -> ExitCode {
 
 fn usage(message: &str) -> ExitCode {
     eprintln!("tether-agent: {message}");
-    ExitCode::from(EXIT_USAGE)
+    ExitCode::from(EX_USAGE)
 }

@@ -1,16 +1,20 @@
 //! The `tether-guard` program's configuration: flags with environment variables, validated (files read, settings
 //! checked) before any port is bound.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
 use tether_runtime::{Secret, parse_duration};
 
 use crate::audit::AuditSink;
 use crate::engine::{Guard, GuardOptions};
-use crate::server::{Callers, Limits, ServerConfig, server_tls};
+use crate::server::{Callers, Limits, ServeError, ServerConfig, server_tls};
 use crate::snapshot::SnapshotStore;
 use tether_auth::jwks::HttpsFetcher;
 use tether_auth::token::{
@@ -287,5 +291,47 @@ impl Config {
             listen: self.listen,
             metrics_listen: self.metrics_listen,
         })
+    }
+}
+
+impl Loaded {
+    /// Binds the webhook listener (and the metrics one, when configured) and serves until `shutdown` resolves;
+    /// what the `tether-guard` program runs.
+    pub async fn serve(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
+        let bind = |addr, purpose| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind {
+                    addr,
+                    purpose,
+                    source,
+                })
+        };
+        let listener = bind(self.listen, "").await?;
+        let stop = CancellationToken::new();
+        let metrics = match self.metrics_listen {
+            Some(addr) => {
+                let listener = bind(addr, " for metrics").await?;
+                let guard = self.guard.clone();
+                let stopped = stop.clone().cancelled_owned();
+                Some(tokio::spawn(async move {
+                    if let Err(e) = crate::server::run_metrics(guard, listener, stopped).await {
+                        tracing::error!(error = %e, "the metrics listener stopped");
+                    }
+                }))
+            }
+            None => None,
+        };
+        let shutdown = async move {
+            shutdown.await;
+            stop.cancel();
+        };
+        let result = crate::server::run(self.guard, self.server, listener, shutdown).await;
+        if let Some(metrics) = metrics
+            && metrics.await.is_err()
+        {
+            tracing::warn!("the metrics listener panicked");
+        }
+        result
     }
 }

@@ -3,14 +3,11 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
-use tether_guard::config::{Config, Loaded};
+use tether_guard::config::Config;
+use tether_runtime::cli::EX_USAGE;
 use tether_runtime::process::{LogFormat, init_tracing, shutdown_signal};
 
-/// Exit status for unusable configuration (EX_USAGE).
-const EXIT_USAGE: u8 = 64;
-
-#[derive(Parser)]
+#[derive(clap::Parser)]
 #[command(
     name = "tether-guard",
     version,
@@ -26,48 +23,21 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
-        Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { 0 });
-        }
-    };
+    let cli: Cli = tether_runtime::cli::parse();
     init_tracing(cli.log_format);
     tether_runtime::tls::install_crypto_provider();
     let loaded = match cli.config.load() {
         Ok(loaded) => loaded,
         Err(e) => {
             eprintln!("tether-guard: invalid configuration: {e}");
-            return ExitCode::from(EXIT_USAGE);
+            return ExitCode::from(EX_USAGE);
         }
     };
-    match run(loaded).await {
+    match loaded.serve(shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tether-guard: {e:#}");
+            eprintln!("tether-guard: {e}");
             ExitCode::FAILURE
         }
     }
-}
-
-async fn run(loaded: Loaded) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(loaded.listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", loaded.listen))?;
-    if let Some(addr) = loaded.metrics_listen {
-        let metrics = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot listen on {addr} for metrics: {e}"))?;
-        let guard = loaded.guard.clone();
-        tokio::spawn(async move {
-            if let Err(e) =
-                tether_guard::server::run_metrics(guard, metrics, shutdown_signal()).await
-            {
-                tracing::error!(error = %e, "the metrics listener stopped");
-            }
-        });
-    }
-    tether_guard::run(loaded.guard, loaded.server, listener, shutdown_signal()).await?;
-    Ok(())
 }

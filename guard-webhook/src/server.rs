@@ -26,24 +26,23 @@ use http::{HeaderMap, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use rustls::server::WebPkiClientVerifier;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq as _;
 use tether_runtime::Secret;
+use tether_runtime::serve;
 use tether_runtime::tls::TlsError;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
-use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::engine::{Guard, new_request_id};
 use crate::review::{
-    AccessReviewRequest, TokenReviewRequest, access_review_answer, token_review_authenticated,
-    token_review_refused,
+    AccessReviewRequest, ReviewError, TokenReviewRequest, access_review_answer,
+    token_review_authenticated, token_review_refused,
 };
 use crate::snapshot::UpdateOutcome;
 
@@ -138,6 +137,17 @@ pub enum ServeError {
     /// The listener failed.
     #[error("accepting connections failed: {0}")]
     Accept(#[source] std::io::Error),
+    /// An address could not be bound.
+    #[error("cannot listen on {addr}{purpose}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// What the listener is for (`""` for the webhooks, `" for metrics"`).
+        purpose: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A TLS server config from PEM certificate chain and key, verifying client certificates against `client_ca_pem`
@@ -228,6 +238,19 @@ fn common_name(der: &[u8]) -> String {
     }
 }
 
+/// The accept loop's limits, from guard's: no HTTP/2 keep-alive pings, 64 KiB request heads, 256 streams.
+fn serve_limits(limits: &Limits) -> serve::Limits {
+    serve::Limits {
+        max_connections: limits.max_connections,
+        tls_handshake_timeout: limits.tls_handshake_timeout,
+        header_read_timeout: limits.header_read_timeout,
+        max_header_bytes: 64 * 1024,
+        h2_max_concurrent_streams: 256,
+        h2_keep_alive_interval: None,
+        ..serve::Limits::default()
+    }
+}
+
 /// Serves `guard` on `listener` until `shutdown` resolves, then drains requests in flight (up to the grace).
 pub async fn run(
     guard: Arc<Guard>,
@@ -243,47 +266,46 @@ pub async fn run(
             .as_ref()
             .map(|t| Sha256::digest(t.expose().as_bytes()).into()),
     });
-    let acceptor = TlsAcceptor::from(config.tls.clone());
-    let slots = Arc::new(Semaphore::new(config.limits.max_connections.max(1)));
-    let graceful = CancellationToken::new();
-    let connections = TaskTracker::new();
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "guard listening");
     }
-    tokio::pin!(shutdown);
-    loop {
-        let permit = tokio::select! {
-            () = &mut shutdown => break,
-            p = slots.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-        };
-        let (tcp, peer) = tokio::select! {
-            () = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) if is_transient(&e) => {
-                    tracing::warn!(error = %e, "accept failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-                Err(e) => return Err(ServeError::Accept(e)),
-            },
-        };
-        let _ = tcp.set_nodelay(true);
+    let make_service = move |conn: serve::Conn| {
         let shared = shared.clone();
-        let acceptor = acceptor.clone();
-        let graceful = graceful.clone();
-        connections.spawn(async move {
-            serve_connection(shared, acceptor, tcp, peer, graceful).await;
-            drop(permit);
-        });
-    }
-    drop(listener);
-    graceful.cancel();
-    connections.close();
-    if tokio::time::timeout(config.limits.shutdown_grace, connections.wait())
+        let ctx = ConnCtx {
+            peer: conn.peer,
+            client_cn: conn
+                .client_cert
+                .as_ref()
+                .map(|c| Arc::from(common_name(c.as_ref()))),
+        };
+        service_fn(move |req: Request<Incoming>| {
+            let shared = shared.clone();
+            let ctx = ctx.clone();
+            async move {
+                let deadline = shared.limits.request_timeout;
+                let response = match tokio::time::timeout(deadline, route(&shared, ctx, req)).await
+                {
+                    Ok(r) => r,
+                    Err(_) => status(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "Timeout",
+                        "the request took too long",
+                    ),
+                };
+                Ok::<_, Infallible>(response)
+            }
+        })
+    };
+    let draining = serve::serve(
+        listener,
+        config.tls.clone(),
+        serve_limits(&config.limits),
+        make_service,
+        shutdown,
+    )
+    .await;
+    draining.begin();
+    if tokio::time::timeout(config.limits.shutdown_grace, draining.wait())
         .await
         .is_err()
     {
@@ -374,80 +396,6 @@ fn is_transient(e: &std::io::Error) -> bool {
         e.kind(),
         ConnectionAborted | ConnectionReset | Interrupted | WouldBlock | OutOfMemory
     ) || matches!(e.raw_os_error(), Some(23 | 24))
-}
-
-async fn serve_connection(
-    shared: Arc<Shared>,
-    acceptor: TlsAcceptor,
-    tcp: TcpStream,
-    peer: SocketAddr,
-    graceful: CancellationToken,
-) {
-    let handshake = tokio::time::timeout(shared.limits.tls_handshake_timeout, acceptor.accept(tcp));
-    let tls = tokio::select! {
-        () = graceful.cancelled() => return,
-        r = handshake => match r {
-            Ok(Ok(tls)) => tls,
-            Ok(Err(e)) => {
-                tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                return;
-            }
-            Err(_) => {
-                tracing::debug!(%peer, "TLS handshake timed out");
-                return;
-            }
-        },
-    };
-    let ctx = ConnCtx {
-        peer,
-        client_cn: tls
-            .get_ref()
-            .1
-            .peer_certificates()
-            .and_then(|c| c.first())
-            .map(|c| Arc::from(common_name(c.as_ref()))),
-    };
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(shared.limits.header_read_timeout)
-        .max_buf_size(64 * 1024);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(256)
-        .max_header_list_size(64 * 1024);
-    let svc_shared = shared.clone();
-    let svc_ctx = ctx.clone();
-    let svc = service_fn(move |req: Request<Incoming>| {
-        let shared = svc_shared.clone();
-        let ctx = svc_ctx.clone();
-        async move {
-            let deadline = shared.limits.request_timeout;
-            let response = match tokio::time::timeout(deadline, route(&shared, ctx, req)).await {
-                Ok(r) => r,
-                Err(_) => status(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "Timeout",
-                    "the request took too long",
-                ),
-            };
-            Ok::<_, Infallible>(response)
-        }
-    });
-    let conn = builder.serve_connection(TokioIo::new(tls), svc);
-    tokio::pin!(conn);
-    let result = tokio::select! {
-        r = conn.as_mut() => r,
-        () = graceful.cancelled() => {
-            conn.as_mut().graceful_shutdown();
-            conn.as_mut().await
-        }
-    };
-    if let Err(e) = result {
-        tracing::debug!(peer = %ctx.peer, error = %e, "connection ended with an error");
-    }
 }
 
 fn request_id(headers: &HeaderMap) -> String {
@@ -564,29 +512,40 @@ fn unauthenticated_caller(
     status(StatusCode::UNAUTHORIZED, "Unauthorized", message)
 }
 
-async fn authenticate(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) -> Response<Body> {
+/// What both webhooks do first: check the caller, read the body and parse the review; each refusal is audited.
+async fn admit<T>(
+    shared: &Shared,
+    ctx: &ConnCtx,
+    req: Request<Incoming>,
+    webhook: &'static str,
+    parse: fn(&[u8]) -> Result<T, ReviewError>,
+) -> Result<(String, T), Response<Body>> {
     let id = request_id(req.headers());
     if !ctx.subject_in(&shared.limits.callers.webhook_subjects) {
-        return unauthenticated_caller(shared, "authenticate", &id, ctx);
+        return Err(unauthenticated_caller(shared, webhook, &id, ctx));
     }
-    let body = match read_body(req, shared.limits.max_body_bytes).await {
-        Ok(b) => b,
-        Err(r) => {
-            shared
-                .guard
-                .record_error("authenticate", &id, "unreadable body");
-            return r;
-        }
-    };
-    let review = match TokenReviewRequest::parse(&body) {
-        Ok(r) => r,
+    let body = read_body(req, shared.limits.max_body_bytes)
+        .await
+        .inspect_err(|_| shared.guard.record_error(webhook, &id, "unreadable body"))?;
+    match parse(&body) {
+        Ok(review) => Ok((id, review)),
         Err(e) => {
-            shared
-                .guard
-                .record_error("authenticate", &id, &e.to_string());
-            return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string());
+            shared.guard.record_error(webhook, &id, &e.to_string());
+            Err(status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                &e.to_string(),
+            ))
         }
-    };
+    }
+}
+
+async fn authenticate(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) -> Response<Body> {
+    let (id, review) =
+        match admit(shared, ctx, req, "authenticate", TokenReviewRequest::parse).await {
+            Ok(admitted) => admitted,
+            Err(refused) => return refused,
+        };
     let answer = match shared.guard.authenticate(&review.token, &id).await {
         Ok(identity) => token_review_authenticated(&review.api_version, &identity),
         Err(e) => token_review_refused(&review.api_version, &e.to_string()),
@@ -595,25 +554,10 @@ async fn authenticate(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) ->
 }
 
 async fn authorize(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) -> Response<Body> {
-    let id = request_id(req.headers());
-    if !ctx.subject_in(&shared.limits.callers.webhook_subjects) {
-        return unauthenticated_caller(shared, "authorize", &id, ctx);
-    }
-    let body = match read_body(req, shared.limits.max_body_bytes).await {
-        Ok(b) => b,
-        Err(r) => {
-            shared
-                .guard
-                .record_error("authorize", &id, "unreadable body");
-            return r;
-        }
-    };
-    let review = match AccessReviewRequest::parse(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            shared.guard.record_error("authorize", &id, &e.to_string());
-            return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string());
-        }
+    let (id, review) = match admit(shared, ctx, req, "authorize", AccessReviewRequest::parse).await
+    {
+        Ok(admitted) => admitted,
+        Err(refused) => return refused,
     };
     let decision = shared.guard.authorize(&review.request, &id);
     json_response(

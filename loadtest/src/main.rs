@@ -3,21 +3,11 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use tether_loadtest::cli::Cli;
 use tether_runtime::process::{LogFormat, init_tracing_with_default};
 
-/// Exit status for a command line that cannot be used (EX_USAGE).
-const EXIT_USAGE: u8 = 64;
-
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
-        Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { 0 });
-        }
-    };
+    let cli: Cli = tether_runtime::cli::parse();
     // Progress bars own the terminal: only warnings by default.
     init_tracing_with_default(LogFormat::Text, "warn");
     let runtime = match tokio::runtime::Runtime::new() {

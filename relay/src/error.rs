@@ -37,3 +37,10 @@ impl RelayError {
         }
     }
 }
+
+impl RelayError {
+    /// Whether the error is the operator's to fix in the configuration (the program exits 64).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, RelayError::Config(_) | RelayError::Tls(_))
+    }
+}

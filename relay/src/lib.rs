@@ -191,3 +191,25 @@ fn load_admin_token(config: &Config) -> Result<Secret, RelayError> {
         Err(e) => Err(RelayError::io("cannot read the admin token", &path, e)),
     }
 }
+
+/// What the `tether-relay` program runs: builds the relay from `config`, binds `listen`, and serves until
+/// `shutdown` resolves.
+pub async fn run(
+    config: Config,
+    listen: std::net::SocketAddr,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RelayError> {
+    let ca = config.data_dir.join("ca.pem");
+    let relay = Relay::new(config).await?;
+    if relay.ca_pem().is_some() {
+        tracing::info!(ca = %ca.display(), "serving a generated certificate; agents and kubectl must trust this CA");
+    }
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| RelayError::Io {
+            what: "cannot listen on",
+            path: listen.to_string(),
+            source,
+        })?;
+    relay.serve(listener, shutdown).await
+}

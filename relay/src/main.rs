@@ -3,8 +3,7 @@
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use anyhow::Context as _;
-use tether_relay::{Config, Relay, RelayError};
+use tether_relay::Config;
 use tether_runtime::cli::EX_USAGE;
 use tether_runtime::process::{LogFormat, init_tracing, shutdown_signal};
 
@@ -29,39 +28,27 @@ fn main() -> ExitCode {
         eprintln!("tether-relay: invalid configuration: {e}");
         return ExitCode::from(EX_USAGE);
     }
-    let result = tokio::runtime::Runtime::new()
-        .context("cannot start the async runtime")
-        .and_then(|runtime| runtime.block_on(run(args)));
-    match result {
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("tether-relay: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(tether_relay::run(
+        args.config,
+        args.listen,
+        shutdown_signal(),
+    )) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e)
-            if matches!(
-                e.downcast_ref(),
-                Some(RelayError::Config(_) | RelayError::Tls(_))
-            ) =>
-        {
-            eprintln!("tether-relay: invalid configuration: {e:#}");
+        Err(e) if e.is_usage() => {
+            eprintln!("tether-relay: invalid configuration: {e}");
             ExitCode::from(EX_USAGE)
         }
         Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("tether-relay: {e:#}");
+            tracing::error!("{e}");
+            eprintln!("tether-relay: {e}");
             ExitCode::FAILURE
         }
     }
-}
-
-async fn run(args: Args) -> anyhow::Result<()> {
-    let ca = args.config.data_dir.join("ca.pem");
-    let relay = Relay::new(args.config).await.map_err(|e| match e {
-        e @ (RelayError::Config(_) | RelayError::Tls(_)) => anyhow::Error::new(e),
-        e => anyhow::Error::new(e).context("cannot start the relay"),
-    })?;
-    if relay.ca_pem().is_some() {
-        tracing::info!(ca = %ca.display(), "serving a generated certificate; agents and kubectl must trust this CA");
-    }
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    Ok(relay.serve(listener, shutdown_signal()).await?)
 }

@@ -40,7 +40,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The limits of one listener.
 #[derive(Debug, Clone)]
 pub struct Limits {
-    /// Most concurrent connections; past it, new connections wait in the kernel's backlog.
+    /// Most concurrent connections; past it, new connections wait in the kernel's backlog. Taken as at least 1
+    /// and at most `tokio::sync::Semaphore::MAX_PERMITS` (`usize::MAX` means no limit).
     pub max_connections: usize,
     /// How long a client has to finish the TLS handshake.
     pub tls_handshake_timeout: Duration,
@@ -78,8 +79,9 @@ pub struct Conn {
     /// The first certificate of the chain the client presented (verified by the `ServerConfig`'s client
     /// verifier, if it has one).
     pub client_cert: Option<Arc<CertificateDer<'static>>>,
-    /// The connection's slot under [`Limits::max_connections`]; keep a clone for as long as anything (an upgraded
-    /// pipe, a tunnel) still uses the connection, so the limit counts it.
+    /// The connection's slot under [`Limits::max_connections`], held by the accept loop until the HTTP connection
+    /// ends; keep a clone for as long as anything (an upgraded pipe, a tunnel) still uses it after that, so the
+    /// limit counts it.
     pub permit: Arc<OwnedSemaphorePermit>,
 }
 
@@ -142,7 +144,9 @@ where
 {
     let make_service = Arc::new(make_service);
     let acceptor = TlsAcceptor::from(tls);
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let slots = Arc::new(Semaphore::new(
+        limits.max_connections.clamp(1, Semaphore::MAX_PERMITS),
+    ));
     let draining = Draining {
         connections: TaskTracker::new(),
         graceful: CancellationToken::new(),
@@ -205,8 +209,11 @@ async fn serve_connection<M, S, B>(
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    // The slot is held until the connection ends, whether or not the service keeps its `Conn`.
+    let _slot = permit.clone();
     let tls = tokio::select! {
         () = graceful.cancelled() => return,
+        () = hard.cancelled() => return,
         r = tokio::time::timeout(limits.tls_handshake_timeout, acceptor.accept(tcp)) => match r {
             Ok(Ok(tls)) => tls,
             Ok(Err(e)) => {
@@ -259,5 +266,62 @@ async fn serve_connection<M, S, B>(
     };
     if let Err(e) = result {
         tracing::debug!(%peer, error = %e, "connection ended with an error");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    #[tokio::test]
+    async fn cut_ends_a_connection_stuck_in_its_tls_handshake() -> anyhow::Result<()> {
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()])?;
+        let cert_pem = cert.cert.pem();
+        let tls = crate::tls::server_config(
+            cert_pem.as_bytes(),
+            cert.signing_key.serialize_pem().as_bytes(),
+        )?;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let limits = Limits {
+            // Far longer than the deadline below: only `cut` can end the handshake in time.
+            tls_handshake_timeout: Duration::from_secs(3600),
+            ..Limits::default()
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let make = |_conn: Conn| {
+            hyper::service::service_fn(|_req| async {
+                Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                    bytes::Bytes::from("ok"),
+                )))
+            })
+        };
+        let server = tokio::spawn(serve(listener, tls, limits, make, async move {
+            let _ = stopped.await;
+        }));
+
+        // A client that connects and never sends its ClientHello...
+        let _silent = tokio::net::TcpStream::connect(addr).await?;
+        // ...then one served in full: connections are accepted in order, so the silent one was accepted first.
+        let client = crate::tls::client_config(Some(cert_pem.as_bytes()), &[b"http/1.1"])?;
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let name = rustls::pki_types::ServerName::try_from("localhost")?;
+        let mut stream = tokio_rustls::TlsConnector::from(client)
+            .connect(name, tcp)
+            .await?;
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n")
+            .await?;
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer)).await??;
+        assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+
+        let _ = stop.send(());
+        let draining = server.await?;
+        draining.cut();
+        tokio::time::timeout(Duration::from_secs(60), draining.wait()).await?;
+        Ok(())
     }
 }

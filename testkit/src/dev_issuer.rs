@@ -19,12 +19,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use jsonwebtoken::jwk::{AlgorithmParameters, Jwk};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
+use tether_runtime::serve;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -130,17 +130,7 @@ pub fn object_id(user: &str) -> String {
     let digest = Sha256::digest(format!("tether-dev-user:{user}").as_bytes());
     let mut b = [0u8; 16];
     b.copy_from_slice(&digest[..16]);
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
+    crate::util::uuid_v4(b)
 }
 
 /// The signing key and what it takes to mint.
@@ -279,16 +269,7 @@ impl DevIssuer {
         let serving =
             ca.issue_server(&["127.0.0.1".to_string(), "localhost".into(), "::1".into()])?;
         let tls = certs::server_config(vec![serving.cert_der()], serving.key_der())?;
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .map_err(|source| TestkitError::Bind {
-                addr: listen,
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| TestkitError::Bind {
-            addr: listen,
-            source,
-        })?;
+        let (listener, addr) = crate::bind(listen).await?;
         let host = if addr.ip().is_unspecified() {
             "127.0.0.1".to_string()
         } else {
@@ -314,13 +295,7 @@ impl DevIssuer {
             info: signer.info.clone(),
             keys: json!({ "keys": [jwk] }),
         });
-        tracker.spawn(serve(
-            listener,
-            tokio_rustls::TlsAcceptor::from(tls),
-            routes,
-            shutdown.clone(),
-            tracker.clone(),
-        ));
+        tracker.spawn(serve(listener, tls, routes, shutdown.clone()));
         tracing::info!(authority = %signer.info.authority, "development token issuer listening (DEVELOPMENT ONLY)");
         Ok(DevIssuer {
             signer,
@@ -422,60 +397,54 @@ impl Routes {
     }
 }
 
+/// Serves the issuer's documents until `shutdown`, then drops every connection still open.
 async fn serve(
     listener: tokio::net::TcpListener,
-    acceptor: tokio_rustls::TlsAcceptor,
+    tls: Arc<rustls::ServerConfig>,
     routes: Arc<Routes>,
     shutdown: CancellationToken,
-    tracker: TaskTracker,
 ) {
-    loop {
-        let accepted = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            accepted = listener.accept() => accepted,
-        };
-        let Ok((tcp, _)) = accepted else {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(Duration::from_millis(100)) => continue,
-            }
-        };
-        let acceptor = acceptor.clone();
+    let limits = serve::Limits {
+        // No connection limit, hyper's 200 streams and no HTTP/2 pings, as before. New: the shared 64 KiB limit on
+        // request heads and 30 s header-read timeout.
+        max_connections: usize::MAX,
+        h2_max_concurrent_streams: 200,
+        h2_keep_alive_interval: None,
+        ..serve::Limits::default()
+    };
+    let make_service = move |_conn: serve::Conn| {
         let routes = routes.clone();
-        let shutdown = shutdown.clone();
-        tracker.spawn(async move {
-            let Ok(Ok(tls)) =
-                tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await
-            else {
-                return;
-            };
-            let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-                let routes = routes.clone();
-                async move {
-                    let (code, body) = if req.method() == http::Method::GET {
-                        routes.answer(req.uri().path())
-                    } else {
-                        (405, json!({"error": "method_not_allowed"}))
-                    };
-                    let mut response =
-                        hyper::Response::new(Full::new(Bytes::from(body.to_string())));
-                    *response.status_mut() =
-                        http::StatusCode::from_u16(code).unwrap_or(http::StatusCode::OK);
-                    response.headers_mut().insert(
-                        http::header::CONTENT_TYPE,
-                        http::HeaderValue::from_static("application/json; charset=utf-8"),
-                    );
-                    Ok::<_, Infallible>(response)
-                }
-            });
-            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            let conn = builder.serve_connection(TokioIo::new(tls), service);
-            tokio::select! {
-                _ = conn => {}
-                _ = shutdown.cancelled() => {}
-            }
-        });
-    }
+        hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+            let routes = routes.clone();
+            async move { Ok::<_, Infallible>(respond(&routes, &req)) }
+        })
+    };
+    let draining = serve::serve(
+        listener,
+        tls,
+        limits,
+        make_service,
+        shutdown.cancelled_owned(),
+    )
+    .await;
+    draining.cut();
+    draining.wait().await;
+}
+
+/// The answer to one request: JSON, `GET` only.
+fn respond(routes: &Routes, req: &hyper::Request<Incoming>) -> hyper::Response<Full<Bytes>> {
+    let (code, body) = if req.method() == http::Method::GET {
+        routes.answer(req.uri().path())
+    } else {
+        (405, json!({"error": "method_not_allowed"}))
+    };
+    let mut response = hyper::Response::new(Full::new(Bytes::from(body.to_string())));
+    *response.status_mut() = http::StatusCode::from_u16(code).unwrap_or(http::StatusCode::OK);
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json; charset=utf-8"),
+    );
+    response
 }
 
 #[cfg(test)]

@@ -224,16 +224,7 @@ impl SampleApiserver {
             serving.key_der(),
         )?;
 
-        let listener = tokio::net::TcpListener::bind(opts.listen)
-            .await
-            .map_err(|source| TestkitError::Bind {
-                addr: opts.listen,
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| TestkitError::Bind {
-            addr: opts.listen,
-            source,
-        })?;
+        let (listener, addr) = bind(opts.listen).await?;
         let url_ip = if ip.is_unspecified() {
             IpAddr::V4(Ipv4Addr::LOCALHOST)
         } else {
@@ -294,7 +285,7 @@ impl SampleApiserver {
         };
         tracker.spawn(server::accept_loop(
             listener,
-            tokio_rustls::TlsAcceptor::from(tls),
+            tls,
             shared.clone(),
             max_streams,
         ));
@@ -459,19 +450,17 @@ impl Drop for SampleApiserver {
     }
 }
 
-/// Resolves on Ctrl-C or SIGTERM (Ctrl-C only where SIGTERM cannot be listened for): when the sample apiserver
-/// binary stops.
-pub async fn shutdown_signal() {
-    #[cfg(unix)]
-    if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-    {
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        return;
-    }
-    let _ = tokio::signal::ctrl_c().await;
+/// Binds `listen`; returns the listener and its address (port 0 resolved).
+async fn bind(listen: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), TestkitError> {
+    let bind_error = |source| TestkitError::Bind {
+        addr: listen,
+        source,
+    };
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(bind_error)?;
+    let addr = listener.local_addr().map_err(bind_error)?;
+    Ok((listener, addr))
 }
 
 /// Writes `ca.pem`, `token` and `kubeconfig` into `dir`; returns the kubeconfig path.

@@ -1,34 +1,32 @@
-//! `tether-sample-apiserver`: runs the sample Kubernetes apiserver until Ctrl-C or SIGTERM. Bad flags exit 64.
+//! `tether-sample-apiserver`: runs the sample Kubernetes apiserver until SIGINT or SIGTERM. Bad flags and unusable
+//! webhook configurations exit 64.
 
-use clap::Parser as _;
+use std::process::ExitCode;
+
+use tether_runtime::cli::EX_USAGE;
+use tether_runtime::process::{LogFormat, init_tracing, shutdown_signal};
 use tether_testkit::{SampleApiserver, SampleFlags, TestkitError};
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let flags = match SampleFlags::try_parse() {
-        Ok(flags) => flags,
-        Err(e) if e.use_stderr() => {
-            let _ = e.print();
-            std::process::exit(64);
-        }
-        Err(e) => e.exit(), // --help, --version
-    };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).init();
+async fn main() -> ExitCode {
+    let flags: SampleFlags = tether_runtime::cli::parse();
+    init_tracing(LogFormat::Text);
     let server = match SampleApiserver::start(flags.into_options()).await {
-        Err(TestkitError::Webhook(e)) => {
-            eprintln!("error: {e}");
-            std::process::exit(64);
+        Ok(server) => server,
+        Err(e) => {
+            eprintln!("tether-sample-apiserver: {e}");
+            return match e {
+                TestkitError::Webhook(_) => ExitCode::from(EX_USAGE),
+                _ => ExitCode::FAILURE,
+            };
         }
-        other => other?,
     };
     println!(
         "sample apiserver at {}; kubeconfig: {}",
         server.url(),
         server.kubeconfig_path().display()
     );
-    tether_testkit::shutdown_signal().await;
+    shutdown_signal().await;
     server.shutdown().await;
-    Ok(())
+    ExitCode::SUCCESS
 }

@@ -1,5 +1,6 @@
-//! The listener: TLS accept loop, one hyper connection (HTTP/1.1 or h2) per client, connection limits, and the
-//! per-request front door (count, authenticate, impersonate, log) before the router ([`crate::handlers`]).
+//! The listener: [`tether_runtime::serve`] (TLS, HTTP/1.1 or h2 per client, upgrades) with kube-apiserver's
+//! per-connection stream limit, and the per-request front door (count, authenticate, impersonate, log) before the
+//! router ([`crate::handlers`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -9,100 +10,42 @@ use std::time::{Duration, Instant};
 
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
+use tether_runtime::serve;
 use tokio::net::TcpListener;
-use tokio_rustls::TlsAcceptor;
 
 use crate::body::Body;
 use crate::state::Shared;
 
-/// Largest request head (HTTP/1.1 read buffer, h2 header list).
-const MAX_HEADER_BYTES: usize = 64 * 1024;
-/// How long a client has to finish the TLS handshake.
-const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a client has to send a request head once it started one (and how long an idle keep-alive lasts).
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Accepts TCP connections until shutdown; each one is served in its own tracked task.
+/// Serves connections until shutdown, then drops every one still open (the sample apiserver does not drain).
 pub(crate) async fn accept_loop(
     listener: TcpListener,
-    acceptor: TlsAcceptor,
+    tls: Arc<rustls::ServerConfig>,
     shared: Arc<Shared>,
     max_streams: u32,
 ) {
-    loop {
-        let accepted = tokio::select! {
-            _ = shared.shutdown.cancelled() => return,
-            accepted = listener.accept() => accepted,
-        };
-        match accepted {
-            Ok((tcp, peer)) => {
-                let _ = tcp.set_nodelay(true);
-                shared.tracker.spawn(serve_connection(
-                    tcp,
-                    peer,
-                    acceptor.clone(),
-                    shared.clone(),
-                    max_streams,
-                ));
-            }
-            Err(error) => {
-                // Out of file descriptors and the like: back off briefly instead of spinning.
-                tracing::warn!(%error, "accept failed");
-                tokio::select! {
-                    _ = shared.shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-                }
-            }
-        }
-    }
-}
-
-async fn serve_connection(
-    tcp: tokio::net::TcpStream,
-    peer: SocketAddr,
-    acceptor: TlsAcceptor,
-    shared: Arc<Shared>,
-    max_streams: u32,
-) {
-    let tls = match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-        Ok(Ok(tls)) => tls,
-        Ok(Err(error)) => {
-            tracing::debug!(%peer, %error, "TLS handshake failed");
-            return;
-        }
-        Err(_) => {
-            tracing::debug!(%peer, "TLS handshake timed out");
-            return;
-        }
+    let limits = serve::Limits {
+        // No connection limit, as before: tests open as many as they need.
+        max_connections: usize::MAX,
+        tls_handshake_timeout: Duration::from_secs(10),
+        header_read_timeout: Duration::from_secs(30),
+        max_header_bytes: 64 * 1024,
+        h2_max_concurrent_streams: max_streams,
+        h2_keep_alive_interval: Some(Duration::from_secs(30)),
+        ..serve::Limits::default()
     };
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
-        .max_buf_size(MAX_HEADER_BYTES);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_header_list_size(MAX_HEADER_BYTES as u32)
-        .max_concurrent_streams(max_streams)
-        .keep_alive_interval(Duration::from_secs(30));
     let service_shared = shared.clone();
-    let service = hyper::service::service_fn(move |req| {
+    let make_service = move |conn: serve::Conn| {
         let shared = service_shared.clone();
-        async move { Ok::<_, Infallible>(handle(shared, peer, req).await) }
-    });
-    let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
-    tokio::select! {
-        result = conn => {
-            if let Err(error) = result {
-                tracing::debug!(%peer, %error, "connection ended with an error");
-            }
-        }
-        _ = shared.shutdown.cancelled() => {}
-    }
+        let peer = conn.peer;
+        hyper::service::service_fn(move |req| {
+            let shared = shared.clone();
+            async move { Ok::<_, Infallible>(handle(shared, peer, req).await) }
+        })
+    };
+    let shutdown = shared.shutdown.clone().cancelled_owned();
+    let draining = serve::serve(listener, tls, limits, make_service, shutdown).await;
+    draining.cut();
+    draining.wait().await;
 }
 
 /// Most distinct User-Agent products counted.

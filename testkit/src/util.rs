@@ -7,7 +7,11 @@ use time::format_description::well_known::Rfc3339;
 
 /// A random RFC 4122 version 4 UUID, as Kubernetes uses for `metadata.uid`.
 pub(crate) fn uid() -> String {
-    let mut b: [u8; 16] = rand::random();
+    uuid_v4(rand::random())
+}
+
+/// `b` as an RFC 4122 version 4 UUID (version and variant bits set).
+pub(crate) fn uuid_v4(mut b: [u8; 16]) -> String {
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
     let h = hex(&b);
