@@ -49,6 +49,7 @@ mod state;
 mod status;
 pub mod store;
 mod tunnels;
+mod user_headers;
 
 use std::future::Future;
 use std::path::Path;

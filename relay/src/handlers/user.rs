@@ -9,26 +9,26 @@ use crate::api_error::ApiError;
 use crate::body::Body;
 use crate::forward::{self, Target};
 use crate::state::{ConnCtx, Shared};
-use crate::{auth, entra};
+use crate::{auth, entra, user_headers};
 
 /// Handles `/clusters/{rest}` where `rest` is `NAME` or `NAME/…`. Refuses at once — before anything enters a
-/// tunnel — without credentials or with an Entra-style token that does not validate (401), for an unknown
-/// cluster (404) or one without a tunnel (503).
+/// tunnel — without a plausible credential (not exactly one `Authorization: Bearer TOKEN68`) or with an
+/// Entra-style token that does not validate (401), for an unknown cluster (404) or one without a tunnel (503).
+/// Hop-by-hop and forged identity headers are removed first ([`user_headers::sanitize`]).
 pub(crate) async fn handle(
     shared: &Shared,
     ctx: ConnCtx,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     rest: &str,
 ) -> Result<Response<Body>, ApiError> {
     let (name, path) = match rest.split_once('/') {
         Some((name, path)) => (name, format!("/{path}")),
         None => (rest, "/".to_owned()),
     };
-    if !auth::has_authorization(req.headers()) {
-        return Err(ApiError::unauthorized(
-            "no credentials: requests through the relay must carry the cluster's own Authorization header",
-        ));
-    }
+    // Hop-by-hop and forged identity headers go before the check, so nothing removes a checked header.
+    user_headers::sanitize(req.headers_mut(), ctx.peer);
+    user_headers::plausible_bearer(req.headers())
+        .map_err(|e| ApiError::unauthorized(e.to_string()))?;
     if let Some(authenticator) = &shared.entra {
         entra::check(authenticator, req.headers())
             .await
