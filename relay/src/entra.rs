@@ -63,21 +63,21 @@ impl GroupResolver for Directory {
 }
 
 /// Refuses a request whose bearer token is Entra-style and does not validate (the handler answers 401); lets
-/// every other request through.
+/// every other request through. Returns the validated token's `oid`, if it was one.
 pub(crate) async fn check(
     authenticator: &Authenticator,
     headers: &HeaderMap,
-) -> Result<(), TokenError> {
+) -> Result<Option<String>, TokenError> {
     let Some(token) = auth::bearer(headers) else {
-        return Ok(());
+        return Ok(None);
     };
     if !is_entra_style(authenticator.config(), token.expose()) {
-        return Ok(());
+        return Ok(None);
     }
     match authenticator.authenticate(token.expose()).await {
         Ok(identity) => {
             tracing::debug!(oid = %identity.oid(), "Entra token validated at the relay");
-            Ok(())
+            Ok(Some(identity.oid().to_string()))
         }
         Err(e) => {
             tracing::info!(reason = e.label(), "Entra token refused at the relay");

@@ -41,6 +41,7 @@ mod guard_hub;
 mod handlers;
 mod identity;
 mod listener;
+mod quota;
 mod rbac;
 mod registry;
 mod respond;

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use bytes::Bytes;
 use common::{Client, TestRelay, dial};
 use http::{HeaderValue, Method, Request, Response, StatusCode};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
@@ -36,6 +36,10 @@ impl EchoAgent {
                 };
                 tokio::spawn(async move {
                     let svc = service_fn(|req: Request<Incoming>| async move {
+                        if req.uri().query().is_some_and(|q| q.contains("watch=1")) {
+                            // A watch that never ends: the head now, then nothing.
+                            return Ok::<_, Infallible>(Response::new(Never.boxed()));
+                        }
                         let mut headers = serde_json::Map::new();
                         for name in req.headers().keys() {
                             let values: Vec<Value> = req
@@ -46,9 +50,11 @@ impl EchoAgent {
                                 .collect();
                             headers.insert(name.as_str().to_owned(), Value::Array(values));
                         }
-                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(
-                            Value::Object(headers).to_string(),
-                        ))))
+                        Ok::<_, Infallible>(Response::new(
+                            Full::new(Bytes::from(Value::Object(headers).to_string()))
+                                .map_err(|never| match never {})
+                                .boxed(),
+                        ))
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), svc)
@@ -65,6 +71,21 @@ impl EchoAgent {
 
     fn opened(&self) -> usize {
         self.opened.load(Ordering::SeqCst)
+    }
+}
+
+/// A body that never yields a frame (a watch with no events).
+struct Never;
+
+impl http_body::Body for Never {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        std::task::Poll::Pending
     }
 }
 
@@ -189,5 +210,84 @@ async fn forged_identity_headers_are_dropped_and_the_real_address_added() -> any
         // Impersonation is authorized by the apiserver against the caller's own credential.
         assert_eq!(seen["impersonate-user"], json!(["bob"]), "{seen}");
     }
+    relay.stop().await
+}
+
+/// Opens a watch as `token` over its own HTTP/1.1 connection and returns once the head arrived; the response
+/// (and so the stream) stays open until the returned value is dropped.
+async fn open_watch(
+    client: &Client,
+    token: &str,
+) -> anyhow::Result<(StatusCode, http::HeaderMap, Box<dyn std::any::Any + Send>)> {
+    let io = TokioIo::new(client.raw_tls(b"http/1.1").await?);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await?;
+    let conn = tokio::spawn(conn);
+    let req = client
+        .request(false, Method::GET, "/clusters/edge/api/v1/pods?watch=1")
+        .header("authorization", format!("Bearer {token}"))
+        .body(Full::<Bytes>::default())?;
+    let resp = sender.send_request(req).await?;
+    let (parts, body) = resp.into_parts();
+    struct Held {
+        _body: Incoming,
+        conn: tokio::task::JoinHandle<Result<(), hyper::Error>>,
+    }
+    impl Drop for Held {
+        fn drop(&mut self) {
+            self.conn.abort();
+        }
+    }
+    Ok((
+        parts.status,
+        parts.headers,
+        Box::new(Held { _body: body, conn }),
+    ))
+}
+
+/// One principal at its bound of concurrent requests to a cluster gets 429 with Retry-After; another principal
+/// (from the same address) keeps working; when a watch ends, the first principal can open again. On the old
+/// main every principal shared the tunnel's 1,024 streams.
+#[tokio::test]
+async fn one_principal_over_its_bound_gets_429_and_nobody_else_notices() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut config = tether_relay::Config::new(dir.path().to_path_buf());
+    config.limits.max_streams_per_principal = 3;
+    let relay = TestRelay::start_with(config).await?;
+    let _agent = EchoAgent::connect(&relay, "edge").await?;
+    let client = relay.client()?;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let (status, _, h) = open_watch(&client, "greedy-token").await?;
+        assert_eq!(status, StatusCode::OK);
+        held.push(h);
+    }
+    let (status, headers, _over) = open_watch(&client, "greedy-token").await?;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        headers.get("retry-after").and_then(|v| v.to_str().ok()),
+        Some("1")
+    );
+    for h2 in [false, true] {
+        let other = send(&client, h2, &[("authorization", "Bearer polite-token")]).await?;
+        assert_eq!(other.status, StatusCode::OK, "{other:?}");
+        let (status, _, _w) = open_watch(&client, "polite-token").await?;
+        assert_eq!(status, StatusCode::OK);
+    }
+    // A watch ends (the client goes away): the slot comes back.
+    held.pop();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (status, _, h) = open_watch(&client, "greedy-token").await?;
+        if status == StatusCode::OK {
+            held.push(h);
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the ended watch's slot never came back"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    drop(held);
     relay.stop().await
 }
