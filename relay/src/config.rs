@@ -58,6 +58,10 @@ pub struct Config {
     /// Validity of the identity (client certificate) issued to each cluster; agents renew at about 2/3 (e.g. 90d).
     #[arg(long, env = "TETHER_RELAY_IDENTITY_VALIDITY", default_value = "90d", value_parser = parse_duration)]
     pub identity_validity: Duration,
+    /// How long a cluster's one-time onboarding token can be redeemed after the cluster was created; later
+    /// the agent gets 401 and the cluster must be deleted and created again.
+    #[arg(long, env = "TETHER_RELAY_ONBOARDING_TOKEN_TTL", default_value = "24h", value_parser = parse_duration)]
+    pub onboarding_token_ttl: Duration,
     /// The newest agent version this relay offers; clusters running an older one show "upgrade available".
     #[arg(long, env = "TETHER_RELAY_LATEST_AGENT_VERSION", default_value = env!("CARGO_PKG_VERSION"))]
     pub latest_agent_version: String,
@@ -338,6 +342,12 @@ impl Config {
         if l.last_seen_interval.is_zero() {
             return Err(ConfigError::InvalidLimit {
                 name: "last_seen_interval",
+                why: "must be greater than zero",
+            });
+        }
+        if self.onboarding_token_ttl.is_zero() {
+            return Err(ConfigError::InvalidSetting {
+                name: "onboarding token TTL",
                 why: "must be greater than zero",
             });
         }

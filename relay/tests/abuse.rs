@@ -291,3 +291,33 @@ async fn one_principal_over_its_bound_gets_429_and_nobody_else_notices() -> anyh
     drop(held);
     relay.stop().await
 }
+
+/// An onboarding token past `--onboarding-token-ttl` is refused (on the old main it never expired); a fresh
+/// cluster with the default TTL onboards.
+#[tokio::test]
+async fn onboarding_tokens_expire() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut config = tether_relay::Config::new(dir.path().to_path_buf());
+    config.onboarding_token_ttl = std::time::Duration::from_millis(1);
+    let relay = TestRelay::start_with(config).await?;
+    let token = relay.admin()?.create_ok("stale").await?;
+    // Wait (bounded) until the clock is past the TTL; the store's creation time is at most now.
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let (_, csr) = common::new_csr("x")?;
+    let reply = relay
+        .client()?
+        .post_json(
+            "/agent/v1/onboard",
+            None,
+            &json!({ "cluster": "stale", "token": token, "csr": csr }),
+        )
+        .await?;
+    let message = reply.status_message(401)?;
+    assert!(message.contains("expired"), "{message}");
+    relay.stop().await?;
+
+    let dir = tempfile::tempdir()?;
+    let relay = TestRelay::start(dir.path()).await?;
+    relay.admin()?.onboarded("fresh").await?;
+    relay.stop().await
+}
