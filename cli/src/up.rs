@@ -635,6 +635,7 @@ impl Up {
                 audiences: vec![entra.audience.clone()],
                 authority: Some(entra.authority.clone()),
                 authority_ca: Some(entra.authority_ca.clone()),
+                ..Default::default()
             });
         }
         #[cfg(feature = "quickstart")]

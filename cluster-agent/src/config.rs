@@ -154,6 +154,23 @@ pub struct EntraConfig {
         value_name = "FILE"
     )]
     pub authority_ca: Option<PathBuf>,
+    /// Put before every username an Entra token yields, in the impersonation headers (like guard's
+    /// --username-prefix and kube-apiserver's --oidc-username-prefix; set it the same as guard's); default none.
+    /// Must not start with "system:".
+    #[arg(
+        long = "username-prefix",
+        env = "TETHER_ENTRA_USERNAME_PREFIX",
+        value_name = "PREFIX"
+    )]
+    pub username_prefix: Option<String>,
+    /// Put before every group an Entra token yields (like guard's --groups-prefix; set it the same as guard's,
+    /// which removes it when authorizing); default none. Must not start with "system:".
+    #[arg(
+        long = "groups-prefix",
+        env = "TETHER_ENTRA_GROUPS_PREFIX",
+        value_name = "PREFIX"
+    )]
+    pub groups_prefix: Option<String>,
 }
 
 impl EntraConfig {
@@ -164,6 +181,8 @@ impl EntraConfig {
         if let Some(authority) = &self.authority {
             config.v2_authority = authority.trim_end_matches('/').to_owned();
         }
+        config.username_prefix = self.username_prefix.clone().unwrap_or_default();
+        config.groups_prefix = self.groups_prefix.clone().unwrap_or_default();
         config
     }
 }
@@ -721,15 +740,35 @@ mod tests {
             tenants: vec!["72f988bf-86f1-41af-91ab-2d7cd011db47".into()],
             audiences: vec!["api://tether".into()],
             authority: Some("https://127.0.0.1:9443/".into()),
-            authority_ca: None,
+            ..Default::default()
         };
         let mut c = valid(tmp.path());
         c.entra = Some(good.clone());
         c.validate().unwrap();
         assert_eq!(good.token_config().v2_authority, "https://127.0.0.1:9443");
+        // The prefixes reach the TokenConfig the authentication proxy maps identities with.
+        let prefixed = EntraConfig {
+            username_prefix: Some("aad:".into()),
+            groups_prefix: Some("aad-group:".into()),
+            ..good.clone()
+        };
+        let mut c = valid(tmp.path());
+        c.entra = Some(prefixed.clone());
+        c.validate().unwrap();
+        assert_eq!(prefixed.token_config().username_prefix, "aad:");
+        assert_eq!(prefixed.token_config().groups_prefix, "aad-group:");
+        assert_eq!(good.token_config().username_prefix, "");
         for bad in [
             EntraConfig {
                 tenants: vec![],
+                ..good.clone()
+            },
+            EntraConfig {
+                username_prefix: Some("system:".into()),
+                ..good.clone()
+            },
+            EntraConfig {
+                groups_prefix: Some("System:masters-".into()),
                 ..good.clone()
             },
             EntraConfig {

@@ -132,6 +132,21 @@ impl RelayProcess {
                 args.push("--heartbeat-interval".to_owned());
                 args.push(format!("{}s", hb.as_secs().max(1)));
             }
+            // The load generator is one principal from one address by design: lift the relay's per-client
+            // bounds (issue 10) so they do not shape the figures.
+            if relay_supports(binary, "--principal-request-rate") {
+                for flag in [
+                    "--max-streams-per-principal",
+                    "--max-streams-per-ip",
+                    "--principal-request-rate",
+                    "--principal-request-burst",
+                    "--ip-request-rate",
+                    "--ip-request-burst",
+                ] {
+                    args.push(flag.to_owned());
+                    args.push("1000000".to_owned());
+                }
+            }
             let log = data_dir.join("relay.log");
             let proc = Proc::spawn(
                 "tether-relay",

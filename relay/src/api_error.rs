@@ -140,6 +140,17 @@ impl ApiError {
         )
     }
 
+    /// 429 for one client over one of its own bounds ([`crate::quota`]); `Retry-After` says when to come back.
+    pub(crate) fn client_over_bound(what: &str, cluster: &str, after: Duration) -> Self {
+        Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "TooManyRequests",
+            format!("too many requests: over the relay's bound on {what} (cluster {cluster})"),
+            Origin::Client,
+        )
+        .retry_after(after)
+    }
+
     pub(crate) fn too_large(limit: usize) -> Self {
         Self::new(
             StatusCode::PAYLOAD_TOO_LARGE,

@@ -22,14 +22,6 @@ pub(crate) fn bearer(headers: &HeaderMap) -> Option<Secret> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then(|| Secret::new(token))
 }
 
-/// True when the request carries a non-empty `Authorization` header of any scheme (the user endpoint
-/// passes it through; the apiserver judges it).
-pub(crate) fn has_authorization(headers: &HeaderMap) -> bool {
-    headers
-        .get(AUTHORIZATION)
-        .is_some_and(|v| !v.as_bytes().iter().all(u8::is_ascii_whitespace))
-}
-
 /// A DNS-1123 label: 1–63 lowercase letters, digits and `-`, starting and ending with a letter or digit.
 pub(crate) fn valid_cluster_name(name: &str) -> bool {
     let b = name.as_bytes();
@@ -68,7 +60,6 @@ mod tests {
     fn bearer_parsing() {
         let mut h = HeaderMap::new();
         assert!(bearer(&h).is_none());
-        assert!(!has_authorization(&h));
         h.insert(AUTHORIZATION, HeaderValue::from_static("Bearer abc"));
         assert_eq!(
             bearer(&h).map(|s| s.expose().to_owned()).as_deref(),
@@ -86,11 +77,6 @@ mod tests {
             HeaderValue::from_static("Basic dXNlcjpwdw=="),
         );
         assert!(bearer(&h).is_none());
-        assert!(has_authorization(&h));
-        h.insert(AUTHORIZATION, HeaderValue::from_static(""));
-        assert!(!has_authorization(&h));
-        h.insert(AUTHORIZATION, HeaderValue::from_static("  "));
-        assert!(!has_authorization(&h));
     }
 
     #[test]

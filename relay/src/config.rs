@@ -59,6 +59,10 @@ pub struct Config {
     /// Validity of the identity (client certificate) issued to each cluster; agents renew at about 2/3 (e.g. 90d).
     #[arg(long, env = "TETHER_RELAY_IDENTITY_VALIDITY", default_value = "90d", value_parser = parse_duration)]
     pub identity_validity: Duration,
+    /// How long a cluster's one-time onboarding token can be redeemed after the cluster was created; later
+    /// the agent gets 401 and the cluster must be deleted and created again.
+    #[arg(long, env = "TETHER_RELAY_ONBOARDING_TOKEN_TTL", default_value = "24h", value_parser = parse_duration)]
+    pub onboarding_token_ttl: Duration,
     /// The newest agent version this relay offers; clusters running an older one show "upgrade available".
     #[arg(long, env = "TETHER_RELAY_LATEST_AGENT_VERSION", default_value = env!("CARGO_PKG_VERSION"))]
     pub latest_agent_version: String,
@@ -144,6 +148,51 @@ pub struct Limits {
     /// one transaction.
     #[arg(skip = Duration::from_secs(5))]
     pub last_seen_interval: Duration,
+    /// Most concurrent requests one principal (token subject, or a hash of an unverified credential) holds to
+    /// one cluster; past it that principal gets 429 with Retry-After. Watches count while they run.
+    #[arg(
+        long,
+        env = "TETHER_RELAY_MAX_STREAMS_PER_PRINCIPAL",
+        default_value_t = 2_000
+    )]
+    pub max_streams_per_principal: u32,
+    /// Most concurrent requests from one source IP to one cluster (several users behind one NAT share it).
+    #[arg(long, env = "TETHER_RELAY_MAX_STREAMS_PER_IP", default_value_t = 4_000)]
+    pub max_streams_per_ip: u32,
+    /// Requests per second one principal may sustain (token bucket refill).
+    #[arg(
+        long,
+        env = "TETHER_RELAY_PRINCIPAL_REQUEST_RATE",
+        default_value_t = 200
+    )]
+    pub principal_request_rate: u32,
+    /// Requests one principal may make in a burst (token bucket size).
+    #[arg(
+        long,
+        env = "TETHER_RELAY_PRINCIPAL_REQUEST_BURST",
+        default_value_t = 2_000
+    )]
+    pub principal_request_burst: u32,
+    /// Requests per second one source IP may sustain.
+    #[arg(long, env = "TETHER_RELAY_IP_REQUEST_RATE", default_value_t = 500)]
+    pub ip_request_rate: u32,
+    /// Requests one source IP may make in a burst.
+    #[arg(long, env = "TETHER_RELAY_IP_REQUEST_BURST", default_value_t = 4_000)]
+    pub ip_request_burst: u32,
+}
+
+impl Limits {
+    /// The per-client bounds of the user endpoint.
+    pub(crate) fn client_limits(&self) -> crate::quota::ClientLimits {
+        crate::quota::ClientLimits {
+            streams_per_principal: self.max_streams_per_principal,
+            streams_per_ip: self.max_streams_per_ip,
+            principal_opens_per_sec: self.principal_request_rate,
+            principal_open_burst: self.principal_request_burst,
+            ip_opens_per_sec: self.ip_request_rate,
+            ip_open_burst: self.ip_request_burst,
+        }
+    }
 }
 
 impl Default for Limits {
@@ -274,9 +323,31 @@ impl Config {
                 return Err(ConfigError::InvalidLimit { name, why });
             }
         }
+        let client_bounds: [(&'static str, u32); 6] = [
+            ("max_streams_per_principal", l.max_streams_per_principal),
+            ("max_streams_per_ip", l.max_streams_per_ip),
+            ("principal_request_rate", l.principal_request_rate),
+            ("principal_request_burst", l.principal_request_burst),
+            ("ip_request_rate", l.ip_request_rate),
+            ("ip_request_burst", l.ip_request_burst),
+        ];
+        for (name, value) in client_bounds {
+            if value == 0 {
+                return Err(ConfigError::InvalidLimit {
+                    name,
+                    why: "must be at least 1",
+                });
+            }
+        }
         if l.last_seen_interval.is_zero() {
             return Err(ConfigError::InvalidLimit {
                 name: "last_seen_interval",
+                why: "must be greater than zero",
+            });
+        }
+        if self.onboarding_token_ttl.is_zero() {
+            return Err(ConfigError::InvalidSetting {
+                name: "onboarding token TTL",
                 why: "must be greater than zero",
             });
         }

@@ -42,6 +42,7 @@ mod guard_hub;
 mod handlers;
 mod identity;
 mod listener;
+mod quota;
 mod rbac;
 mod registry;
 mod respond;
@@ -50,6 +51,7 @@ mod state;
 mod status;
 pub mod store;
 mod tunnels;
+mod user_headers;
 
 use std::future::Future;
 use std::path::Path;

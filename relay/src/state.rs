@@ -11,6 +11,7 @@ use crate::activity::ActivityLog;
 use crate::config::Config;
 use crate::guard_hub::GuardHub;
 use crate::identity::AgentCa;
+use crate::quota::Quotas;
 use crate::rbac::Rbac;
 use crate::registry::Registry;
 use crate::store::{Store, TokenHash};
@@ -30,6 +31,8 @@ pub(crate) struct Shared {
     pub(crate) guard: GuardHub,
     /// Validates Entra-style tokens before they enter a tunnel, when configured.
     pub(crate) entra: Option<Arc<tether_auth::Authenticator>>,
+    /// Per-principal and per-address bounds of the user endpoint.
+    pub(crate) quotas: Arc<Quotas>,
     shutting_down: AtomicBool,
     /// Set on shutdown: the window, in milliseconds, within which agents are told to come back (0: none).
     reconnect_window_ms: AtomicU64,
@@ -44,6 +47,7 @@ impl Shared {
         entra: Option<Arc<tether_auth::Authenticator>>,
     ) -> Self {
         Self {
+            quotas: Quotas::new(config.limits.client_limits()),
             config,
             store,
             registry: Registry::default(),

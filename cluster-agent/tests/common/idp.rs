@@ -29,5 +29,6 @@ pub fn entra_config(idp: &Idp, dir: &Path) -> Result<tether_agent::EntraConfig> 
         audiences: vec![AUDIENCE.to_owned()],
         authority: Some(idp.v2_authority()),
         authority_ca: Some(idp.write_ca(dir)?),
+        ..Default::default()
     })
 }

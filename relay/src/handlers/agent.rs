@@ -23,6 +23,8 @@ use crate::store::{NewIdentity, TokenHash};
 use crate::tunnels;
 
 const BAD_ONBOARDING_TOKEN: &str = "onboarding token is invalid or already used";
+const ONBOARDING_TOKEN_EXPIRED: &str = "onboarding token expired (--onboarding-token-ttl): delete the cluster \
+     and create it again for a new token";
 const NO_CLIENT_CERT: &str = "no client certificate: the agent must present its cluster identity \
      (if its state was lost, delete the cluster and connect it again)";
 const BAD_IDENTITY: &str = "the client certificate is not a valid identity of this cluster: it was deleted, \
@@ -56,6 +58,17 @@ pub(crate) async fn onboard(
         return Err(ApiError::unauthorized(BAD_ONBOARDING_TOKEN));
     }
     let now = OffsetDateTime::now_utc();
+    // The token was handed out when the cluster was created; only its holder learns that it expired.
+    let created = shared
+        .store
+        .cluster(&body.cluster)
+        .await?
+        .map(|c| c.created_at);
+    let ttl =
+        time::Duration::try_from(shared.config.onboarding_token_ttl).unwrap_or(time::Duration::MAX);
+    if created.is_none_or(|created| now - created > ttl) {
+        return Err(ApiError::unauthorized(ONBOARDING_TOKEN_EXPIRED));
+    }
     let issued = shared.agent_ca.issue(
         &body.cluster,
         &body.csr,

@@ -1,38 +1,49 @@
 //! The user endpoint: `/clusters/NAME/…` forwarded over NAME's tunnel.
 
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
 use bytes::Bytes;
 use http::{Request, Response};
+use http_body::{Frame, SizeHint};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tether_tunnel::{OpenOptions, Priority, kind};
 
 use crate::api_error::ApiError;
-use crate::body::Body;
+use crate::body::{Body, BoxError};
 use crate::forward::{self, Target};
+use crate::quota::{Principal, StreamSlot};
 use crate::state::{ConnCtx, Shared};
-use crate::{auth, entra};
+use crate::{auth, entra, user_headers};
 
 /// Handles `/clusters/{rest}` where `rest` is `NAME` or `NAME/…`. Refuses at once — before anything enters a
-/// tunnel — without credentials or with an Entra-style token that does not validate (401), for an unknown
-/// cluster (404) or one without a tunnel (503).
+/// tunnel — without a plausible credential (not exactly one `Authorization: Bearer TOKEN68`) or with an
+/// Entra-style token that does not validate (401), for an unknown cluster (404) or one without a tunnel (503).
+/// Hop-by-hop and forged identity headers are removed first ([`user_headers::sanitize`]).
 pub(crate) async fn handle(
     shared: &Shared,
     ctx: ConnCtx,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     rest: &str,
 ) -> Result<Response<Body>, ApiError> {
     let (name, path) = match rest.split_once('/') {
         Some((name, path)) => (name, format!("/{path}")),
         None => (rest, "/".to_owned()),
     };
-    if !auth::has_authorization(req.headers()) {
-        return Err(ApiError::unauthorized(
-            "no credentials: requests through the relay must carry the cluster's own Authorization header",
-        ));
-    }
-    if let Some(authenticator) = &shared.entra {
-        entra::check(authenticator, req.headers())
+    // Hop-by-hop and forged identity headers go before the check, so nothing removes a checked header.
+    user_headers::sanitize(req.headers_mut(), ctx.peer);
+    let token = user_headers::plausible_bearer(req.headers())
+        .map_err(|e| ApiError::unauthorized(e.to_string()))?;
+    let mut principal = Principal::of_credential(token);
+    if let Some(authenticator) = &shared.entra
+        && let Some(oid) = entra::check(authenticator, req.headers())
             .await
-            .map_err(|e| ApiError::unauthorized(e.to_string()))?;
+            .map_err(|e| ApiError::unauthorized(e.to_string()))?
+    {
+        principal = Principal::of_subject(&oid);
     }
     if !auth::valid_cluster_name(name) {
         return Err(ApiError::cluster_not_found(name));
@@ -57,6 +68,14 @@ pub(crate) async fn handle(
         path_and_query: &path_and_query,
         open_timeout: shared.config.open_timeout,
     };
+    // Per-client bounds: only this principal or address is refused; the slot lives as long as the response.
+    let slot = shared
+        .quotas
+        .admit(&principal, ctx.peer.ip(), name, Instant::now())
+        .map_err(|r| {
+            tracing::debug!(cluster = name, peer = %ctx.peer, bound = r.what, "client over its bound");
+            ApiError::client_over_bound(r.what, name, r.retry_after)
+        })?;
     let stream = tunnel
         .conn
         .open(OpenOptions {
@@ -68,12 +87,40 @@ pub(crate) async fn handle(
         .map_err(|e| forward::tunnel_error(e, target))?;
     let control = stream.control();
     tracing::debug!(cluster = name, method = %req.method(), path = req.uri().path(), stream = ?stream.id(), "forwarding");
-    forward::forward(
+    let slot = Arc::new(slot);
+    let resp = forward::forward(
         stream,
         async move { control.accepted().await },
         req,
         target,
-        ctx.permit,
+        (ctx.permit, Arc::clone(&slot)),
     )
-    .await
+    .await?;
+    Ok(resp.map(|body| Holding { body, _slot: slot }.boxed()))
+}
+
+/// A response body that keeps its stream's [`StreamSlot`] counted until the body ends or is dropped.
+struct Holding {
+    body: Body,
+    _slot: Arc<StreamSlot>,
+}
+
+impl http_body::Body for Holding {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
 }

@@ -1,0 +1,313 @@
+//! Per-client bounds on what users can make a cluster's tunnel hold (issue 10 item 1): concurrent streams per
+//! cluster and stream opens per second, each per principal and per source IP. Over a bound only that client is
+//! refused (429 with `Retry-After`); nobody else notices.
+//!
+//! A *principal* is the credential's subject when the relay validated it (an Entra token's `oid`), else a
+//! SHA-256 of the unverified credential: two requests with the same token are the same principal whether or
+//! not the token is valid. Not done here: connection counts and idle timeouts (the listener's), the tunnel's
+//! own total stream limit.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+/// The bounds (flags in [`crate::config::Limits`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClientLimits {
+    /// Most concurrent streams one principal holds to one cluster.
+    pub(crate) streams_per_principal: u32,
+    /// Most concurrent streams one source IP holds to one cluster.
+    pub(crate) streams_per_ip: u32,
+    /// Stream opens per second one principal may sustain (token bucket refill).
+    pub(crate) principal_opens_per_sec: u32,
+    /// Stream opens one principal may make in a burst (token bucket size).
+    pub(crate) principal_open_burst: u32,
+    /// Stream opens per second one source IP may sustain.
+    pub(crate) ip_opens_per_sec: u32,
+    /// Stream opens one source IP may make in a burst.
+    pub(crate) ip_open_burst: u32,
+}
+
+/// Who is asking: the principal and the address it came from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Subject {
+    /// A verified subject (`oid`) or the SHA-256 of an unverified credential.
+    Principal([u8; 32]),
+    /// The source IP.
+    Ip(IpAddr),
+}
+
+/// A principal key from a credential (hashed, never kept) or a verified subject.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Principal([u8; 32]);
+
+impl Principal {
+    /// The principal of an unverified credential: its SHA-256.
+    pub(crate) fn of_credential(token: &str) -> Self {
+        Self(Sha256::digest(format!("credential\0{token}")).into())
+    }
+
+    /// The principal of a verified subject (e.g. an Entra `oid`).
+    pub(crate) fn of_subject(subject: &str) -> Self {
+        Self(Sha256::digest(format!("subject\0{subject}")).into())
+    }
+}
+
+/// Which bound refused a stream, and when to come back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Refusal {
+    /// What was exceeded (for the message and the log).
+    pub(crate) what: &'static str,
+    /// When a retry can succeed.
+    pub(crate) retry_after: Duration,
+}
+
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    streams: HashMap<(Subject, String), u32>,
+    buckets: HashMap<Subject, Bucket>,
+}
+
+/// The bookkeeping, shared by every user request.
+#[derive(Debug)]
+pub(crate) struct Quotas {
+    limits: ClientLimits,
+    state: Mutex<State>,
+}
+
+/// Above this many rate buckets, full ones are forgotten (a full bucket is the same as none).
+const PRUNE_ABOVE: usize = 100_000;
+
+impl Quotas {
+    /// Bookkeeping for `limits`.
+    pub(crate) fn new(limits: ClientLimits) -> Arc<Self> {
+        Arc::new(Self {
+            limits,
+            state: Mutex::default(),
+        })
+    }
+
+    /// Admits one stream of `principal` from `ip` to `cluster` at `now`, or says which bound refuses it. The
+    /// slot counts until it is dropped.
+    pub(crate) fn admit(
+        self: &Arc<Self>,
+        principal: &Principal,
+        ip: IpAddr,
+        cluster: &str,
+        now: Instant,
+    ) -> Result<StreamSlot, Refusal> {
+        let l = &self.limits;
+        let p = Subject::Principal(principal.0);
+        let i = Subject::Ip(ip.to_canonical());
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let held = |s: &State, subject: &Subject| {
+            s.streams
+                .get(&(subject.clone(), cluster.to_owned()))
+                .copied()
+                .unwrap_or(0)
+        };
+        if held(&state, &p) >= l.streams_per_principal {
+            return Err(Refusal {
+                what: "concurrent requests of this client to this cluster",
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        if held(&state, &i) >= l.streams_per_ip {
+            return Err(Refusal {
+                what: "concurrent requests from this address to this cluster",
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        let checks = [
+            (
+                &p,
+                l.principal_opens_per_sec,
+                l.principal_open_burst,
+                "request rate of this client",
+            ),
+            (
+                &i,
+                l.ip_opens_per_sec,
+                l.ip_open_burst,
+                "request rate from this address",
+            ),
+        ];
+        for (subject, rate, burst, what) in checks {
+            let tokens = refill(&state, subject, rate, burst, now);
+            if tokens < 1.0 {
+                let wait = (1.0 - tokens) / f64::from(rate.max(1));
+                return Err(Refusal {
+                    what,
+                    retry_after: Duration::from_secs_f64(wait.ceil().max(1.0)),
+                });
+            }
+        }
+        for (subject, rate, burst, _) in checks {
+            let tokens = refill(&state, subject, rate, burst, now) - 1.0;
+            state
+                .buckets
+                .insert(subject.clone(), Bucket { tokens, at: now });
+        }
+        if state.buckets.len() > PRUNE_ABOVE {
+            let limits = *l;
+            state.buckets.retain(|subject, b| {
+                let (rate, burst) = match subject {
+                    Subject::Principal(_) => {
+                        (limits.principal_opens_per_sec, limits.principal_open_burst)
+                    }
+                    Subject::Ip(_) => (limits.ip_opens_per_sec, limits.ip_open_burst),
+                };
+                let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
+                b.tokens + elapsed * f64::from(rate) < f64::from(burst)
+            });
+        }
+        let keys = [(p, cluster.to_owned()), (i, cluster.to_owned())];
+        for key in &keys {
+            *state.streams.entry(key.clone()).or_insert(0) += 1;
+        }
+        Ok(StreamSlot {
+            quotas: Arc::clone(self),
+            keys,
+        })
+    }
+
+    /// Streams `principal` holds to `cluster` now (tests, metrics).
+    #[cfg(test)]
+    fn held(&self, principal: &Principal, cluster: &str) -> u32 {
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state
+            .streams
+            .get(&(Subject::Principal(principal.0), cluster.to_owned()))
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+fn refill(state: &State, subject: &Subject, rate: u32, burst: u32, now: Instant) -> f64 {
+    match state.buckets.get(subject) {
+        None => f64::from(burst),
+        Some(b) => {
+            let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
+            (b.tokens + elapsed * f64::from(rate)).min(f64::from(burst))
+        }
+    }
+}
+
+/// One admitted stream; counts against its principal and address until dropped.
+#[derive(Debug)]
+pub(crate) struct StreamSlot {
+    quotas: Arc<Quotas>,
+    keys: [(Subject, String); 2],
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut state = self
+            .quotas
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for key in &self.keys {
+            if let Some(n) = state.streams.get_mut(key) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    state.streams.remove(key);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> ClientLimits {
+        ClientLimits {
+            streams_per_principal: 2,
+            streams_per_ip: 3,
+            principal_opens_per_sec: 1,
+            principal_open_burst: 100,
+            ip_opens_per_sec: 1,
+            ip_open_burst: 100,
+        }
+    }
+
+    #[test]
+    fn one_principal_over_its_bound_does_not_touch_another() {
+        let q = Quotas::new(limits());
+        let (a, b) = (Principal::of_credential("a"), Principal::of_credential("b"));
+        let ip: IpAddr = [10, 0, 0, 1].into();
+        let other_ip: IpAddr = [10, 0, 0, 2].into();
+        let now = Instant::now();
+        let s1 = q.admit(&a, ip, "edge", now);
+        let s2 = q.admit(&a, other_ip, "edge", now);
+        assert!(s1.is_ok() && s2.is_ok());
+        let refused = q.admit(&a, other_ip, "edge", now);
+        assert_eq!(
+            refused.as_ref().err().map(|r| r.retry_after),
+            Some(Duration::from_secs(1))
+        );
+        // Another cluster and another principal are unaffected.
+        assert!(q.admit(&a, other_ip, "west", now).is_ok());
+        let b1 = q.admit(&b, ip, "edge", now);
+        assert!(b1.is_ok());
+        // The address bound: ip holds s1 and b1; one more from it is fine, then not.
+        let b2 = q.admit(&b, ip, "edge", now);
+        assert!(b2.is_ok());
+        assert!(
+            q.admit(&Principal::of_credential("c"), ip, "edge", now)
+                .is_err()
+        );
+        drop(s1);
+        assert_eq!(q.held(&a, "edge"), 1);
+        assert!(q.admit(&a, other_ip, "edge", now).is_ok());
+        assert_eq!(q.held(&a, "edge"), 1, "the temporary slot was released");
+    }
+
+    #[test]
+    fn opens_per_second_refill_in_virtual_time() {
+        let mut l = limits();
+        l.streams_per_principal = 1000;
+        l.streams_per_ip = 1000;
+        l.principal_open_burst = 3;
+        l.principal_opens_per_sec = 2;
+        let q = Quotas::new(l);
+        let a = Principal::of_credential("a");
+        let ip: IpAddr = [10, 0, 0, 1].into();
+        let t0 = Instant::now();
+        let held: Vec<_> = (0..3)
+            .filter_map(|_| q.admit(&a, ip, "edge", t0).ok())
+            .collect();
+        assert_eq!(held.len(), 3);
+        let refused = q.admit(&a, ip, "edge", t0).err();
+        assert_eq!(refused.map(|r| r.what), Some("request rate of this client"));
+        assert!(
+            q.admit(&Principal::of_credential("b"), ip, "edge", t0)
+                .is_ok()
+        );
+        assert!(
+            q.admit(&a, ip, "edge", t0 + Duration::from_millis(500))
+                .is_ok()
+        );
+        assert!(
+            q.admit(&a, ip, "edge", t0 + Duration::from_millis(500))
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn principals_do_not_collide_between_credentials_and_subjects() {
+        assert_ne!(Principal::of_credential("x"), Principal::of_subject("x"));
+        assert_eq!(Principal::of_credential("x"), Principal::of_credential("x"));
+    }
+}
