@@ -56,6 +56,7 @@ pub(crate) async fn handle(
         cluster: name,
         path_and_query: &path_and_query,
         open_timeout: shared.config.open_timeout,
+        request_timeout: shared.config.request_timeout,
     };
     let stream = tunnel
         .conn
