@@ -34,6 +34,11 @@ use tether_api::reconnect::{DRAINING_WAIT, Reconnect};
 /// The Kubernetes `Status` reason with which the relay refuses an expired identity.
 pub const IDENTITY_EXPIRED_REASON: &str = "IdentityExpired";
 
+/// Most streams the relay may open at once on this agent's tunnel (the protocol's default is 1024): one
+/// tunnel carries every user's requests to the cluster, long-running ones (watches, `logs -f`, exec) included,
+/// and must carry at least 10,000 (issue 17). A stream costs a few KiB until it carries data.
+pub(crate) const TUNNEL_MAX_STREAMS: u32 = 16_384;
+
 /// Why the agent stopped. Every variant is fatal: retrying with the same configuration cannot help.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -120,7 +125,7 @@ pub async fn run(
             let listener = probes::bind(addr)
                 .await
                 .map_err(|source| AgentError::HealthListen { addr, source })?;
-            tracing::info!(%addr, "serving probes (/readyz, /livez)");
+            tracing::info!(%addr, "serving probes (/readyz, /livez, /metrics)");
             Some(probes::serve(listener, probes.clone()))
         }
         None => None,
@@ -215,7 +220,8 @@ pub async fn run(
         }
         // Built per attempt: a renewal replaces the identity.
         let tls = relay_tls.config(Some(&state.identity))?;
-        let session = SessionConfig::new(Role::Client);
+        let mut session = SessionConfig::new(Role::Client);
+        session.max_concurrent_streams = TUNNEL_MAX_STREAMS;
         let connecting = tokio::time::timeout(
             config.connect_timeout,
             ws::connect_with_proxy(&tunnel_url, tls, headers.clone(), session, proxy),
@@ -242,6 +248,7 @@ pub async fn run(
                 let ended = serve(
                     conn,
                     &upstream,
+                    &probes,
                     &mut streams,
                     &mut shutdown,
                     config.drain_timeout,
@@ -538,6 +545,7 @@ enum Ended {
 async fn serve(
     conn: Connection,
     upstream: &Upstream,
+    probes: &Probes,
     streams: &mut JoinSet<()>,
     shutdown: &mut Shutdown,
     drain_timeout: Duration,
@@ -548,7 +556,7 @@ async fn serve(
     let shutting_down = loop {
         tokio::select! {
             incoming = conn.accept() => match incoming {
-                Some(incoming) => handle_incoming(incoming, &conn, upstream, streams),
+                Some(incoming) => handle_incoming(incoming, &conn, upstream, probes, streams),
                 None => {
                     // GOAWAY. A relay that is going away says on the control channel when to come back
                     // (`draining`), right after; give that message a moment to arrive.
@@ -611,6 +619,7 @@ fn handle_incoming(
     incoming: Incoming,
     conn: &Connection,
     upstream: &Upstream,
+    probes: &Probes,
     streams: &mut JoinSet<()>,
 ) {
     if incoming.kind != kind::HTTP {
@@ -633,10 +642,16 @@ fn handle_incoming(
     };
     let upstream = upstream.clone();
     let conn = conn.clone();
+    let control = stream.control();
+    let counted = probes.stream_opened();
     streams.spawn(async move {
+        let _counted = counted;
         let id = stream.id();
         // A stream whose tunnel is gone ends with it: otherwise a response waiting on the apiserver (a quiet
         // watch, `logs -f`) would hold its upstream connection until the apiserver next sends something.
+        // Likewise a stream the relay reset (its user left, or its request deadline passed): cancelling the
+        // task drops the upstream request, so one still waiting for an upstream connection or stream is
+        // never sent, and one in flight is cancelled.
         tokio::select! {
             result = serve_stream(stream, upstream) => {
                 if let Err(e) = result {
@@ -645,6 +660,9 @@ fn handle_incoming(
             }
             _ = conn.closed() => {
                 tracing::debug!(stream = ?id, "tunnel closed; stream cut");
+            }
+            why = control.failed() => {
+                tracing::debug!(stream = ?id, error = %why, "stream reset; request cut");
             }
         }
     });

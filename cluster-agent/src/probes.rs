@@ -2,7 +2,8 @@
 //!
 //! - `GET /readyz`: 200 only while a tunnel to the relay is up, else 503;
 //! - `GET /livez`: 200 while the agent runs: a task of the agent's own answers within [`LIVENESS_TIMEOUT`] (a
-//!   runtime too starved to schedule it, or an agent that stopped, is 503).
+//!   runtime too starved to schedule it, or an agent that stopped, is 503);
+//! - `GET /metrics`: Prometheus text with `tether_agent_open_streams`, the tunnel streams being served.
 //!
 //! Nothing else is served on that port: other paths are 404, other methods 405, request bodies are not read,
 //! a client that does not send its request head within [`HEADER_READ_TIMEOUT`] is disconnected, and at most
@@ -12,7 +13,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -35,6 +36,17 @@ pub const MAX_CONNECTIONS: usize = 16;
 pub(crate) struct Probes {
     tunnel_up: Arc<AtomicBool>,
     live: mpsc::Sender<oneshot::Sender<()>>,
+    /// Tunnel streams being served (requests in flight, watches, upgraded pipes), for `/metrics`.
+    open_streams: Arc<AtomicUsize>,
+}
+
+/// Counts one served stream in [`Probes`]' gauge until dropped.
+pub(crate) struct OpenStream(Arc<AtomicUsize>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// A task that stops when dropped.
@@ -58,6 +70,7 @@ impl Probes {
         let probes = Self {
             tunnel_up: Arc::new(AtomicBool::new(false)),
             live,
+            open_streams: Arc::default(),
         };
         (probes, Task(responder))
     }
@@ -65,6 +78,12 @@ impl Probes {
     /// Records whether a tunnel is up (`/readyz`).
     pub(crate) fn set_tunnel_up(&self, up: bool) {
         self.tunnel_up.store(up, Ordering::Relaxed);
+    }
+
+    /// Counts a served stream until the returned guard is dropped.
+    pub(crate) fn stream_opened(&self) -> OpenStream {
+        self.open_streams.fetch_add(1, Ordering::Relaxed);
+        OpenStream(self.open_streams.clone())
     }
 
     async fn alive(&self) -> bool {
@@ -83,6 +102,7 @@ impl Probes {
         let check = match req.uri().path() {
             "/readyz" => Check::Ready,
             "/livez" => Check::Live,
+            "/metrics" => Check::Metrics,
             _ => return plain(StatusCode::NOT_FOUND, "not found\n"),
         };
         if req.method() != Method::GET && req.method() != Method::HEAD {
@@ -91,12 +111,24 @@ impl Probes {
         let ok = match check {
             Check::Ready => self.tunnel_up.load(Ordering::Relaxed),
             Check::Live => self.alive().await,
+            Check::Metrics => {
+                let text = format!(
+                    "# HELP tether_agent_open_streams Tunnel streams being served.\n\
+                     # TYPE tether_agent_open_streams gauge\n\
+                     tether_agent_open_streams {}\n",
+                    self.open_streams.load(Ordering::Relaxed)
+                );
+                let mut response = plain(StatusCode::OK, "");
+                *response.body_mut() = Full::new(Bytes::from(text));
+                return response;
+            }
         };
         match (check, ok) {
             (Check::Ready, true) => plain(StatusCode::OK, "ok: tunnel up\n"),
             (Check::Ready, false) => plain(StatusCode::SERVICE_UNAVAILABLE, "no tunnel\n"),
             (Check::Live, true) => plain(StatusCode::OK, "ok\n"),
             (Check::Live, false) => plain(StatusCode::SERVICE_UNAVAILABLE, "not answering\n"),
+            (Check::Metrics, _) => plain(StatusCode::OK, ""),
         }
     }
 }
@@ -105,6 +137,7 @@ impl Probes {
 enum Check {
     Ready,
     Live,
+    Metrics,
 }
 
 fn plain(status: StatusCode, text: &'static str) -> Response<Full<Bytes>> {

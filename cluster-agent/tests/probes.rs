@@ -93,12 +93,14 @@ async fn the_probe_port_serves_nothing_else() -> Result<()> {
     for path in [
         "/",
         "/api/v1/namespaces",
-        "/metrics",
+        "/debug/pprof",
         "/readyz/../api",
         "//livez",
     ] {
         assert_eq!(status(addr, "GET", path).await, Some(404), "{path}");
     }
+    // `/metrics` is one gauge (streams being served), naming nothing.
+    assert_eq!(status(addr, "GET", "/metrics").await, Some(200));
     assert_eq!(status(addr, "POST", "/readyz").await, Some(405));
     assert_eq!(status(addr, "DELETE", "/livez").await, Some(405));
     assert!(

@@ -40,6 +40,11 @@ pub struct Config {
     /// How long an agent has to accept a request before the user gets a 504 (e.g. 10s, 500ms).
     #[arg(long, env = "TETHER_RELAY_OPEN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub open_timeout: Duration,
+    /// How long a request may wait for its response head (the stream's accept included) before the user
+    /// gets a 504 `Status` naming the cluster; kube-apiserver's default. Long-running requests (watch,
+    /// `logs -f`, exec/attach/port-forward) are exempt once their head has arrived (e.g. 60s, 1m).
+    #[arg(long, env = "TETHER_RELAY_REQUEST_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub request_timeout: Duration,
     /// Database URL: sqlite:PATH (the default, sqlite://DATA_DIR/relay.db) for one relay, or
     /// postgres://USER:PASSWORD@HOST/DB for replicas sharing one store.
     #[arg(long, env = "TETHER_RELAY_DATABASE_URL")]
@@ -130,8 +135,10 @@ pub struct Limits {
     /// Largest request head accepted (HTTP/1.1 read buffer; HTTP/2 header list size).
     #[arg(skip = 64 * 1024_usize)]
     pub max_header_bytes: usize,
-    /// Most concurrent HTTP/2 streams per client connection.
-    #[arg(skip = 250_u32)]
+    /// Most concurrent HTTP/2 streams per client connection. Clients built on hyper (kube-rs) keep every
+    /// request on one connection and queue past this, so it must fit a controller holding one watch per
+    /// resource type of a large cluster: 1,000 (Go clients open another connection when one is full).
+    #[arg(skip = 1_000_u32)]
     pub h2_max_concurrent_streams: u32,
     /// Largest JSON body accepted by the admin and agent endpoints.
     #[arg(skip = 64 * 1024_usize)]
@@ -217,6 +224,9 @@ pub enum ConfigError {
     /// The open timeout is zero.
     #[error("open timeout must be greater than zero")]
     ZeroOpenTimeout,
+    /// The request timeout is zero.
+    #[error("request timeout must be greater than zero")]
+    ZeroRequestTimeout,
     /// The database URL names a backend the relay does not support; the text hides any password.
     #[error("{0} (use sqlite:PATH, or postgres://USER@HOST/DB for several replicas)")]
     UnsupportedDatabase(String),
@@ -275,6 +285,9 @@ impl Config {
         }
         if self.open_timeout.is_zero() {
             return Err(ConfigError::ZeroOpenTimeout);
+        }
+        if self.request_timeout.is_zero() {
+            return Err(ConfigError::ZeroRequestTimeout);
         }
         if let Some(url) = &self.database_url {
             crate::store::Backend::of_url(url)
@@ -427,6 +440,7 @@ mod tests {
         let c = Config::new("/d".into());
         assert_eq!(c.data_dir, PathBuf::from("/d"));
         assert_eq!(c.open_timeout, Duration::from_secs(10));
+        assert_eq!(c.request_timeout, Duration::from_secs(60));
         assert_eq!(c.identity_validity, Duration::from_secs(90 * 86_400));
         assert_eq!(c.hostnames, ["localhost", "127.0.0.1", "::1"]);
         assert_eq!(c.limits.max_connections, 50_000);
@@ -438,6 +452,8 @@ mod tests {
             "t",
             "--open-timeout",
             "500ms",
+            "--request-timeout",
+            "2s",
         ]);
         let c = c.map_err(|e| e.to_string());
         assert_eq!(
@@ -446,6 +462,10 @@ mod tests {
                 .and_then(|c| c.entra.clone())
                 .map(|e| e.tenants),
             Some(vec!["t".to_owned()])
+        );
+        assert_eq!(
+            c.as_ref().map(|c| c.request_timeout),
+            Ok(Duration::from_secs(2))
         );
         assert_eq!(c.map(|c| c.open_timeout), Ok(Duration::from_millis(500)));
     }

@@ -20,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::api_error::ApiError;
 use crate::body::{Body, BoxError};
+use crate::ends;
 
 /// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1, plus the legacy proxy ones).
 const HOP_BY_HOP: [HeaderName; 8] = [
@@ -46,6 +47,10 @@ pub(crate) struct Target<'a> {
     pub(crate) path_and_query: &'a str,
     /// The stream's open deadline, for the 504 message.
     pub(crate) open_timeout: Duration,
+    /// How long the response head may take, the stream's accept included; past it, 504 and the stream is
+    /// reset (so the agent drops the request, sent or not). The body of a response whose head arrived is not
+    /// bounded (watch, `logs -f`, upgraded pipes).
+    pub(crate) request_timeout: Duration,
 }
 
 /// Sends `req` over `io` as HTTP/1.1 and returns the response to give the user. `accepted` resolves when
@@ -76,7 +81,7 @@ where
         .await
         .map_err(|e| ApiError::internal(format!("cannot start HTTP on the tunnel stream: {e}")))?;
     let cluster = target.cluster.to_owned();
-    tokio::spawn(async move {
+    let conn_task = tokio::spawn(async move {
         if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(cluster = %cluster, error = %e, "tunnel stream HTTP connection ended with an error");
         }
@@ -90,7 +95,8 @@ where
     };
     let response = sender.send_request(out);
     tokio::pin!(accepted, response);
-    let mut resp = tokio::select! {
+    let head = async {
+        Ok::<_, ApiError>(tokio::select! {
         biased;
         answer = &mut accepted => match answer {
             Ok(_) => response.await.map_err(|e| response_error(&e, target))?,
@@ -106,6 +112,16 @@ where
                 return Err(response_error(&e, target));
             }
         },
+        })
+    };
+    let mut resp = match tokio::time::timeout(target.request_timeout, head).await {
+        Ok(resp) => resp?,
+        Err(_) => {
+            // Dropping the HTTP connection drops the tunnel stream: the agent sees a reset and cancels the
+            // request, whether it was still queued there or already sent upstream.
+            conn_task.abort();
+            return Err(head_timeout(target));
+        }
     };
 
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
@@ -118,20 +134,14 @@ where
         };
         let agent_upgrade = hyper::upgrade::on(&mut resp);
         let cluster = target.cluster.to_owned();
+        let headers = resp.headers().clone();
         tokio::spawn(async move {
             let _guard = guard;
             let (user, agent) = tokio::join!(user_upgrade, agent_upgrade);
             match (user, agent) {
                 (Ok(user), Ok(agent)) => {
-                    let (mut user, mut agent) = (TokioIo::new(user), TokioIo::new(agent));
-                    match tokio::io::copy_bidirectional(&mut user, &mut agent).await {
-                        Ok((up, down)) => {
-                            tracing::debug!(cluster = %cluster, up, down, "upgraded stream finished")
-                        }
-                        Err(e) => {
-                            tracing::debug!(cluster = %cluster, error = %e, "upgraded stream ended with an error")
-                        }
-                    }
+                    let (user, agent) = (TokioIo::new(user), TokioIo::new(agent));
+                    pipe(user, agent, &headers, &cluster).await;
                 }
                 (user, agent) => tracing::debug!(
                     cluster = %cluster,
@@ -152,7 +162,89 @@ where
     }
 
     strip_hop_by_hop(resp.headers_mut(), false);
+    if resp.status().is_success()
+        && ends::is_watch_request(target.path_and_query)
+        && ends::is_json(resp.headers())
+    {
+        let cluster = target.cluster;
+        return Ok(resp.map(|b| ends::WatchBody::new(b, cluster, explain_body_error).boxed()));
+    }
     Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
+}
+
+/// Why a response body stopped before its end, in the user's terms (for a watch's final ERROR event).
+fn explain_body_error(cluster: &str, e: &BoxError) -> String {
+    let e: &(dyn StdError + 'static) = &**e;
+    match find_tunnel_error(e) {
+        Some(TunnelError::Closed(why)) => {
+            format!(
+                "the tunnel to cluster {cluster} was lost (agent gone or connection broken: {why})"
+            )
+        }
+        Some(TunnelError::Reset(c)) if *c == code::SHUTDOWN => {
+            format!("the agent of cluster {cluster} is shutting down")
+        }
+        Some(TunnelError::Reset(c)) => {
+            format!("the agent of cluster {cluster} reset the stream (code {c})")
+        }
+        Some(other) => format!("the tunnel to cluster {cluster} failed: {other}"),
+        None => format!("the response from cluster {cluster} broke off: {e}"),
+    }
+}
+
+/// Copies both ways until both directions end, half-close included. When the agent's side breaks (the tunnel
+/// is lost, the agent is gone or resets the stream) rather than ending, the user is told why where the
+/// protocol allows it ([`ends::websocket_break`]) before its side is closed.
+async fn pipe<U, A>(user: U, agent: A, headers: &HeaderMap, cluster: &str)
+where
+    U: AsyncRead + AsyncWrite + Unpin,
+    A: AsyncRead + AsyncWrite + Unpin,
+{
+    use tokio::io::AsyncWriteExt as _;
+    let (mut user_read, mut user_write) = tokio::io::split(user);
+    let (mut agent_read, mut agent_write) = tokio::io::split(agent);
+    let up = async {
+        let result = tokio::io::copy(&mut user_read, &mut agent_write).await;
+        let _ = agent_write.shutdown().await;
+        result
+    };
+    let down = async {
+        let result = tokio::io::copy(&mut agent_read, &mut user_write).await;
+        if let Err(e) = &result {
+            let boxed: BoxError = match find_tunnel_error(e) {
+                Some(te) => Box::new(te.clone()),
+                None => Box::new(std::io::Error::new(e.kind(), e.to_string())),
+            };
+            let cause = explain_body_error(cluster, &boxed);
+            if let Some(bytes) = ends::websocket_break(headers, cluster, &cause) {
+                tracing::info!(cluster = %cluster, %cause, "upgraded stream broke; told the user why");
+                let _ = user_write.write_all(&bytes).await;
+            }
+        }
+        let _ = user_write.shutdown().await;
+        result
+    };
+    tokio::pin!(up, down);
+    // A broken agent side ends the pipe (the user's side is told and closed); a clean end of either
+    // direction waits for the other (half-close).
+    let (up, down) = tokio::select! {
+        down_result = &mut down => match down_result {
+            Err(e) => (None, Err(e)),
+            Ok(n) => (Some(up.await), Ok(n)),
+        },
+        up_result = &mut up => (Some(up_result), down.await),
+    };
+    match (up, down) {
+        (Some(Ok(up)), Ok(down)) => {
+            tracing::debug!(cluster = %cluster, up, down, "upgraded stream finished")
+        }
+        (up, down) => tracing::debug!(
+            cluster = %cluster,
+            up = ?up.and_then(Result::err),
+            down = ?down.err(),
+            "upgraded stream ended with an error"
+        ),
+    }
 }
 
 /// HTTP/1.1 `Connection: upgrade` + `Upgrade: …` (kubectl exec/attach/port-forward, WebSocket, SPDY).
@@ -246,6 +338,19 @@ fn response_error(e: &hyper::Error, target: Target<'_>) -> ApiError {
     .mark_retryable()
 }
 
+/// The response head did not arrive within the request timeout.
+fn head_timeout(target: Target<'_>) -> ApiError {
+    ApiError::tunnel(
+        StatusCode::GATEWAY_TIMEOUT,
+        "Timeout",
+        format!(
+            "cluster {} did not answer within the request timeout ({:?})",
+            target.cluster, target.request_timeout
+        ),
+    )
+    .mark_retryable()
+}
+
 /// How a tunnel failure looks to the user.
 pub(crate) fn tunnel_error(e: TunnelError, target: Target<'_>) -> ApiError {
     let cluster = target.cluster;
@@ -318,6 +423,7 @@ mod tests {
             cluster: "prod",
             path_and_query: "/api/v1/pods?watch=1",
             open_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(60),
         }
     }
 
@@ -529,6 +635,34 @@ mod tests {
             .err()
             .ok_or_else(|| anyhow::anyhow!("no error"))?;
         assert_eq!(err.status, StatusCode::GATEWAY_TIMEOUT);
+        Ok(())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_response_head_that_never_comes_is_504_and_the_stream_is_dropped()
+    -> anyhow::Result<()> {
+        // The agent accepts and reads the request but never answers (virtual time).
+        let (relay_side, mut agent_side) = tokio::io::duplex(64 * 1024);
+        let reader = tokio::spawn(async move {
+            let mut sink = Vec::new();
+            // Ends once the relay gives up and drops its end of the stream.
+            let _ = agent_side.read_to_end(&mut sink).await;
+            sink
+        });
+        let req = Request::builder()
+            .uri("/clusters/prod/api/v1/pods")
+            .body(http_body_util::Empty::<Bytes>::new())?;
+        let mut t = target();
+        t.request_timeout = Duration::from_secs(3);
+        let err = forward(relay_side, ok(), req, t, ())
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("no error"))?;
+        assert_eq!(err.status, StatusCode::GATEWAY_TIMEOUT);
+        assert!(err.message.contains("cluster prod"), "{}", err.message);
+        assert!(err.message.contains("3s"), "{}", err.message);
+        let seen = tokio::time::timeout(Duration::from_secs(5), reader).await??;
+        assert!(seen.starts_with(b"GET /api/v1/pods"));
         Ok(())
     }
 

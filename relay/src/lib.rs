@@ -35,6 +35,7 @@ mod body;
 mod certs;
 mod config;
 mod control;
+mod ends;
 mod entra;
 mod error;
 mod forward;
@@ -73,6 +74,25 @@ pub struct Relay {
     tls: certs::TlsIdentity,
     agent_ca: identity::AgentCa,
     entra: Option<Arc<tether_auth::Authenticator>>,
+    registry: Arc<registry::Registry>,
+}
+
+/// A read-only view of a relay's live tunnels (from [`Relay::tunnel_stats`]; stays valid while it serves).
+#[derive(Clone)]
+pub struct TunnelStats(Arc<registry::Registry>);
+
+impl TunnelStats {
+    /// How many streams are open on `cluster`'s current tunnel, its control stream included; `None` when
+    /// the cluster has no tunnel.
+    pub fn open_streams(&self, cluster: &str) -> Option<usize> {
+        self.0.get(cluster).map(|t| t.conn.open_streams())
+    }
+}
+
+impl std::fmt::Debug for TunnelStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TunnelStats").finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for Relay {
@@ -114,7 +134,13 @@ impl Relay {
             tls,
             agent_ca,
             entra,
+            registry: Arc::default(),
         })
+    }
+
+    /// A view of the live tunnels (open streams per cluster), valid while this relay serves.
+    pub fn tunnel_stats(&self) -> TunnelStats {
+        TunnelStats(self.registry.clone())
     }
 
     /// The token the admin API requires.
@@ -145,6 +171,7 @@ impl Relay {
             TokenHash::of(self.admin_token.expose()),
             self.agent_ca,
             self.entra,
+            self.registry,
         ));
         listener::serve(shared, self.tls.server_config, listener, shutdown).await
     }

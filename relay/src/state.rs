@@ -20,7 +20,7 @@ use crate::store::{Store, TokenHash};
 pub(crate) struct Shared {
     pub(crate) config: Config,
     pub(crate) store: Arc<dyn Store>,
-    pub(crate) registry: Registry,
+    pub(crate) registry: Arc<Registry>,
     pub(crate) admin_token_hash: TokenHash,
     pub(crate) agent_ca: AgentCa,
     /// Heartbeats and health waiting for the next batched write.
@@ -45,12 +45,13 @@ impl Shared {
         admin_token_hash: TokenHash,
         agent_ca: AgentCa,
         entra: Option<Arc<tether_auth::Authenticator>>,
+        registry: Arc<Registry>,
     ) -> Self {
         Self {
             quotas: Quotas::new(config.limits.client_limits()),
             config,
             store,
-            registry: Registry::default(),
+            registry,
             admin_token_hash,
             agent_ca,
             activity: ActivityLog::default(),

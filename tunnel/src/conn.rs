@@ -203,8 +203,9 @@ impl Slot {
         }
         if matches!(self.answer, Answer::Pending) {
             self.answer = Answer::Failed(error);
-            self.notify.notify_waiters();
         }
+        // Wakes both `accepted` and `failed` waiters.
+        self.notify.notify_waiters();
         self.wake();
     }
 
@@ -763,6 +764,30 @@ impl SessionStreamControl {
                     Some(Answer::Pending) => {}
                     None => return Err(TunnelError::Reset(code::CANCEL)),
                 }
+            }
+            notified.await;
+        }
+    }
+
+    /// Waits until the stream can no longer be used — reset (by the peer or by us), refused, timed out, or
+    /// its tunnel closed — and returns why. Stays pending while the stream is usable, and forever once it
+    /// has ended normally and is gone. Lets a task that waits on something else (an upstream answer) stop as
+    /// soon as nobody is left to give the answer to.
+    pub async fn failed(&self) -> TunnelError {
+        loop {
+            let notified = self.inner.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let failed = {
+                let st = self.inner.shared().lock();
+                st.streams
+                    .get(&self.inner.id)
+                    .map(|slot| slot.failed.clone())
+            };
+            match failed {
+                Some(Some(e)) => return e,
+                Some(None) => {}
+                None => return std::future::pending().await,
             }
             notified.await;
         }

@@ -125,6 +125,8 @@ type Body = BoxBody<Bytes, Infallible>;
 /// - `/upgrade`: 101 to `tether-test`, then reads to EOF and answers `bye:` + what it read, then closes;
 /// - `/version` and `/api/v1/nodes` (list, and watch from a resourceVersion) from the agent's own client
 ///   (User-Agent `tether-agent/…`): a small cluster whose nodes tests add with [`TestApiserver::add_node`];
+/// - `/hang`: recorded, then never answered (an apiserver that accepted a request and went quiet);
+///   [`TestApiserver::hanging`] counts those still held (a cancelled request stops being held);
 /// - anything else: 200 with a JSON echo of method, path and query.
 ///
 /// [`TestApiserver::seen`] lists every request but the agent's own (those are in `agent_requests`).
@@ -135,7 +137,24 @@ pub struct TestApiserver {
     cluster: Arc<FakeCluster>,
     stream_rx: Arc<Mutex<Option<mpsc::Receiver<Bytes>>>>,
     stream_tx: mpsc::Sender<Bytes>,
+    hanging: Arc<std::sync::atomic::AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// Counts one held `/hang` request until dropped (the server drops it when the client cancels).
+struct Held(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Held {
+    fn new(count: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(count.clone())
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Drop for TestApiserver {
@@ -154,7 +173,9 @@ impl TestApiserver {
         let cluster = Arc::new(FakeCluster::new());
         let (stream_tx, stream_rx) = mpsc::channel(16);
         let stream_rx = Arc::new(Mutex::new(Some(stream_rx)));
+        let hanging = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let task = {
+            let hanging = hanging.clone();
             let seen = seen.clone();
             let stream_rx = stream_rx.clone();
             let cluster = cluster.clone();
@@ -164,6 +185,7 @@ impl TestApiserver {
                     let seen = seen.clone();
                     let stream_rx = stream_rx.clone();
                     let cluster = cluster.clone();
+                    let hanging = hanging.clone();
                     tokio::spawn(async move {
                         let Ok(tls_stream) = tls.accept(tcp).await else {
                             return;
@@ -173,9 +195,15 @@ impl TestApiserver {
                             let seen = seen.clone();
                             let stream_rx = stream_rx.clone();
                             let cluster = cluster.clone();
+                            let hanging = hanging.clone();
                             async move {
                                 if is_agent_request(&req) {
                                     return Ok::<_, Infallible>(cluster.handle(&req));
+                                }
+                                if req.uri().path() == "/hang" {
+                                    record(&req, client_cert, &seen);
+                                    let _held = Held::new(&hanging);
+                                    std::future::pending::<()>().await;
                                 }
                                 Ok::<_, Infallible>(handle(req, client_cert, &seen, &stream_rx))
                             }
@@ -194,8 +222,14 @@ impl TestApiserver {
             cluster,
             stream_rx,
             stream_tx,
+            hanging,
             task,
         })
+    }
+
+    /// How many `/hang` requests the server still holds (sent to it and not cancelled).
+    pub fn hanging(&self) -> usize {
+        self.hanging.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn url(&self) -> String {
@@ -262,15 +296,7 @@ fn handle(
     seen: &Mutex<Vec<Seen>>,
     stream_rx: &Mutex<Option<mpsc::Receiver<Bytes>>>,
 ) -> Response<Body> {
-    if let Ok(mut seen) = seen.lock() {
-        seen.push(Seen {
-            method: req.method().to_string(),
-            uri: req.uri().to_string(),
-            version: req.version(),
-            headers: req.headers().clone(),
-            client_cert,
-        });
-    }
+    record(&req, client_cert, seen);
     match req.uri().path() {
         "/stream" => {
             let Some(rx) = stream_rx.lock().ok().and_then(|mut rx| rx.take()) else {
@@ -323,6 +349,18 @@ fn handle(
             );
             resp
         }
+    }
+}
+
+fn record<B>(req: &Request<B>, client_cert: bool, seen: &Mutex<Vec<Seen>>) {
+    if let Ok(mut seen) = seen.lock() {
+        seen.push(Seen {
+            method: req.method().to_string(),
+            uri: req.uri().to_string(),
+            version: req.version(),
+            headers: req.headers().clone(),
+            client_cert,
+        });
     }
 }
 

@@ -19,6 +19,8 @@ pub struct RelayProcess {
     pub addr: SocketAddr,
     pub admin_token: String,
     pub ca_pem: String,
+    /// Open streams per tunnel.
+    pub stats: tether_relay::TunnelStats,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<Result<(), tether_relay::RelayError>>,
 }
@@ -43,6 +45,7 @@ impl RelayProcess {
             .ca_pem()
             .context("the relay generated no CA")?
             .to_string();
+        let stats = relay.tunnel_stats();
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (stop, stopped) = oneshot::channel::<()>();
@@ -53,6 +56,7 @@ impl RelayProcess {
             addr,
             admin_token,
             ca_pem,
+            stats,
             stop: Some(stop),
             task,
         })

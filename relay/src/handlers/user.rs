@@ -67,6 +67,7 @@ pub(crate) async fn handle(
         cluster: name,
         path_and_query: &path_and_query,
         open_timeout: shared.config.open_timeout,
+        request_timeout: shared.config.request_timeout,
     };
     // Per-client bounds: only this principal or address is refused; the slot lives as long as the response.
     let slot = shared
