@@ -1,0 +1,520 @@
+//! What the SQLite and PostgreSQL stores share: the SQL text both dialects accept (`$n` placeholders, which
+//! SQLite understands too), decoding rows into records through sqlx's generic [`Row`] trait, the
+//! timestamp/JSON/version conversions, the mapping of constraint violations to [`StoreError`]s, and the
+//! assembly of guard snapshots and change pages.
+//!
+//! What it does not do: run statements or open transactions. How a write is made safe against concurrent
+//! writers (SQLite's `BEGIN IMMEDIATE`, PostgreSQL's row locks, retries and `NOTIFY`) stays in each backend.
+
+use std::collections::BTreeMap;
+
+use sqlx::error::ErrorKind;
+use sqlx::{ColumnIndex, Decode, Row, Type};
+use tether_auth::rbac::RoleDefinition;
+use time::OffsetDateTime;
+
+use super::{
+    ChangeKind, ChangePage, ClusterChange, ClusterIdentity, ClusterRecord, ClusterSecrets,
+    DenyAssignmentRecord, DirectoryEntry, GuardState, NewCluster, RoleAssignmentRecord, StoreError,
+    TokenHash,
+};
+
+/// The columns [`cluster_from_row`] reads (a macro so that queries stay static strings).
+macro_rules! cluster_columns {
+    () => {
+        "name, tags, created_at, onboarding_used, connected_since, last_seen, agent_version, \
+         identity_fingerprint, identity_not_after, previous_fingerprint, metadata, health"
+    };
+}
+
+/// The columns [`assignment_from_row`] reads.
+macro_rules! assignment_columns {
+    () => {
+        "id, role_id, principal_id, cluster, namespace, created_at"
+    };
+}
+
+/// Registers a built-in role once (binds: id, id key, name key, builtin).
+pub(super) const INSERT_BUILTIN_ROLE: &str = "INSERT INTO role_definitions (id, id_key, name_key, builtin, definition, created_at) \
+     VALUES ($1, $2, $3, $4, NULL, 0) ON CONFLICT DO NOTHING";
+
+/// One cluster of an activity batch; COALESCE keeps what the batch does not carry, CASE keeps last_seen
+/// monotonic (binds: seen, seen, health, agent version, name).
+pub(super) const RECORD_ACTIVITY: &str = "UPDATE clusters SET \
+     last_seen = CASE WHEN last_seen IS NULL OR last_seen < $1 THEN $2 ELSE last_seen END, \
+     health = COALESCE($3, health), agent_version = COALESCE($4, agent_version) \
+     WHERE name = $5";
+
+/// Takes the next change log sequence number.
+pub(super) const NEXT_CHANGE_SEQ: &str =
+    "UPDATE change_log_head SET seq = seq + 1 WHERE id = 1 RETURNING seq";
+
+/// Appends to the change log (binds: seq, cluster, kind, guard version, at).
+pub(super) const INSERT_CHANGE: &str = "INSERT INTO cluster_changes (seq, cluster, kind, guard_version, changed_at) \
+     VALUES ($1, $2, $3, $4, $5)";
+
+/// Raises a cluster's snapshot version to at least a floor (binds: floor, floor, cluster).
+pub(super) const BUMP_GUARD_VERSION: &str = "UPDATE clusters SET guard_version = \
+     CASE WHEN guard_version + 1 > $1 THEN guard_version + 1 ELSE $2 END \
+     WHERE name = $3 RETURNING guard_version";
+
+/// Inserts a role assignment (binds in [`RoleAssignmentRecord`] field order).
+pub(super) const INSERT_ASSIGNMENT: &str = "INSERT INTO role_assignments (id, role_id, principal_id, cluster, namespace, created_at) \
+     VALUES ($1, $2, $3, $4, $5, $6)";
+
+/// Inserts a deny assignment (binds in [`DenyAssignmentRecord`] field order).
+pub(super) const INSERT_DENY: &str = "INSERT INTO deny_assignments (id, name, data_actions, not_data_actions, principals, \
+     exclude_principals, cluster, namespace, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+
+/// Inserts a custom role definition (binds: id, id key, name key, builtin, definition, created).
+pub(super) const INSERT_ROLE: &str = "INSERT INTO role_definitions (id, id_key, name_key, builtin, definition, created_at) \
+     VALUES ($1, $2, $3, $4, $5, $6)";
+
+/// [`INSERT_ROLE`], keeping an existing role of the same id or name.
+pub(super) const INSERT_ROLE_IF_ABSENT: &str = "INSERT INTO role_definitions (id, id_key, name_key, builtin, definition, created_at) \
+     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING";
+
+/// Inserts a new cluster (binds: name, tags, created, token hash, used, guard version).
+pub(super) const INSERT_CLUSTER: &str = "INSERT INTO clusters (name, tags, created_at, onboarding_token_hash, onboarding_used, \
+     guard_version) VALUES ($1, $2, $3, $4, $5, $6)";
+
+/// One cluster by name.
+pub(super) const SELECT_CLUSTER: &str = concat!(
+    "SELECT ",
+    cluster_columns!(),
+    " FROM clusters WHERE name = $1"
+);
+
+/// All clusters by name.
+pub(super) const LIST_CLUSTERS: &str = concat!(
+    "SELECT ",
+    cluster_columns!(),
+    " FROM clusters ORDER BY name"
+);
+
+/// Deletes a cluster (its assignments cascade).
+pub(super) const DELETE_CLUSTER: &str = "DELETE FROM clusters WHERE name = $1";
+
+/// A cluster's onboarding secrets, read by [`secrets_from_row`].
+pub(super) const SELECT_SECRETS: &str =
+    "SELECT onboarding_token_hash, onboarding_used FROM clusters WHERE name = $1";
+
+/// One conditional UPDATE: two concurrent redemptions cannot both see the token unused (binds: true,
+/// fingerprint, not after, at, name, token hash, false).
+pub(super) const REDEEM_TOKEN: &str = "UPDATE clusters SET onboarding_used = $1, identity_fingerprint = $2, identity_not_after = $3, \
+     previous_fingerprint = NULL, onboarded_at = $4 \
+     WHERE name = $5 AND onboarding_token_hash = $6 AND onboarding_used = $7";
+
+/// A renewal (binds: presented, fingerprint, not after, name, presented, presented).
+pub(super) const RENEW_IDENTITY: &str = "UPDATE clusters SET previous_fingerprint = $1, identity_fingerprint = $2, identity_not_after = $3 \
+     WHERE name = $4 AND (identity_fingerprint = $5 OR previous_fingerprint = $6)";
+
+/// Forgets the previous certificate (binds: name, fingerprint).
+pub(super) const CONFIRM_IDENTITY: &str = "UPDATE clusters SET previous_fingerprint = NULL \
+     WHERE name = $1 AND identity_fingerprint = $2 AND previous_fingerprint IS NOT NULL";
+
+/// An agent connected (binds: at, at, agent version, name).
+pub(super) const RECORD_CONNECTED: &str =
+    "UPDATE clusters SET connected_since = $1, last_seen = $2, agent_version = $3 WHERE name = $4";
+
+/// An agent's metadata (binds: metadata, agent version, name).
+pub(super) const RECORD_METADATA: &str =
+    "UPDATE clusters SET metadata = $1, agent_version = $2 WHERE name = $3";
+
+/// An agent disconnected.
+pub(super) const RECORD_DISCONNECTED: &str =
+    "UPDATE clusters SET connected_since = NULL WHERE name = $1";
+
+/// The custom role definitions (bind: false).
+pub(super) const SELECT_ROLES: &str =
+    "SELECT definition FROM role_definitions WHERE builtin = $1 ORDER BY id_key";
+
+/// Deletes a custom role definition (binds: id key, false).
+pub(super) const DELETE_ROLE: &str =
+    "DELETE FROM role_definitions WHERE id_key = $1 AND builtin = $2";
+
+/// The role assignments of one cluster.
+pub(super) const SELECT_CLUSTER_ASSIGNMENTS: &str = concat!(
+    "SELECT ",
+    assignment_columns!(),
+    " FROM role_assignments WHERE cluster = $1 ORDER BY id"
+);
+
+/// All role assignments.
+pub(super) const SELECT_ALL_ASSIGNMENTS: &str = concat!(
+    "SELECT ",
+    assignment_columns!(),
+    " FROM role_assignments ORDER BY cluster, id"
+);
+
+/// The deny assignments of one cluster.
+pub(super) const SELECT_CLUSTER_DENIES: &str =
+    "SELECT * FROM deny_assignments WHERE cluster = $1 ORDER BY id";
+
+/// All deny assignments.
+pub(super) const SELECT_ALL_DENIES: &str = "SELECT * FROM deny_assignments ORDER BY cluster, id";
+
+/// A cluster's snapshot version.
+pub(super) const SELECT_GUARD_VERSION: &str = "SELECT guard_version FROM clusters WHERE name = $1";
+
+/// The custom roles a cluster's assignments use (binds: false, cluster).
+pub(super) const SELECT_GUARD_ROLES: &str = "SELECT definition FROM role_definitions WHERE builtin = $1 AND id IN \
+     (SELECT role_id FROM role_assignments WHERE cluster = $2) ORDER BY id_key";
+
+/// Sets a directory entry (binds: oid, tid, groups, updated).
+pub(super) const UPSERT_DIRECTORY: &str = "INSERT INTO directory_users (oid, tid, groups, updated_at) VALUES ($1, $2, $3, $4) \
+     ON CONFLICT (oid) DO UPDATE SET tid = excluded.tid, groups = excluded.groups, \
+     updated_at = excluded.updated_at";
+
+/// One directory entry, read by [`directory_from_row`].
+pub(super) const SELECT_DIRECTORY: &str =
+    "SELECT oid, tid, groups, updated_at FROM directory_users WHERE oid = $1";
+
+/// Deletes a directory entry.
+pub(super) const DELETE_DIRECTORY: &str = "DELETE FROM directory_users WHERE oid = $1";
+
+/// Replaces a cluster's tags (binds: tags, name).
+pub(super) const SET_TAGS: &str = "UPDATE clusters SET tags = $1 WHERE name = $2";
+
+/// The change log's head and pruning mark.
+pub(super) const SELECT_LOG_HEAD: &str =
+    "SELECT seq, pruned_through FROM change_log_head WHERE id = 1";
+
+/// A page of the change log, read by [`change_from_row`] (binds: after, limit).
+pub(super) const SELECT_CHANGES: &str = "SELECT seq, cluster, kind, guard_version, changed_at FROM cluster_changes \
+     WHERE seq > $1 ORDER BY seq LIMIT $2";
+
+/// The newest change older than a time.
+pub(super) const MAX_OLD_SEQ: &str = "SELECT MAX(seq) FROM cluster_changes WHERE changed_at < $1";
+
+/// Removes the log up to a sequence number.
+pub(super) const DELETE_CHANGES_THROUGH: &str = "DELETE FROM cluster_changes WHERE seq <= $1";
+
+/// Raises the pruning mark (binds: through, through).
+pub(super) const SET_PRUNED_THROUGH: &str =
+    "UPDATE change_log_head SET pruned_through = $1 WHERE id = 1 AND pruned_through < $2";
+
+/// The typed column reads the decoders need, for the rows of any database whose driver decodes text,
+/// integers and booleans (both of ours).
+pub(super) trait Columns {
+    /// A non-null text column.
+    fn text(&self, column: &str) -> Result<String, StoreError>;
+    /// A nullable text column.
+    fn opt_text(&self, column: &str) -> Result<Option<String>, StoreError>;
+    /// A non-null integer column.
+    fn int(&self, column: &str) -> Result<i64, StoreError>;
+    /// A nullable integer column.
+    fn opt_int(&self, column: &str) -> Result<Option<i64>, StoreError>;
+    /// A boolean column.
+    fn flag(&self, column: &str) -> Result<bool, StoreError>;
+}
+
+impl<R> Columns for R
+where
+    R: Row,
+    for<'c> &'c str: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database>,
+    String: Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database>,
+    i64: Type<R::Database>,
+    for<'r> bool: Decode<'r, R::Database>,
+    bool: Type<R::Database>,
+{
+    fn text(&self, column: &str) -> Result<String, StoreError> {
+        Ok(self.try_get(column)?)
+    }
+    fn opt_text(&self, column: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.try_get(column)?)
+    }
+    fn int(&self, column: &str) -> Result<i64, StoreError> {
+        Ok(self.try_get(column)?)
+    }
+    fn opt_int(&self, column: &str) -> Result<Option<i64>, StoreError> {
+        Ok(self.try_get(column)?)
+    }
+    fn flag(&self, column: &str) -> Result<bool, StoreError> {
+        Ok(self.try_get(column)?)
+    }
+}
+
+pub(super) fn is_unique_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .is_some_and(|d| d.is_unique_violation())
+}
+
+pub(super) fn is_foreign_key_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .is_some_and(|d| matches!(d.kind(), ErrorKind::ForeignKeyViolation))
+}
+
+pub(super) fn version_from_db(v: i64) -> Result<u64, StoreError> {
+    u64::try_from(v).map_err(|_| StoreError::Corrupt(format!("guard version {v}")))
+}
+
+pub(super) fn version_to_db(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// `''` stands for the whole cluster in the namespace columns.
+pub(super) fn namespace_key(namespace: &Option<String>) -> &str {
+    namespace.as_deref().unwrap_or("")
+}
+
+fn namespace_from_key(key: String) -> Option<String> {
+    (!key.is_empty()).then_some(key)
+}
+
+pub(super) fn ts(t: OffsetDateTime) -> i64 {
+    t.unix_timestamp()
+}
+
+fn from_ts(secs: i64) -> Result<OffsetDateTime, StoreError> {
+    OffsetDateTime::from_unix_timestamp(secs)
+        .map_err(|e| StoreError::Corrupt(format!("timestamp {secs}: {e}")))
+}
+
+fn opt_ts(secs: Option<i64>) -> Result<Option<OffsetDateTime>, StoreError> {
+    secs.map(from_ts).transpose()
+}
+
+pub(super) fn to_json<T: serde::Serialize>(value: &T, what: &str) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
+}
+
+pub(super) fn role_from_json(text: &str) -> Result<RoleDefinition, StoreError> {
+    serde_json::from_str(text).map_err(|e| StoreError::Corrupt(format!("role definition: {e}")))
+}
+
+fn json_column<T: serde::de::DeserializeOwned>(
+    row: &impl Columns,
+    column: &str,
+) -> Result<Option<T>, StoreError> {
+    let text = row.opt_text(column)?;
+    text.map(|t| {
+        serde_json::from_str(&t).map_err(|e| StoreError::Corrupt(format!("{column}: {e}")))
+    })
+    .transpose()
+}
+
+fn string_list(row: &impl Columns, column: &str) -> Result<Vec<String>, StoreError> {
+    Ok(json_column(row, column)?.unwrap_or_default())
+}
+
+/// A row of [`SELECT_CLUSTER`] / [`LIST_CLUSTERS`].
+pub(super) fn cluster_from_row(row: &impl Columns) -> Result<ClusterRecord, StoreError> {
+    let tags = row.text("tags")?;
+    let tags: BTreeMap<String, String> =
+        serde_json::from_str(&tags).map_err(|e| StoreError::Corrupt(format!("tags: {e}")))?;
+    let fingerprint = row.opt_text("identity_fingerprint")?;
+    let not_after = opt_ts(row.opt_int("identity_not_after")?)?;
+    let identity = match (fingerprint, not_after) {
+        (Some(fingerprint), Some(not_after)) => Some(ClusterIdentity {
+            fingerprint,
+            not_after,
+            previous_fingerprint: row.opt_text("previous_fingerprint")?,
+        }),
+        _ => None,
+    };
+    Ok(ClusterRecord {
+        name: row.text("name")?,
+        tags,
+        created_at: from_ts(row.int("created_at")?)?,
+        onboarded: row.flag("onboarding_used")?,
+        connected_since: opt_ts(row.opt_int("connected_since")?)?,
+        last_seen: opt_ts(row.opt_int("last_seen")?)?,
+        agent_version: row.opt_text("agent_version")?,
+        identity,
+        metadata: json_column(row, "metadata")?,
+        health: json_column(row, "health")?,
+    })
+}
+
+/// The record of a cluster just registered.
+pub(super) fn new_record(new: &NewCluster) -> Result<ClusterRecord, StoreError> {
+    Ok(ClusterRecord {
+        name: new.name.clone(),
+        tags: new.tags.clone(),
+        created_at: from_ts(ts(new.created_at))?,
+        onboarded: false,
+        connected_since: None,
+        last_seen: None,
+        agent_version: None,
+        identity: None,
+        metadata: None,
+        health: None,
+    })
+}
+
+/// A row of [`SELECT_SECRETS`].
+pub(super) fn secrets_from_row(row: &impl Columns) -> Result<ClusterSecrets, StoreError> {
+    let token = row.opt_text("onboarding_token_hash")?;
+    Ok(ClusterSecrets {
+        onboarding_token_hash: token.as_deref().map(TokenHash::from_hex).transpose()?,
+        onboarding_used: row.flag("onboarding_used")?,
+    })
+}
+
+/// A row of the role assignment selects.
+pub(super) fn assignment_from_row(row: &impl Columns) -> Result<RoleAssignmentRecord, StoreError> {
+    Ok(RoleAssignmentRecord {
+        id: row.text("id")?,
+        role_id: row.text("role_id")?,
+        principal_id: row.text("principal_id")?,
+        cluster: row.text("cluster")?,
+        namespace: namespace_from_key(row.text("namespace")?),
+        created_at: from_ts(row.int("created_at")?)?,
+    })
+}
+
+/// A row of the deny assignment selects.
+pub(super) fn deny_from_row(row: &impl Columns) -> Result<DenyAssignmentRecord, StoreError> {
+    Ok(DenyAssignmentRecord {
+        id: row.text("id")?,
+        name: row.text("name")?,
+        data_actions: string_list(row, "data_actions")?,
+        not_data_actions: string_list(row, "not_data_actions")?,
+        principals: string_list(row, "principals")?,
+        exclude_principals: string_list(row, "exclude_principals")?,
+        cluster: row.text("cluster")?,
+        namespace: namespace_from_key(row.text("namespace")?),
+        created_at: from_ts(row.int("created_at")?)?,
+    })
+}
+
+/// A row of [`SELECT_DIRECTORY`].
+pub(super) fn directory_from_row(row: &impl Columns) -> Result<DirectoryEntry, StoreError> {
+    Ok(DirectoryEntry {
+        oid: row.text("oid")?,
+        tid: row.opt_text("tid")?,
+        groups: string_list(row, "groups")?,
+        updated_at: from_ts(row.int("updated_at")?)?,
+    })
+}
+
+/// A row of [`SELECT_CHANGES`].
+pub(super) fn change_from_row(row: &impl Columns) -> Result<ClusterChange, StoreError> {
+    let kind = row.text("kind")?;
+    let version = row.opt_int("guard_version")?;
+    Ok(ClusterChange {
+        seq: version_from_db(row.int("seq")?)?,
+        cluster: row.text("cluster")?,
+        kind: ChangeKind::from_db(&kind, version.map(version_from_db).transpose()?)?,
+        at: from_ts(row.int("changed_at")?)?,
+    })
+}
+
+/// A guard snapshot from the rows read in one transaction.
+pub(super) fn guard_state<R: Columns>(
+    version: i64,
+    roles: &[String],
+    assignments: &[R],
+    denies: &[R],
+) -> Result<GuardState, StoreError> {
+    Ok(GuardState {
+        version: version_from_db(version)?,
+        roles: roles
+            .iter()
+            .map(|t| role_from_json(t))
+            .collect::<Result<_, _>>()?,
+        assignments: assignments
+            .iter()
+            .map(assignment_from_row)
+            .collect::<Result<_, _>>()?,
+        deny_assignments: denies.iter().map(deny_from_row).collect::<Result<_, _>>()?,
+    })
+}
+
+/// Where a reader at `after` stands in the log (`head`, `pruned_through` read with [`SELECT_LOG_HEAD`]):
+/// `Err` carries the reset page when `after` fell off the log or lies ahead of it, `Ok` the head to read up to.
+pub(super) fn log_position(
+    after: u64,
+    (head, pruned_through): (i64, i64),
+) -> Result<Result<u64, ChangePage>, StoreError> {
+    let head = version_from_db(head)?;
+    let pruned_through = version_from_db(pruned_through)?;
+    if after < pruned_through || after > head {
+        return Ok(Err(ChangePage {
+            changes: Vec::new(),
+            head,
+            reset: true,
+        }));
+    }
+    Ok(Ok(head))
+}
+
+/// A page of the log from the rows of [`SELECT_CHANGES`].
+pub(super) fn change_page<R: Columns>(rows: &[R], head: u64) -> Result<ChangePage, StoreError> {
+    Ok(ChangePage {
+        changes: rows.iter().map(change_from_row).collect::<Result<_, _>>()?,
+        head,
+        reset: false,
+    })
+}
+
+/// The error for a guard change on a cluster that does not exist.
+pub(super) fn cluster_not_found(cluster: &str) -> StoreError {
+    StoreError::NotFound(format!("clusters \"{cluster}\" not found"))
+}
+
+/// What a failed [`INSERT_CLUSTER`] means.
+pub(super) fn cluster_insert_error(e: sqlx::Error, new: &NewCluster) -> StoreError {
+    if is_unique_violation(&e) {
+        StoreError::AlreadyExists(new.name.clone())
+    } else {
+        e.into()
+    }
+}
+
+/// What a failed [`INSERT_ASSIGNMENT`] means.
+pub(super) fn assignment_insert_error(e: sqlx::Error, a: &RoleAssignmentRecord) -> StoreError {
+    if is_foreign_key_violation(&e) {
+        // The cluster row is locked and known by now, so the failed reference is the role.
+        StoreError::NotFound(format!("role definition {:?} not found", a.role_id))
+    } else if is_unique_violation(&e) {
+        StoreError::Conflict(format!(
+            "principal {} already has role {} on cluster {}{}, or the id {} is taken",
+            a.principal_id,
+            a.role_id,
+            a.cluster,
+            a.namespace
+                .as_deref()
+                .map(|ns| format!(" in namespace {ns}"))
+                .unwrap_or_default(),
+            a.id
+        ))
+    } else {
+        e.into()
+    }
+}
+
+/// What a failed [`INSERT_DENY`] means.
+pub(super) fn deny_insert_error(e: sqlx::Error, d: &DenyAssignmentRecord) -> StoreError {
+    if is_unique_violation(&e) {
+        StoreError::Conflict(format!("deny assignment id {} is taken", d.id))
+    } else {
+        e.into()
+    }
+}
+
+/// What a failed [`INSERT_ROLE`] means.
+pub(super) fn role_insert_error(e: sqlx::Error, role: &RoleDefinition) -> StoreError {
+    if is_unique_violation(&e) {
+        StoreError::Conflict(format!(
+            "a role definition with id {:?} or name {:?} already exists",
+            role.id, role.name
+        ))
+    } else {
+        e.into()
+    }
+}
+
+/// What a failed [`DELETE_ROLE`] means.
+pub(super) fn role_delete_error(e: sqlx::Error, id: &str) -> StoreError {
+    if is_foreign_key_violation(&e) {
+        StoreError::Conflict(format!(
+            "role definition {id:?} is assigned: delete its role assignments first"
+        ))
+    } else {
+        e.into()
+    }
+}
