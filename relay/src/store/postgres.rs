@@ -91,18 +91,7 @@ impl PostgresStore {
     async fn write_activity(&self, batch: &[&Activity]) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
         for a in batch {
-            let health = a
-                .health
-                .as_ref()
-                .map(|h| to_json(h, "health"))
-                .transpose()?;
-            // COALESCE keeps what the batch does not carry; CASE keeps last_seen monotonic.
-            sqlx::query(RECORD_ACTIVITY)
-                .bind(ts(a.seen_at))
-                .bind(ts(a.seen_at))
-                .bind(health)
-                .bind(a.agent_version.as_deref())
-                .bind(&a.name)
+            bind_activity(sqlx::query(RECORD_ACTIVITY), a)?
                 .execute(&mut *tx)
                 .await?;
         }
@@ -189,13 +178,7 @@ async fn insert_assignment(
     conn: &mut PgConnection,
     a: &RoleAssignmentRecord,
 ) -> Result<(), StoreError> {
-    sqlx::query(INSERT_ASSIGNMENT)
-        .bind(&a.id)
-        .bind(&a.role_id)
-        .bind(&a.principal_id)
-        .bind(&a.cluster)
-        .bind(namespace_key(&a.namespace))
-        .bind(ts(a.created_at))
+    bind_assignment(sqlx::query(INSERT_ASSIGNMENT), a)
         .execute(&mut *conn)
         .await
         .map_err(|e| assignment_insert_error(e, a))?;
@@ -203,16 +186,7 @@ async fn insert_assignment(
 }
 
 async fn insert_deny(conn: &mut PgConnection, d: &DenyAssignmentRecord) -> Result<(), StoreError> {
-    sqlx::query(INSERT_DENY)
-        .bind(&d.id)
-        .bind(&d.name)
-        .bind(to_json(&d.data_actions, "dataActions")?)
-        .bind(to_json(&d.not_data_actions, "notDataActions")?)
-        .bind(to_json(&d.principals, "principals")?)
-        .bind(to_json(&d.exclude_principals, "excludePrincipals")?)
-        .bind(&d.cluster)
-        .bind(namespace_key(&d.namespace))
-        .bind(ts(d.created_at))
+    bind_deny(sqlx::query(INSERT_DENY), d)?
         .execute(&mut *conn)
         .await
         .map_err(|e| deny_insert_error(e, d))?;
@@ -230,13 +204,7 @@ async fn insert_role(
     } else {
         INSERT_ROLE
     };
-    sqlx::query(sql)
-        .bind(&role.id)
-        .bind(role.id.to_ascii_lowercase())
-        .bind(role.name.to_ascii_lowercase())
-        .bind(false)
-        .bind(to_json(role, "role definition")?)
-        .bind(ts(at))
+    bind_role(sqlx::query(sql), role, at)?
         .execute(&mut *conn)
         .await
         .map_err(|e| role_insert_error(e, role))?;
@@ -245,13 +213,7 @@ async fn insert_role(
 
 /// Inserts a new cluster's row; [`StoreError::AlreadyExists`] if the name is taken.
 async fn insert_cluster(conn: &mut PgConnection, new: &NewCluster) -> Result<(), StoreError> {
-    sqlx::query(INSERT_CLUSTER)
-        .bind(&new.name)
-        .bind(to_json(&new.tags, "tags")?)
-        .bind(ts(new.created_at))
-        .bind(new.onboarding_token_hash.to_hex())
-        .bind(false)
-        .bind(version_to_db(next_guard_version(0, new.created_at)))
+    bind_cluster(sqlx::query(INSERT_CLUSTER), new)?
         .execute(&mut *conn)
         .await
         .map_err(|e| cluster_insert_error(e, new))?;

@@ -9,14 +9,15 @@
 use std::collections::BTreeMap;
 
 use sqlx::error::ErrorKind;
-use sqlx::{ColumnIndex, Decode, Row, Type};
+use sqlx::query::Query;
+use sqlx::{ColumnIndex, Database, Decode, Encode, Row, Type};
 use tether_auth::rbac::RoleDefinition;
 use time::OffsetDateTime;
 
 use super::{
-    ChangeKind, ChangePage, ClusterChange, ClusterIdentity, ClusterRecord, ClusterSecrets,
-    DenyAssignmentRecord, DirectoryEntry, GuardState, NewCluster, RoleAssignmentRecord, StoreError,
-    TokenHash,
+    Activity, ChangeKind, ChangePage, ClusterChange, ClusterIdentity, ClusterRecord,
+    ClusterSecrets, DenyAssignmentRecord, DirectoryEntry, GuardState, NewCluster,
+    RoleAssignmentRecord, StoreError, TokenHash, next_guard_version,
 };
 
 /// The columns [`cluster_from_row`] reads (a macro so that queries stay static strings).
@@ -235,6 +236,104 @@ where
     fn flag(&self, column: &str) -> Result<bool, StoreError> {
         Ok(self.try_get(column)?)
     }
+}
+
+/// The typed binds the shared statements need, for the queries of any database whose driver encodes text,
+/// integers and booleans (both of ours).
+pub(super) trait Binds: Sized {
+    /// Binds a text value.
+    fn text(self, value: &str) -> Self;
+    /// Binds a nullable text value.
+    fn opt_text(self, value: Option<&str>) -> Self;
+    /// Binds an integer.
+    fn int(self, value: i64) -> Self;
+    /// Binds a boolean.
+    fn flag(self, value: bool) -> Self;
+}
+
+impl<DB> Binds for Query<'_, DB, <DB as Database>::Arguments>
+where
+    DB: Database,
+    for<'t> &'t str: Encode<'t, DB> + Type<DB>,
+    for<'t> Option<&'t str>: Encode<'t, DB> + Type<DB>,
+    for<'t> i64: Encode<'t, DB>,
+    i64: Type<DB>,
+    for<'t> bool: Encode<'t, DB>,
+    bool: Type<DB>,
+{
+    fn text(self, value: &str) -> Self {
+        self.bind(value)
+    }
+    fn opt_text(self, value: Option<&str>) -> Self {
+        self.bind(value)
+    }
+    fn int(self, value: i64) -> Self {
+        self.bind(value)
+    }
+    fn flag(self, value: bool) -> Self {
+        self.bind(value)
+    }
+}
+
+/// Binds [`INSERT_ASSIGNMENT`]'s parameters.
+pub(super) fn bind_assignment<Q: Binds>(q: Q, a: &RoleAssignmentRecord) -> Q {
+    q.text(&a.id)
+        .text(&a.role_id)
+        .text(&a.principal_id)
+        .text(&a.cluster)
+        .text(namespace_key(&a.namespace))
+        .int(ts(a.created_at))
+}
+
+/// Binds [`INSERT_DENY`]'s parameters.
+pub(super) fn bind_deny<Q: Binds>(q: Q, d: &DenyAssignmentRecord) -> Result<Q, StoreError> {
+    Ok(q.text(&d.id)
+        .text(&d.name)
+        .text(&to_json(&d.data_actions, "dataActions")?)
+        .text(&to_json(&d.not_data_actions, "notDataActions")?)
+        .text(&to_json(&d.principals, "principals")?)
+        .text(&to_json(&d.exclude_principals, "excludePrincipals")?)
+        .text(&d.cluster)
+        .text(namespace_key(&d.namespace))
+        .int(ts(d.created_at)))
+}
+
+/// Binds [`INSERT_ROLE`]'s (or [`INSERT_ROLE_IF_ABSENT`]'s) parameters for a custom role.
+pub(super) fn bind_role<Q: Binds>(
+    q: Q,
+    role: &RoleDefinition,
+    at: OffsetDateTime,
+) -> Result<Q, StoreError> {
+    Ok(q.text(&role.id)
+        .text(&role.id.to_ascii_lowercase())
+        .text(&role.name.to_ascii_lowercase())
+        .flag(false)
+        .text(&to_json(role, "role definition")?)
+        .int(ts(at)))
+}
+
+/// Binds [`INSERT_CLUSTER`]'s parameters.
+pub(super) fn bind_cluster<Q: Binds>(q: Q, new: &NewCluster) -> Result<Q, StoreError> {
+    Ok(q.text(&new.name)
+        .text(&to_json(&new.tags, "tags")?)
+        .int(ts(new.created_at))
+        .text(&new.onboarding_token_hash.to_hex())
+        .flag(false)
+        .int(version_to_db(next_guard_version(0, new.created_at))))
+}
+
+/// Binds [`RECORD_ACTIVITY`]'s parameters for one cluster of a batch.
+pub(super) fn bind_activity<Q: Binds>(q: Q, a: &Activity) -> Result<Q, StoreError> {
+    let health = a
+        .health
+        .as_ref()
+        .map(|h| to_json(h, "health"))
+        .transpose()?;
+    Ok(q.int(ts(a.seen_at))
+        .int(ts(a.seen_at))
+        .opt_text(health.as_deref())
+        .opt_text(a.agent_version.as_deref())
+        .text(&a.name))
 }
 
 pub(super) fn is_unique_violation(e: &sqlx::Error) -> bool {
