@@ -35,6 +35,278 @@ macro_rules! assignment_columns {
     };
 }
 
+/// The [`Store`](super::Store) methods that are one statement on `self.pool`, identical for both backends:
+/// expanded inside each backend's `impl Store`. A macro rather than functions generic over sqlx's `Pool<DB>`
+/// because the pool types differ and the executor/encode/decode bounds of such functions would be longer than
+/// the bodies. The expanding module provides `insert_role` and the imports the bodies name.
+macro_rules! pool_statements {
+    () => {
+        fn cluster<'a>(&'a self, name: &'a str) -> StoreFuture<'a, Option<ClusterRecord>> {
+            async move {
+                let row = sqlx::query(SELECT_CLUSTER)
+                    .bind(name)
+                    .fetch_optional(&self.pool)
+                    .await?;
+                row.as_ref().map(cluster_from_row).transpose()
+            }
+            .boxed()
+        }
+
+        fn list_clusters(&self) -> StoreFuture<'_, Vec<ClusterRecord>> {
+            async move {
+                let rows = sqlx::query(LIST_CLUSTERS).fetch_all(&self.pool).await?;
+                rows.iter().map(cluster_from_row).collect()
+            }
+            .boxed()
+        }
+
+        fn secrets<'a>(&'a self, name: &'a str) -> StoreFuture<'a, Option<ClusterSecrets>> {
+            async move {
+                let row = sqlx::query(SELECT_SECRETS)
+                    .bind(name)
+                    .fetch_optional(&self.pool)
+                    .await?;
+                row.as_ref().map(secrets_from_row).transpose()
+            }
+            .boxed()
+        }
+
+        fn redeem_onboarding_token<'a>(
+            &'a self,
+            name: &'a str,
+            token: &'a TokenHash,
+            identity: &'a NewIdentity,
+            at: OffsetDateTime,
+        ) -> StoreFuture<'a, bool> {
+            async move {
+                // One conditional UPDATE: two concurrent redemptions cannot both see the token unused.
+                let done = sqlx::query(REDEEM_TOKEN)
+                    .bind(true)
+                    .bind(&identity.fingerprint)
+                    .bind(ts(identity.not_after))
+                    .bind(ts(at))
+                    .bind(name)
+                    .bind(token.to_hex())
+                    .bind(false)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            }
+            .boxed()
+        }
+
+        fn renew_identity<'a>(
+            &'a self,
+            name: &'a str,
+            presented: &'a str,
+            identity: &'a NewIdentity,
+        ) -> StoreFuture<'a, bool> {
+            async move {
+                let done = sqlx::query(RENEW_IDENTITY)
+                    .bind(presented)
+                    .bind(&identity.fingerprint)
+                    .bind(ts(identity.not_after))
+                    .bind(name)
+                    .bind(presented)
+                    .bind(presented)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(done.rows_affected() == 1)
+            }
+            .boxed()
+        }
+
+        fn confirm_identity<'a>(
+            &'a self,
+            name: &'a str,
+            fingerprint: &'a str,
+        ) -> StoreFuture<'a, ()> {
+            async move {
+                sqlx::query(CONFIRM_IDENTITY)
+                    .bind(name)
+                    .bind(fingerprint)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(())
+            }
+            .boxed()
+        }
+
+        fn record_connected<'a>(
+            &'a self,
+            name: &'a str,
+            agent_version: &'a str,
+            at: OffsetDateTime,
+        ) -> StoreFuture<'a, ()> {
+            async move {
+                sqlx::query(RECORD_CONNECTED)
+                    .bind(ts(at))
+                    .bind(ts(at))
+                    .bind(agent_version)
+                    .bind(name)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(())
+            }
+            .boxed()
+        }
+
+        fn record_metadata<'a>(
+            &'a self,
+            name: &'a str,
+            metadata: &'a ClusterMetadata,
+            agent_version: &'a str,
+        ) -> StoreFuture<'a, ()> {
+            async move {
+                sqlx::query(RECORD_METADATA)
+                    .bind(to_json(metadata, "metadata")?)
+                    .bind(agent_version)
+                    .bind(name)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(())
+            }
+            .boxed()
+        }
+
+        fn record_disconnected<'a>(&'a self, name: &'a str) -> StoreFuture<'a, ()> {
+            async move {
+                sqlx::query(RECORD_DISCONNECTED)
+                    .bind(name)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(())
+            }
+            .boxed()
+        }
+
+        fn create_role_definition<'a>(
+            &'a self,
+            role: &'a RoleDefinition,
+            at: OffsetDateTime,
+        ) -> StoreFuture<'a, ()> {
+            async move {
+                let mut conn = self.pool.acquire().await?;
+                insert_role(&mut conn, role, at, false).await
+            }
+            .boxed()
+        }
+
+        fn role_definitions(&self) -> StoreFuture<'_, Vec<RoleDefinition>> {
+            async move {
+                let rows: Vec<String> = sqlx::query_scalar(SELECT_ROLES)
+                    .bind(false)
+                    .fetch_all(&self.pool)
+                    .await?;
+                rows.iter().map(|t| role_from_json(t)).collect()
+            }
+            .boxed()
+        }
+
+        fn delete_role_definition<'a>(&'a self, id: &'a str) -> StoreFuture<'a, bool> {
+            async move {
+                let result = sqlx::query(DELETE_ROLE)
+                    .bind(id.to_ascii_lowercase())
+                    .bind(false)
+                    .execute(&self.pool)
+                    .await;
+                match result {
+                    Ok(done) => Ok(done.rows_affected() > 0),
+                    Err(e) => Err(role_delete_error(e, id)),
+                }
+            }
+            .boxed()
+        }
+
+        fn role_assignments<'a>(
+            &'a self,
+            cluster: Option<&'a str>,
+        ) -> StoreFuture<'a, Vec<RoleAssignmentRecord>> {
+            async move {
+                let rows = match cluster {
+                    Some(cluster) => {
+                        sqlx::query(SELECT_CLUSTER_ASSIGNMENTS)
+                            .bind(cluster)
+                            .fetch_all(&self.pool)
+                            .await?
+                    }
+                    None => {
+                        sqlx::query(SELECT_ALL_ASSIGNMENTS)
+                            .fetch_all(&self.pool)
+                            .await?
+                    }
+                };
+                rows.iter().map(assignment_from_row).collect()
+            }
+            .boxed()
+        }
+
+        fn deny_assignments<'a>(
+            &'a self,
+            cluster: Option<&'a str>,
+        ) -> StoreFuture<'a, Vec<DenyAssignmentRecord>> {
+            async move {
+                let rows = match cluster {
+                    Some(cluster) => {
+                        sqlx::query(SELECT_CLUSTER_DENIES)
+                            .bind(cluster)
+                            .fetch_all(&self.pool)
+                            .await?
+                    }
+                    None => sqlx::query(SELECT_ALL_DENIES).fetch_all(&self.pool).await?,
+                };
+                rows.iter().map(deny_from_row).collect()
+            }
+            .boxed()
+        }
+
+        fn set_directory_entry<'a>(&'a self, entry: &'a DirectoryEntry) -> StoreFuture<'a, ()> {
+            async move {
+                sqlx::query(UPSERT_DIRECTORY)
+                    .bind(&entry.oid)
+                    .bind(entry.tid.as_deref())
+                    .bind(to_json(&entry.groups, "groups")?)
+                    .bind(ts(entry.updated_at))
+                    .execute(&self.pool)
+                    .await?;
+                Ok(())
+            }
+            .boxed()
+        }
+
+        fn directory_entry<'a>(&'a self, oid: &'a str) -> StoreFuture<'a, Option<DirectoryEntry>> {
+            async move {
+                let row = sqlx::query(SELECT_DIRECTORY)
+                    .bind(oid)
+                    .fetch_optional(&self.pool)
+                    .await?;
+                row.as_ref().map(directory_from_row).transpose()
+            }
+            .boxed()
+        }
+
+        fn delete_directory_entry<'a>(&'a self, oid: &'a str) -> StoreFuture<'a, bool> {
+            async move {
+                let done = sqlx::query(DELETE_DIRECTORY)
+                    .bind(oid)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(done.rows_affected() > 0)
+            }
+            .boxed()
+        }
+
+        fn close(&self) -> StoreFuture<'_, ()> {
+            async move {
+                self.pool.close().await;
+                Ok(())
+            }
+            .boxed()
+        }
+    };
+}
+pub(super) use pool_statements;
+
 /// Registers a built-in role once (binds: id, id key, name key, builtin).
 pub(super) const INSERT_BUILTIN_ROLE: &str = "INSERT INTO role_definitions (id, id_key, name_key, builtin, definition, created_at) \
      VALUES ($1, $2, $3, $4, NULL, 0) ON CONFLICT DO NOTHING";
