@@ -137,17 +137,7 @@ async fn record_change(
     kind: ChangeKind,
     at: OffsetDateTime,
 ) -> Result<u64, StoreError> {
-    let seq: i64 = sqlx::query_scalar(NEXT_CHANGE_SEQ)
-        .fetch_one(&mut *conn)
-        .await?;
-    sqlx::query(INSERT_CHANGE)
-        .bind(seq)
-        .bind(cluster)
-        .bind(kind.as_db())
-        .bind(kind.guard_version().map(version_to_db))
-        .bind(ts(at))
-        .execute(&mut *conn)
-        .await?;
+    let seq = append_change(&mut *conn, cluster, kind, at).await?;
     // Delivered to listeners when (and only if) the transaction commits.
     sqlx::query("SELECT pg_notify($1, $2)")
         .bind(CHANNEL)
@@ -174,51 +164,7 @@ async fn bump_guard_version(
     version.map(version_from_db).transpose()
 }
 
-async fn insert_assignment(
-    conn: &mut PgConnection,
-    a: &RoleAssignmentRecord,
-) -> Result<(), StoreError> {
-    bind_assignment(sqlx::query(INSERT_ASSIGNMENT), a)
-        .execute(&mut *conn)
-        .await
-        .map_err(|e| assignment_insert_error(e, a))?;
-    Ok(())
-}
-
-async fn insert_deny(conn: &mut PgConnection, d: &DenyAssignmentRecord) -> Result<(), StoreError> {
-    bind_deny(sqlx::query(INSERT_DENY), d)?
-        .execute(&mut *conn)
-        .await
-        .map_err(|e| deny_insert_error(e, d))?;
-    Ok(())
-}
-
-async fn insert_role(
-    conn: &mut PgConnection,
-    role: &RoleDefinition,
-    at: OffsetDateTime,
-    if_absent: bool,
-) -> Result<(), StoreError> {
-    let sql = if if_absent {
-        INSERT_ROLE_IF_ABSENT
-    } else {
-        INSERT_ROLE
-    };
-    bind_role(sqlx::query(sql), role, at)?
-        .execute(&mut *conn)
-        .await
-        .map_err(|e| role_insert_error(e, role))?;
-    Ok(())
-}
-
-/// Inserts a new cluster's row; [`StoreError::AlreadyExists`] if the name is taken.
-async fn insert_cluster(conn: &mut PgConnection, new: &NewCluster) -> Result<(), StoreError> {
-    bind_cluster(sqlx::query(INSERT_CLUSTER), new)?
-        .execute(&mut *conn)
-        .await
-        .map_err(|e| cluster_insert_error(e, new))?;
-    Ok(())
-}
+connection_statements!(PgConnection);
 
 impl Store for PostgresStore {
     // The operations that are one statement on the pool, the same in both dialects.

@@ -307,6 +307,81 @@ macro_rules! pool_statements {
 }
 pub(super) use pool_statements;
 
+/// The inserts a write transaction makes, the same for both backends on their own connection type `$conn`:
+/// the change log entry and the rows of clusters, custom roles and role/deny assignments, with constraint
+/// violations mapped to [`StoreError`]s.
+macro_rules! connection_statements {
+    ($conn:ty) => {
+        /// Appends `kind` for `cluster` to the change log; the sequence number it took.
+        async fn append_change(
+            conn: &mut $conn,
+            cluster: &str,
+            kind: ChangeKind,
+            at: OffsetDateTime,
+        ) -> Result<i64, StoreError> {
+            let seq: i64 = sqlx::query_scalar(NEXT_CHANGE_SEQ)
+                .fetch_one(&mut *conn)
+                .await?;
+            sqlx::query(INSERT_CHANGE)
+                .bind(seq)
+                .bind(cluster)
+                .bind(kind.as_db())
+                .bind(kind.guard_version().map(version_to_db))
+                .bind(ts(at))
+                .execute(&mut *conn)
+                .await?;
+            Ok(seq)
+        }
+
+        async fn insert_assignment(
+            conn: &mut $conn,
+            a: &RoleAssignmentRecord,
+        ) -> Result<(), StoreError> {
+            bind_assignment(sqlx::query(INSERT_ASSIGNMENT), a)
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| assignment_insert_error(e, a))?;
+            Ok(())
+        }
+
+        async fn insert_deny(conn: &mut $conn, d: &DenyAssignmentRecord) -> Result<(), StoreError> {
+            bind_deny(sqlx::query(INSERT_DENY), d)?
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| deny_insert_error(e, d))?;
+            Ok(())
+        }
+
+        async fn insert_role(
+            conn: &mut $conn,
+            role: &RoleDefinition,
+            at: OffsetDateTime,
+            if_absent: bool,
+        ) -> Result<(), StoreError> {
+            let sql = if if_absent {
+                INSERT_ROLE_IF_ABSENT
+            } else {
+                INSERT_ROLE
+            };
+            bind_role(sqlx::query(sql), role, at)?
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| role_insert_error(e, role))?;
+            Ok(())
+        }
+
+        /// Inserts a new cluster's row; [`StoreError::AlreadyExists`] if the name is taken.
+        async fn insert_cluster(conn: &mut $conn, new: &NewCluster) -> Result<(), StoreError> {
+            bind_cluster(sqlx::query(INSERT_CLUSTER), new)?
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| cluster_insert_error(e, new))?;
+            Ok(())
+        }
+    };
+}
+pub(super) use connection_statements;
+
 /// Registers a built-in role once (binds: id, id key, name key, builtin).
 pub(super) const INSERT_BUILTIN_ROLE: &str = "INSERT INTO role_definitions (id, id_key, name_key, builtin, definition, created_at) \
      VALUES ($1, $2, $3, $4, NULL, 0) ON CONFLICT DO NOTHING";
