@@ -355,28 +355,9 @@ impl Store for PostgresStore {
         async move {
             // One read transaction: the version and the contents are from the same instant.
             let mut tx = self.pool.begin_with(BEGIN_SNAPSHOT).await?;
-            let version: Option<i64> = sqlx::query_scalar(SELECT_GUARD_VERSION)
-                .bind(cluster)
-                .fetch_optional(&mut *tx)
-                .await?;
-            let Some(version) = version else {
-                return Ok(None);
-            };
-            let assignments = sqlx::query(SELECT_CLUSTER_ASSIGNMENTS)
-                .bind(cluster)
-                .fetch_all(&mut *tx)
-                .await?;
-            let denies = sqlx::query(SELECT_CLUSTER_DENIES)
-                .bind(cluster)
-                .fetch_all(&mut *tx)
-                .await?;
-            let roles: Vec<String> = sqlx::query_scalar(SELECT_GUARD_ROLES)
-                .bind(false)
-                .bind(cluster)
-                .fetch_all(&mut *tx)
-                .await?;
+            let state = read_guard_state(&mut tx, cluster).await?;
             tx.commit().await?;
-            Ok(Some(guard_state(version, &roles, &assignments, &denies)?))
+            Ok(state)
         }
         .boxed()
     }
@@ -445,18 +426,9 @@ impl Store for PostgresStore {
         async move {
             // One read transaction: the head, the pruning mark and the entries are from the same instant.
             let mut tx = self.pool.begin_with(BEGIN_SNAPSHOT).await?;
-            let log_head: (i64, i64) = sqlx::query_as(SELECT_LOG_HEAD).fetch_one(&mut *tx).await?;
-            let head = match log_position(after, log_head)? {
-                Ok(head) => head,
-                Err(reset) => return Ok(reset),
-            };
-            let rows = sqlx::query(SELECT_CHANGES)
-                .bind(version_to_db(after))
-                .bind(i64::from(limit))
-                .fetch_all(&mut *tx)
-                .await?;
+            let page = read_changes(&mut tx, after, limit).await?;
             tx.commit().await?;
-            change_page(&rows, head)
+            Ok(page)
         }
         .boxed()
     }
@@ -465,26 +437,9 @@ impl Store for PostgresStore {
         retry(move || {
             async move {
                 let mut tx = self.pool.begin().await?;
-                let through: Option<i64> = sqlx::query_scalar(MAX_OLD_SEQ)
-                    .bind(ts(before))
-                    .fetch_one(&mut *tx)
-                    .await?;
-                let Some(through) = through else {
-                    return Ok(0);
-                };
-                // Entries are appended in time order per replica, but clocks differ: remove everything up to
-                // the newest old entry, so the log stays a suffix and `pruned_through` stays exact.
-                let done = sqlx::query(DELETE_CHANGES_THROUGH)
-                    .bind(through)
-                    .execute(&mut *tx)
-                    .await?;
-                sqlx::query(SET_PRUNED_THROUGH)
-                    .bind(through)
-                    .bind(through)
-                    .execute(&mut *tx)
-                    .await?;
+                let pruned = prune_log(&mut tx, before).await?;
                 tx.commit().await?;
-                Ok(done.rows_affected())
+                Ok(pruned)
             }
             .boxed()
         })

@@ -378,6 +378,77 @@ macro_rules! connection_statements {
                 .map_err(|e| cluster_insert_error(e, new))?;
             Ok(())
         }
+        /// The guard snapshot of `cluster` (`None` for an unknown cluster), read inside the caller's transaction.
+        async fn read_guard_state(
+            conn: &mut $conn,
+            cluster: &str,
+        ) -> Result<Option<GuardState>, StoreError> {
+            let version: Option<i64> = sqlx::query_scalar(SELECT_GUARD_VERSION)
+                .bind(cluster)
+                .fetch_optional(&mut *conn)
+                .await?;
+            let Some(version) = version else {
+                return Ok(None);
+            };
+            let assignments = sqlx::query(SELECT_CLUSTER_ASSIGNMENTS)
+                .bind(cluster)
+                .fetch_all(&mut *conn)
+                .await?;
+            let denies = sqlx::query(SELECT_CLUSTER_DENIES)
+                .bind(cluster)
+                .fetch_all(&mut *conn)
+                .await?;
+            let roles: Vec<String> = sqlx::query_scalar(SELECT_GUARD_ROLES)
+                .bind(false)
+                .bind(cluster)
+                .fetch_all(&mut *conn)
+                .await?;
+            Ok(Some(guard_state(version, &roles, &assignments, &denies)?))
+        }
+
+        /// The change log after `after` (at most `limit` entries), read inside the caller's transaction.
+        async fn read_changes(
+            conn: &mut $conn,
+            after: u64,
+            limit: u32,
+        ) -> Result<ChangePage, StoreError> {
+            let log_head: (i64, i64) = sqlx::query_as(SELECT_LOG_HEAD)
+                .fetch_one(&mut *conn)
+                .await?;
+            let head = match log_position(after, log_head)? {
+                Ok(head) => head,
+                Err(reset) => return Ok(reset),
+            };
+            let rows = sqlx::query(SELECT_CHANGES)
+                .bind(version_to_db(after))
+                .bind(i64::from(limit))
+                .fetch_all(&mut *conn)
+                .await?;
+            change_page(&rows, head)
+        }
+
+        /// Removes the change log entries older than `before` inside the caller's write transaction; how many.
+        async fn prune_log(conn: &mut $conn, before: OffsetDateTime) -> Result<u64, StoreError> {
+            let through: Option<i64> = sqlx::query_scalar(MAX_OLD_SEQ)
+                .bind(ts(before))
+                .fetch_one(&mut *conn)
+                .await?;
+            let Some(through) = through else {
+                return Ok(0);
+            };
+            // Entries are appended in time order per replica, but clocks differ: remove everything up to the
+            // newest old entry, so the log stays a suffix and `pruned_through` stays exact.
+            let done = sqlx::query(DELETE_CHANGES_THROUGH)
+                .bind(through)
+                .execute(&mut *conn)
+                .await?;
+            sqlx::query(SET_PRUNED_THROUGH)
+                .bind(through)
+                .bind(through)
+                .execute(&mut *conn)
+                .await?;
+            Ok(done.rows_affected())
+        }
     };
 }
 pub(super) use connection_statements;
