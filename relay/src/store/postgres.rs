@@ -147,28 +147,15 @@ async fn record_change(
     version_from_db(seq)
 }
 
-/// Raises `cluster`'s snapshot version inside a write transaction; `None` for an unknown cluster. The row
-/// stays locked until commit: concurrent guard changes and the deletion of this cluster wait for it, and the
-/// `CASE` is evaluated on the latest committed version, so versions only grow.
-async fn bump_guard_version(
-    conn: &mut PgConnection,
-    cluster: &str,
-) -> Result<Option<u64>, StoreError> {
-    let floor = version_to_db(next_guard_version(0, OffsetDateTime::now_utc()));
-    let version: Option<i64> = sqlx::query_scalar(BUMP_GUARD_VERSION)
-        .bind(floor)
-        .bind(floor)
-        .bind(cluster)
-        .fetch_optional(&mut *conn)
-        .await?;
-    version.map(version_from_db).transpose()
-}
-
+// The shared inserts and reads. Here `bump_guard_version`'s UPDATE keeps the cluster row locked until commit:
+// concurrent guard changes and the deletion of this cluster wait for it, and the `CASE` is evaluated on the
+// latest committed version, so versions only grow.
 connection_statements!(PgConnection);
 
 impl Store for PostgresStore {
     // The operations that are one statement on the pool, the same in both dialects.
     pool_statements!();
+
     fn create_cluster<'a>(&'a self, new: &'a NewCluster) -> StoreFuture<'a, ClusterRecord> {
         retry(move || {
             async move {

@@ -378,6 +378,23 @@ macro_rules! connection_statements {
                 .map_err(|e| cluster_insert_error(e, new))?;
             Ok(())
         }
+
+        /// Raises `cluster`'s snapshot version inside a write transaction; `None` for an unknown cluster.
+        /// How this serializes concurrent guard changes is the backend's (see where it expands the macro).
+        async fn bump_guard_version(
+            conn: &mut $conn,
+            cluster: &str,
+        ) -> Result<Option<u64>, StoreError> {
+            let floor = version_to_db(next_guard_version(0, OffsetDateTime::now_utc()));
+            let version: Option<i64> = sqlx::query_scalar(BUMP_GUARD_VERSION)
+                .bind(floor)
+                .bind(floor)
+                .bind(cluster)
+                .fetch_optional(&mut *conn)
+                .await?;
+            version.map(version_from_db).transpose()
+        }
+
         /// The guard snapshot of `cluster` (`None` for an unknown cluster), read inside the caller's transaction.
         async fn read_guard_state(
             conn: &mut $conn,

@@ -99,27 +99,14 @@ async fn record_change(
     version_from_db(seq)
 }
 
-/// Raises `cluster`'s snapshot version inside a write transaction; `None` for an unknown cluster. Being the
-/// first write of its transaction, it also takes the write lock before anything is read.
-async fn bump_guard_version(
-    conn: &mut SqliteConnection,
-    cluster: &str,
-) -> Result<Option<u64>, StoreError> {
-    let floor = version_to_db(next_guard_version(0, OffsetDateTime::now_utc()));
-    let version: Option<i64> = sqlx::query_scalar(BUMP_GUARD_VERSION)
-        .bind(floor)
-        .bind(floor)
-        .bind(cluster)
-        .fetch_optional(&mut *conn)
-        .await?;
-    version.map(version_from_db).transpose()
-}
-
+// The shared inserts and reads. Here `bump_guard_version`, being the first write of its transaction, also
+// takes the write lock before anything is read.
 connection_statements!(SqliteConnection);
 
 impl Store for SqliteStore {
     // The operations that are one statement on the pool, the same in both dialects.
     pool_statements!();
+
     fn create_cluster<'a>(&'a self, new: &'a NewCluster) -> StoreFuture<'a, ClusterRecord> {
         async move {
             let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
