@@ -1,7 +1,8 @@
 //! The [`Store`] for a relay fleet: PostgreSQL through sqlx, shared by every replica.
 //!
-//! The statements are those of the SQLite store wherever the dialects agree; what differs is how concurrent
-//! replicas are kept correct (PostgreSQL runs writers in parallel, at READ COMMITTED here):
+//! The statements are those of the SQLite store (shared in `rows.rs`) wherever the dialects agree; what
+//! differs, and stays here, is how concurrent replicas are kept correct (PostgreSQL runs writers in
+//! parallel, at READ COMMITTED here):
 //! - single-row invariants are conditional `UPDATE`s, which PostgreSQL re-checks on the latest row version
 //!   after waiting for a concurrent writer: an onboarding token is redeemed exactly once, a renewal needs the
 //!   certificate that is current when it runs;

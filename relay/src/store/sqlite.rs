@@ -1,7 +1,8 @@
 //! The default [`Store`]: SQLite through sqlx, WAL mode, embedded migrations.
 //!
-//! Queries are plain runtime SQL with `$n` placeholders, which PostgreSQL understands too (the PostgreSQL
-//! store, `postgres.rs`, keeps the same statements wherever the dialects agree).
+//! Queries are plain runtime SQL with `$n` placeholders, which PostgreSQL understands too: the statements,
+//! row decoding and one-statement methods both backends share live in `rows.rs`; this file keeps what only
+//! SQLite does (the connection setup, `BEGIN IMMEDIATE` transactions, in-process change signals).
 //!
 //! Write transactions start with `BEGIN IMMEDIATE`: they take SQLite's write lock first, so two handles on one
 //! file (two pools, or two processes) wait for each other (busy timeout) instead of failing to upgrade a read
