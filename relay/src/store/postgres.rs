@@ -161,14 +161,7 @@ impl Store for PostgresStore {
         retry(move || {
             async move {
                 let mut tx = self.pool.begin().await?;
-                insert_cluster(&mut tx, new).await?;
-                record_change(
-                    &mut tx,
-                    &new.name,
-                    ChangeKind::Created,
-                    OffsetDateTime::now_utc(),
-                )
-                .await?;
+                write_new_cluster(&mut tx, new, &[], &[], &[]).await?;
                 tx.commit().await?;
                 new_record(new)
             }
@@ -224,18 +217,7 @@ impl Store for PostgresStore {
         retry(move || {
             async move {
                 let mut tx = self.pool.begin().await?;
-                let version = bump_guard_version(&mut tx, &assignment.cluster)
-                    .await?
-                    .ok_or_else(|| cluster_not_found(&assignment.cluster))?;
-                insert_assignment(&mut tx, assignment).await?;
-                let now = OffsetDateTime::now_utc();
-                record_change(
-                    &mut tx,
-                    &assignment.cluster,
-                    ChangeKind::Guard(version),
-                    now,
-                )
-                .await?;
+                let version = add_role_assignment(&mut tx, assignment).await?;
                 tx.commit().await?;
                 Ok(version)
             }
@@ -288,12 +270,7 @@ impl Store for PostgresStore {
         retry(move || {
             async move {
                 let mut tx = self.pool.begin().await?;
-                let version = bump_guard_version(&mut tx, &deny.cluster)
-                    .await?
-                    .ok_or_else(|| cluster_not_found(&deny.cluster))?;
-                insert_deny(&mut tx, deny).await?;
-                let now = OffsetDateTime::now_utc();
-                record_change(&mut tx, &deny.cluster, ChangeKind::Guard(version), now).await?;
+                let version = add_deny_assignment(&mut tx, deny).await?;
                 tx.commit().await?;
                 Ok(version)
             }
@@ -360,23 +337,7 @@ impl Store for PostgresStore {
         retry(move || {
             async move {
                 let mut tx = self.pool.begin().await?;
-                insert_cluster(&mut tx, new).await?;
-                for role in roles {
-                    insert_role(&mut tx, role, new.created_at, true).await?;
-                }
-                for a in assignments {
-                    insert_assignment(&mut tx, a).await?;
-                }
-                for d in denies {
-                    insert_deny(&mut tx, d).await?;
-                }
-                record_change(
-                    &mut tx,
-                    &new.name,
-                    ChangeKind::Created,
-                    OffsetDateTime::now_utc(),
-                )
-                .await?;
+                write_new_cluster(&mut tx, new, roles, assignments, denies).await?;
                 tx.commit().await?;
                 new_record(new)
             }

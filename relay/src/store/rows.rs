@@ -466,6 +466,63 @@ macro_rules! connection_statements {
                 .await?;
             Ok(done.rows_affected())
         }
+        /// Inserts `new` with its custom roles and assignments and logs its creation, inside the caller's write
+        /// transaction (`record_change` is the backend's).
+        async fn write_new_cluster(
+            conn: &mut $conn,
+            new: &NewCluster,
+            roles: &[RoleDefinition],
+            assignments: &[RoleAssignmentRecord],
+            denies: &[DenyAssignmentRecord],
+        ) -> Result<(), StoreError> {
+            insert_cluster(&mut *conn, new).await?;
+            for role in roles {
+                insert_role(&mut *conn, role, new.created_at, true).await?;
+            }
+            for a in assignments {
+                insert_assignment(&mut *conn, a).await?;
+            }
+            for d in denies {
+                insert_deny(&mut *conn, d).await?;
+            }
+            record_change(
+                &mut *conn,
+                &new.name,
+                ChangeKind::Created,
+                OffsetDateTime::now_utc(),
+            )
+            .await?;
+            Ok(())
+        }
+
+        /// Raises the cluster's snapshot version, inserts `a` and logs the change, inside the caller's write
+        /// transaction; the new version.
+        async fn add_role_assignment(
+            conn: &mut $conn,
+            a: &RoleAssignmentRecord,
+        ) -> Result<u64, StoreError> {
+            let version = bump_guard_version(&mut *conn, &a.cluster)
+                .await?
+                .ok_or_else(|| cluster_not_found(&a.cluster))?;
+            insert_assignment(&mut *conn, a).await?;
+            let now = OffsetDateTime::now_utc();
+            record_change(&mut *conn, &a.cluster, ChangeKind::Guard(version), now).await?;
+            Ok(version)
+        }
+
+        /// [`add_role_assignment`] for a deny assignment.
+        async fn add_deny_assignment(
+            conn: &mut $conn,
+            d: &DenyAssignmentRecord,
+        ) -> Result<u64, StoreError> {
+            let version = bump_guard_version(&mut *conn, &d.cluster)
+                .await?
+                .ok_or_else(|| cluster_not_found(&d.cluster))?;
+            insert_deny(&mut *conn, d).await?;
+            let now = OffsetDateTime::now_utc();
+            record_change(&mut *conn, &d.cluster, ChangeKind::Guard(version), now).await?;
+            Ok(version)
+        }
     };
 }
 pub(super) use connection_statements;

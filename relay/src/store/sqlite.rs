@@ -111,14 +111,7 @@ impl Store for SqliteStore {
     fn create_cluster<'a>(&'a self, new: &'a NewCluster) -> StoreFuture<'a, ClusterRecord> {
         async move {
             let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
-            insert_cluster(&mut tx, new).await?;
-            record_change(
-                &mut tx,
-                &new.name,
-                ChangeKind::Created,
-                OffsetDateTime::now_utc(),
-            )
-            .await?;
+            write_new_cluster(&mut tx, new, &[], &[], &[]).await?;
             tx.commit().await?;
             self.signal_change();
             new_record(new)
@@ -173,18 +166,7 @@ impl Store for SqliteStore {
     ) -> StoreFuture<'a, u64> {
         async move {
             let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
-            let version = bump_guard_version(&mut tx, &assignment.cluster)
-                .await?
-                .ok_or_else(|| cluster_not_found(&assignment.cluster))?;
-            insert_assignment(&mut tx, assignment).await?;
-            let now = OffsetDateTime::now_utc();
-            record_change(
-                &mut tx,
-                &assignment.cluster,
-                ChangeKind::Guard(version),
-                now,
-            )
-            .await?;
+            let version = add_role_assignment(&mut tx, assignment).await?;
             tx.commit().await?;
             self.signal_change();
             Ok(version)
@@ -221,12 +203,7 @@ impl Store for SqliteStore {
     ) -> StoreFuture<'a, u64> {
         async move {
             let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
-            let version = bump_guard_version(&mut tx, &deny.cluster)
-                .await?
-                .ok_or_else(|| cluster_not_found(&deny.cluster))?;
-            insert_deny(&mut tx, deny).await?;
-            let now = OffsetDateTime::now_utc();
-            record_change(&mut tx, &deny.cluster, ChangeKind::Guard(version), now).await?;
+            let version = add_deny_assignment(&mut tx, deny).await?;
             tx.commit().await?;
             self.signal_change();
             Ok(version)
@@ -277,23 +254,7 @@ impl Store for SqliteStore {
     ) -> StoreFuture<'a, ClusterRecord> {
         async move {
             let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
-            insert_cluster(&mut tx, new).await?;
-            for role in roles {
-                insert_role(&mut tx, role, new.created_at, true).await?;
-            }
-            for a in assignments {
-                insert_assignment(&mut tx, a).await?;
-            }
-            for d in denies {
-                insert_deny(&mut tx, d).await?;
-            }
-            record_change(
-                &mut tx,
-                &new.name,
-                ChangeKind::Created,
-                OffsetDateTime::now_utc(),
-            )
-            .await?;
+            write_new_cluster(&mut tx, new, roles, assignments, denies).await?;
             tx.commit().await?;
             self.signal_change();
             new_record(new)
