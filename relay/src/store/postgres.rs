@@ -153,6 +153,50 @@ async fn record_change(
 // latest committed version, so versions only grow.
 connection_statements!(PgConnection);
 
+impl PostgresStore {
+    /// Deletes the role or deny assignment `id` (`find` reads its cluster, `delete` removes it from that
+    /// cluster) with a version raise and a change log entry; its cluster and the new version.
+    fn delete_assignment<'a>(
+        &'a self,
+        find: &'static str,
+        delete: &'static str,
+        id: &'a str,
+    ) -> StoreFuture<'a, Option<(String, u64)>> {
+        retry(move || {
+            async move {
+                let mut tx = self.pool.begin().await?;
+                // The cluster row is locked before the assignment row, the order a cluster deletion (which
+                // cascades to its assignments) takes them in.
+                let cluster: Option<String> = sqlx::query_scalar(find)
+                    .bind(id)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                let Some(cluster) = cluster else {
+                    return Ok(None);
+                };
+                let Some(version) = bump_guard_version(&mut tx, &cluster).await? else {
+                    return Ok(None);
+                };
+                let deleted = sqlx::query(delete)
+                    .bind(id)
+                    .bind(&cluster)
+                    .execute(&mut *tx)
+                    .await?;
+                if deleted.rows_affected() == 0 {
+                    // Removed concurrently: roll back the version raise.
+                    return Ok(None);
+                }
+                let now = OffsetDateTime::now_utc();
+                record_change(&mut tx, &cluster, ChangeKind::Guard(version), now).await?;
+                tx.commit().await?;
+                Ok(Some((cluster, version)))
+            }
+            .boxed()
+        })
+        .boxed()
+    }
+}
+
 impl Store for PostgresStore {
     // The operations that are one statement on the pool, the same in both dialects.
     pool_statements!();
@@ -227,40 +271,11 @@ impl Store for PostgresStore {
     }
 
     fn delete_role_assignment<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<(String, u64)>> {
-        retry(move || {
-            async move {
-                let mut tx = self.pool.begin().await?;
-                // The cluster row is locked before the assignment row, the order a cluster deletion (which
-                // cascades to its assignments) takes them in.
-                let cluster: Option<String> =
-                    sqlx::query_scalar("SELECT cluster FROM role_assignments WHERE id = $1")
-                        .bind(id)
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                let Some(cluster) = cluster else {
-                    return Ok(None);
-                };
-                let Some(version) = bump_guard_version(&mut tx, &cluster).await? else {
-                    return Ok(None);
-                };
-                let deleted =
-                    sqlx::query("DELETE FROM role_assignments WHERE id = $1 AND cluster = $2")
-                        .bind(id)
-                        .bind(&cluster)
-                        .execute(&mut *tx)
-                        .await?;
-                if deleted.rows_affected() == 0 {
-                    // Removed concurrently: roll back the version raise.
-                    return Ok(None);
-                }
-                let now = OffsetDateTime::now_utc();
-                record_change(&mut tx, &cluster, ChangeKind::Guard(version), now).await?;
-                tx.commit().await?;
-                Ok(Some((cluster, version)))
-            }
-            .boxed()
-        })
-        .boxed()
+        self.delete_assignment(
+            "SELECT cluster FROM role_assignments WHERE id = $1",
+            "DELETE FROM role_assignments WHERE id = $1 AND cluster = $2",
+            id,
+        )
     }
 
     fn create_deny_assignment<'a>(
@@ -280,40 +295,11 @@ impl Store for PostgresStore {
     }
 
     fn delete_deny_assignment<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<(String, u64)>> {
-        retry(move || {
-            async move {
-                let mut tx = self.pool.begin().await?;
-                // The cluster row is locked before the assignment row, the order a cluster deletion (which
-                // cascades to its assignments) takes them in.
-                let cluster: Option<String> =
-                    sqlx::query_scalar("SELECT cluster FROM deny_assignments WHERE id = $1")
-                        .bind(id)
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                let Some(cluster) = cluster else {
-                    return Ok(None);
-                };
-                let Some(version) = bump_guard_version(&mut tx, &cluster).await? else {
-                    return Ok(None);
-                };
-                let deleted =
-                    sqlx::query("DELETE FROM deny_assignments WHERE id = $1 AND cluster = $2")
-                        .bind(id)
-                        .bind(&cluster)
-                        .execute(&mut *tx)
-                        .await?;
-                if deleted.rows_affected() == 0 {
-                    // Removed concurrently: roll back the version raise.
-                    return Ok(None);
-                }
-                let now = OffsetDateTime::now_utc();
-                record_change(&mut tx, &cluster, ChangeKind::Guard(version), now).await?;
-                tx.commit().await?;
-                Ok(Some((cluster, version)))
-            }
-            .boxed()
-        })
-        .boxed()
+        self.delete_assignment(
+            "SELECT cluster FROM deny_assignments WHERE id = $1",
+            "DELETE FROM deny_assignments WHERE id = $1 AND cluster = $2",
+            id,
+        )
     }
 
     fn guard_state<'a>(&'a self, cluster: &'a str) -> StoreFuture<'a, Option<GuardState>> {

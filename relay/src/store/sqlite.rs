@@ -104,6 +104,36 @@ async fn record_change(
 // takes the write lock before anything is read.
 connection_statements!(SqliteConnection);
 
+impl SqliteStore {
+    /// Deletes the role or deny assignment `id` (`delete` removes it, returning its cluster) with a version
+    /// raise and a change log entry; its cluster and the new version.
+    fn delete_assignment<'a>(
+        &'a self,
+        delete: &'static str,
+        id: &'a str,
+    ) -> StoreFuture<'a, Option<(String, u64)>> {
+        async move {
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
+            let cluster: Option<String> = sqlx::query_scalar(delete)
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            let Some(cluster) = cluster else {
+                return Ok(None);
+            };
+            let Some(version) = bump_guard_version(&mut tx, &cluster).await? else {
+                return Ok(None);
+            };
+            let now = OffsetDateTime::now_utc();
+            record_change(&mut tx, &cluster, ChangeKind::Guard(version), now).await?;
+            tx.commit().await?;
+            self.signal_change();
+            Ok(Some((cluster, version)))
+        }
+        .boxed()
+    }
+}
+
 impl Store for SqliteStore {
     // The operations that are one statement on the pool, the same in both dialects.
     pool_statements!();
@@ -175,26 +205,10 @@ impl Store for SqliteStore {
     }
 
     fn delete_role_assignment<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<(String, u64)>> {
-        async move {
-            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
-            let cluster: Option<String> =
-                sqlx::query_scalar("DELETE FROM role_assignments WHERE id = $1 RETURNING cluster")
-                    .bind(id)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            let Some(cluster) = cluster else {
-                return Ok(None);
-            };
-            let Some(version) = bump_guard_version(&mut tx, &cluster).await? else {
-                return Ok(None);
-            };
-            let now = OffsetDateTime::now_utc();
-            record_change(&mut tx, &cluster, ChangeKind::Guard(version), now).await?;
-            tx.commit().await?;
-            self.signal_change();
-            Ok(Some((cluster, version)))
-        }
-        .boxed()
+        self.delete_assignment(
+            "DELETE FROM role_assignments WHERE id = $1 RETURNING cluster",
+            id,
+        )
     }
 
     fn create_deny_assignment<'a>(
@@ -212,26 +226,10 @@ impl Store for SqliteStore {
     }
 
     fn delete_deny_assignment<'a>(&'a self, id: &'a str) -> StoreFuture<'a, Option<(String, u64)>> {
-        async move {
-            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
-            let cluster: Option<String> =
-                sqlx::query_scalar("DELETE FROM deny_assignments WHERE id = $1 RETURNING cluster")
-                    .bind(id)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            let Some(cluster) = cluster else {
-                return Ok(None);
-            };
-            let Some(version) = bump_guard_version(&mut tx, &cluster).await? else {
-                return Ok(None);
-            };
-            let now = OffsetDateTime::now_utc();
-            record_change(&mut tx, &cluster, ChangeKind::Guard(version), now).await?;
-            tx.commit().await?;
-            self.signal_change();
-            Ok(Some((cluster, version)))
-        }
-        .boxed()
+        self.delete_assignment(
+            "DELETE FROM deny_assignments WHERE id = $1 RETURNING cluster",
+            id,
+        )
     }
 
     fn guard_state<'a>(&'a self, cluster: &'a str) -> StoreFuture<'a, Option<GuardState>> {
