@@ -19,6 +19,7 @@
 mod feed;
 
 mod postgres;
+mod rows;
 mod sqlite;
 
 use std::collections::BTreeMap;
