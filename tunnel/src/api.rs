@@ -354,6 +354,17 @@ impl StreamControl {
         }
     }
 
+    /// Waits until the stream can no longer be used — reset (by the peer or by us), refused, timed out, or its
+    /// tunnel closed — and returns why. Stays pending while the stream is usable, and once it has ended
+    /// normally. Lets a task that waits on something else (an upstream answer) stop as soon as nobody is left
+    /// to give the answer to.
+    pub async fn failed(&self) -> TunnelError {
+        match &self.inner {
+            ControlInner::Session(c) => c.failed().await,
+            ControlInner::Quic(c) => c.failed().await,
+        }
+    }
+
     /// Resets the stream: both directions fail at once, here with [`TunnelError::Reset`], at the peer too.
     pub fn reset(&self, code: u32) {
         match &self.inner {

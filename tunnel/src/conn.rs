@@ -773,7 +773,7 @@ impl SessionStreamControl {
     /// its tunnel closed — and returns why. Stays pending while the stream is usable, and forever once it
     /// has ended normally and is gone. Lets a task that waits on something else (an upstream answer) stop as
     /// soon as nobody is left to give the answer to.
-    pub async fn failed(&self) -> TunnelError {
+    pub(crate) async fn failed(&self) -> TunnelError {
         loop {
             let notified = self.inner.notify.notified();
             tokio::pin!(notified);

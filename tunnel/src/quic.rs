@@ -1631,6 +1631,42 @@ impl QuicStreamControl {
     pub(crate) fn reset(&self, code: u32) {
         self.ss.reset(code);
     }
+
+    /// As [`crate::StreamControl::failed`]: the stream's failure (ours, the peer's STOP_SENDING, or the
+    /// connection closing); pending while the stream is usable.
+    pub(crate) async fn failed(&self) -> TunnelError {
+        let conn = self.ss.conn.conn.clone();
+        let stopped = self.ss.halves().send.stopped();
+        tokio::pin!(stopped);
+        let mut stopped_done = false;
+        loop {
+            let notified = self.ss.answered.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(e) = self.ss.halves().failed.clone() {
+                return e;
+            }
+            tokio::select! {
+                () = &mut notified => {}
+                _ = conn.closed() => return TunnelError::Closed(self.ss.conn.close_reason()),
+                stop = &mut stopped, if !stopped_done => {
+                    stopped_done = true;
+                    match stop {
+                        // The peer no longer reads what we send: it reset the stream.
+                        Ok(Some(code)) => {
+                            let code = u32::try_from(code.into_inner()).unwrap_or(code::CANCEL);
+                            return TunnelError::Reset(code);
+                        }
+                        // All we sent was read (a finished stream): nothing failed.
+                        Ok(None) => {}
+                        Err(_) => return TunnelError::Closed(self.ss.conn.close_reason()),
+                    }
+                }
+                // A failure recorded without a wake-up (read or write errors) is found on the next turn.
+                () = tokio::time::sleep(Duration::from_millis(500)) => {}
+            }
+        }
+    }
 }
 
 /// The QUIC side of [`crate::Incoming`].
