@@ -97,9 +97,17 @@ pub(crate) enum CredentialError {
     /// Not `Bearer TOKEN` (Kubernetes accepts no other scheme from users).
     #[error("the Authorization header must be `Bearer TOKEN`")]
     NotBearer,
-    /// The token is not token68 (RFC 9110 §11.2) or is too long.
+    /// The token is not token68 (RFC 9110 §11.2).
     #[error("the bearer token is malformed")]
     Malformed,
+    /// The token is longer than any token the relay forwards (the same words as tether-auth's limit).
+    #[error("token refused: {len} bytes is more than the {max}-byte limit")]
+    TooLarge {
+        /// The token's length.
+        len: usize,
+        /// [`MAX_TOKEN_BYTES`].
+        max: usize,
+    },
 }
 
 /// The shape check: exactly one `Authorization: Bearer TOKEN` where TOKEN is token68 (letters, digits,
@@ -122,9 +130,14 @@ pub(crate) fn plausible_bearer(headers: &HeaderMap) -> Result<&str, CredentialEr
         return Err(CredentialError::NotBearer);
     }
     let token = token.trim();
+    if token.len() > MAX_TOKEN_BYTES {
+        return Err(CredentialError::TooLarge {
+            len: token.len(),
+            max: MAX_TOKEN_BYTES,
+        });
+    }
     let body = token.trim_end_matches('=');
     let token68 = !body.is_empty()
-        && token.len() <= MAX_TOKEN_BYTES
         && body
             .bytes()
             .all(|c| c.is_ascii_alphanumeric() || b"-._~+/".contains(&c));
@@ -180,7 +193,13 @@ mod tests {
             AUTHORIZATION,
             HeaderValue::from_str(&long).unwrap_or_else(|_| HeaderValue::from_static("")),
         );
-        assert_eq!(plausible_bearer(&h).err(), Some(CredentialError::Malformed));
+        assert_eq!(
+            plausible_bearer(&h).err(),
+            Some(CredentialError::TooLarge {
+                len: MAX_TOKEN_BYTES + 1,
+                max: MAX_TOKEN_BYTES
+            })
+        );
     }
 
     #[test]
