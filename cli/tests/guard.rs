@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use common::{Env, eventually};
+use common::Env;
 use serde_json::{Value, json};
 use tether_testkit::dev_issuer::{DEV_TENANT, object_id};
 use tether_testkit::kubectl::{Kubectl, Output};
@@ -160,35 +160,6 @@ async fn forbidden(kubectl: &Kubectl, args: &[&str], message: &str) -> anyhow::R
     Ok(out)
 }
 
-/// `tether role …` with JSON output; the created object's id.
-async fn role(env: &Env, args: &[&str]) -> anyhow::Result<String> {
-    let mut full = vec!["role"];
-    full.extend_from_slice(args);
-    full.extend(["-o", "json"]);
-    let out = env.tether_ok(&full).await?;
-    let v: Value = serde_json::from_str(&out)?;
-    v["id"]
-        .as_str()
-        .map(str::to_string)
-        .with_context(|| format!("no id in {out}"))
-}
-
-/// Waits until guard holds `assignments` role assignments and `denies` deny assignments.
-async fn wait_snapshot(env: &Env, assignments: usize, denies: usize) -> anyhow::Result<()> {
-    let guard = env.up.guard().context("guard is wired in")?;
-    let reached = eventually(WAIT, || async {
-        let s = guard.store().current();
-        s.assignments.len() == assignments && s.deny_assignments.len() == denies
-    })
-    .await;
-    anyhow::ensure!(
-        reached,
-        "guard did not get the snapshot: {:?}",
-        guard.store().current()
-    );
-    Ok(())
-}
-
 async fn start() -> anyhow::Result<Env> {
     let env = Env::start().await?;
     let sample = env.sample()?;
@@ -207,66 +178,54 @@ async fn access_follows_assignments_through_the_relay() -> anyhow::Result<()> {
     let alice_oid = object_id(ALICE);
     let carol_oid = object_id(CAROL);
     // Namespace scope, cluster scope, a group, and a deny assignment that wins over carol's Writer role.
-    role(
-        &env,
-        &[
-            "assign",
-            "--role",
-            "Viewer",
-            "--principal",
-            &alice_oid,
-            "--cluster",
-            &cluster,
-            "--namespace",
-            "dev",
-        ],
-    )
+    env.role(&[
+        "assign",
+        "--role",
+        "Viewer",
+        "--principal",
+        &alice_oid,
+        "--cluster",
+        &cluster,
+        "--namespace",
+        "dev",
+    ])
     .await?;
-    role(
-        &env,
-        &[
-            "assign",
-            "--role",
-            "Writer",
-            "--principal",
-            &carol_oid,
-            "--cluster",
-            &cluster,
-        ],
-    )
+    env.role(&[
+        "assign",
+        "--role",
+        "Writer",
+        "--principal",
+        &carol_oid,
+        "--cluster",
+        &cluster,
+    ])
     .await?;
-    role(
-        &env,
-        &[
-            "assign",
-            "--role",
-            "Viewer",
-            "--principal",
-            SRE_GROUP,
-            "--cluster",
-            &cluster,
-        ],
-    )
+    env.role(&[
+        "assign",
+        "--role",
+        "Viewer",
+        "--principal",
+        SRE_GROUP,
+        "--cluster",
+        &cluster,
+    ])
     .await?;
-    role(
-        &env,
-        &[
-            "deny",
-            "add",
-            "--name",
-            "no configmap deletes in prod",
-            "--action",
-            "Microsoft.Kubernetes/connectedClusters/configmaps/delete",
-            "--principal",
-            EVERYONE,
-            "--cluster",
-            &cluster,
-            "--namespace",
-            "prod",
-        ],
-    )
+    env.role(&[
+        "deny",
+        "add",
+        "--name",
+        "no configmap deletes in prod",
+        "--action",
+        "Microsoft.Kubernetes/connectedClusters/configmaps/delete",
+        "--principal",
+        EVERYONE,
+        "--cluster",
+        &cluster,
+        "--namespace",
+        "prod",
+    ])
     .await?;
-    wait_snapshot(&env, 3, 1).await?;
+    env.wait_snapshot(WAIT, 3, 1).await?;
 
     let py = mint_with_pyjwt(&env, &[(ALICE, &[]), (CAROL, &[]), (DAVE, &[SRE_GROUP])])?;
     for (source, alice_token) in [
@@ -405,9 +364,8 @@ async fn access_follows_assignments_through_the_relay() -> anyhow::Result<()> {
 async fn a_removed_assignment_stops_working_within_5s() -> anyhow::Result<()> {
     let env = start().await?;
     let cluster = env.up.cluster().to_string();
-    let id = role(
-        &env,
-        &[
+    let id = env
+        .role(&[
             "assign",
             "--role",
             "Viewer",
@@ -417,10 +375,9 @@ async fn a_removed_assignment_stops_working_within_5s() -> anyhow::Result<()> {
             &cluster,
             "--namespace",
             "dev",
-        ],
-    )
-    .await?;
-    wait_snapshot(&env, 1, 0).await?;
+        ])
+        .await?;
+    env.wait_snapshot(WAIT, 1, 0).await?;
     let alice = kubectl_as(&env, "alice", &dev_token(&env, ALICE, &[]).await?).await?;
     ok(&alice, &["get", "configmaps", "-n", "dev"]).await?;
 
@@ -452,33 +409,27 @@ async fn attacks_are_refused_before_the_tunnel_and_service_accounts_pass() -> an
     }
     let env = start().await?;
     let cluster = env.up.cluster().to_string();
-    role(
-        &env,
-        &[
-            "assign",
-            "--role",
-            "Viewer",
-            "--principal",
-            &object_id(ALICE),
-            "--cluster",
-            &cluster,
-        ],
-    )
+    env.role(&[
+        "assign",
+        "--role",
+        "Viewer",
+        "--principal",
+        &object_id(ALICE),
+        "--cluster",
+        &cluster,
+    ])
     .await?;
-    role(
-        &env,
-        &[
-            "assign",
-            "--role",
-            "Viewer",
-            "--principal",
-            &object_id(CAROL),
-            "--cluster",
-            &cluster,
-        ],
-    )
+    env.role(&[
+        "assign",
+        "--role",
+        "Viewer",
+        "--principal",
+        &object_id(CAROL),
+        "--cluster",
+        &cluster,
+    ])
     .await?;
-    wait_snapshot(&env, 2, 0).await?;
+    env.wait_snapshot(WAIT, 2, 0).await?;
     let py = mint_with_pyjwt(&env, &[(ALICE, &[]), (CAROL, &[])])?;
     let sample = env.sample()?;
 
@@ -570,22 +521,19 @@ async fn attacks_are_refused_before_the_tunnel_and_service_accounts_pass() -> an
 async fn guard_keeps_deciding_from_its_last_snapshot_without_the_relay() -> anyhow::Result<()> {
     let mut env = start().await?;
     let cluster = env.up.cluster().to_string();
-    role(
-        &env,
-        &[
-            "assign",
-            "--role",
-            "Viewer",
-            "--principal",
-            &object_id(ALICE),
-            "--cluster",
-            &cluster,
-            "--namespace",
-            "dev",
-        ],
-    )
+    env.role(&[
+        "assign",
+        "--role",
+        "Viewer",
+        "--principal",
+        &object_id(ALICE),
+        "--cluster",
+        &cluster,
+        "--namespace",
+        "dev",
+    ])
     .await?;
-    wait_snapshot(&env, 1, 0).await?;
+    env.wait_snapshot(WAIT, 1, 0).await?;
     let token = dev_token(&env, ALICE, &[]).await?;
     env.up.stop_relay().await?;
 
@@ -643,40 +591,34 @@ async fn custom_roles_and_group_overage_through_the_cli() -> anyhow::Result<()> 
         .to_string(),
     )?;
     let file_arg = file.display().to_string();
-    let role_id = role(&env, &["define", "-f", &file_arg]).await?;
+    let role_id = env.role(&["define", "-f", &file_arg]).await?;
     let listed = env.tether_ok(&["role", "definitions"]).await?;
     assert!(
         listed.contains("Pod Reader") && listed.contains("Azure Arc Kubernetes Viewer"),
         "{listed}"
     );
-    role(
-        &env,
-        &[
-            "assign",
-            "--role",
-            "Pod Reader",
-            "--principal",
-            &object_id(erin),
-            "--cluster",
-            &cluster,
-        ],
-    )
+    env.role(&[
+        "assign",
+        "--role",
+        "Pod Reader",
+        "--principal",
+        &object_id(erin),
+        "--cluster",
+        &cluster,
+    ])
     .await?;
     // Frank's token has too many groups to carry them; the relay's directory knows them.
-    role(
-        &env,
-        &[
-            "assign",
-            "--role",
-            "Viewer",
-            "--principal",
-            SRE_GROUP,
-            "--cluster",
-            &cluster,
-        ],
-    )
+    env.role(&[
+        "assign",
+        "--role",
+        "Viewer",
+        "--principal",
+        SRE_GROUP,
+        "--cluster",
+        &cluster,
+    ])
     .await?;
-    wait_snapshot(&env, 2, 0).await?;
+    env.wait_snapshot(WAIT, 2, 0).await?;
 
     // A role in use cannot be deleted.
     let out = env.tether(&["role", "delete-definition", &role_id]).await?;

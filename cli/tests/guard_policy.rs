@@ -9,9 +9,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context as _;
-use common::{Env, eventually};
-use serde_json::Value;
+use common::Env;
 use tether_testkit::dev_issuer::object_id;
 use tether_testkit::kubectl::{Kubectl, Output};
 
@@ -54,35 +52,6 @@ async fn run(kubectl: &Kubectl, args: &[&str]) -> anyhow::Result<Output> {
     Ok(kubectl.run(args).await?)
 }
 
-/// `tether role …` with JSON output; the created object's id.
-async fn role(env: &Env, args: &[&str]) -> anyhow::Result<String> {
-    let mut full = vec!["role"];
-    full.extend_from_slice(args);
-    full.extend(["-o", "json"]);
-    let out = env.tether_ok(&full).await?;
-    let v: Value = serde_json::from_str(&out)?;
-    v["id"]
-        .as_str()
-        .map(str::to_string)
-        .with_context(|| format!("no id in {out}"))
-}
-
-/// Waits until guard holds `assignments` role assignments and `denies` deny assignments.
-async fn wait_snapshot(env: &Env, assignments: usize, denies: usize) -> anyhow::Result<()> {
-    let guard = env.up.guard().context("guard is wired in")?;
-    let reached = eventually(WAIT, || async {
-        let s = guard.store().current();
-        s.assignments.len() == assignments && s.deny_assignments.len() == denies
-    })
-    .await;
-    anyhow::ensure!(
-        reached,
-        "guard did not get the snapshot: {:?}",
-        guard.store().current()
-    );
-    Ok(())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_namespace_deny_refuses_the_all_namespaces_list() -> anyhow::Result<()> {
     let env = Env::start().await?;
@@ -90,38 +59,32 @@ async fn a_namespace_deny_refuses_the_all_namespaces_list() -> anyhow::Result<()
     sample.create_configmaps("dev", "cm-", 2);
     sample.create_configmaps("prod", "secret-cm-", 2);
     let cluster = env.up.cluster().to_string();
-    role(
-        &env,
-        &[
-            "assign",
-            "--role",
-            "Writer",
-            "--principal",
-            &object_id(CAROL),
-            "--cluster",
-            &cluster,
-        ],
-    )
+    env.role(&[
+        "assign",
+        "--role",
+        "Writer",
+        "--principal",
+        &object_id(CAROL),
+        "--cluster",
+        &cluster,
+    ])
     .await?;
-    role(
-        &env,
-        &[
-            "deny",
-            "add",
-            "--name",
-            "nothing of prod's configmaps",
-            "--action",
-            "Microsoft.Kubernetes/connectedClusters/configmaps/*",
-            "--principal",
-            EVERYONE,
-            "--cluster",
-            &cluster,
-            "--namespace",
-            "prod",
-        ],
-    )
+    env.role(&[
+        "deny",
+        "add",
+        "--name",
+        "nothing of prod's configmaps",
+        "--action",
+        "Microsoft.Kubernetes/connectedClusters/configmaps/*",
+        "--principal",
+        EVERYONE,
+        "--cluster",
+        &cluster,
+        "--namespace",
+        "prod",
+    ])
     .await?;
-    wait_snapshot(&env, 1, 1).await?;
+    env.wait_snapshot(WAIT, 1, 1).await?;
 
     let carol = kubectl_as(&env, "carol", &dev_token(&env, CAROL, &[]).await?).await?;
     let out = run(&carol, &["get", "configmaps", "-n", "dev", "-o", "name"]).await?;
@@ -185,20 +148,17 @@ async fn a_viewer_cannot_attach_port_forward_or_exec() -> anyhow::Result<()> {
     // that verb), which used to map to pods/read: every Viewer could attach and port-forward.
     let env = Env::start().await?;
     let cluster = env.up.cluster().to_string();
-    role(
-        &env,
-        &[
-            "assign",
-            "--role",
-            "Viewer",
-            "--principal",
-            &object_id(CAROL),
-            "--cluster",
-            &cluster,
-        ],
-    )
+    env.role(&[
+        "assign",
+        "--role",
+        "Viewer",
+        "--principal",
+        &object_id(CAROL),
+        "--cluster",
+        &cluster,
+    ])
     .await?;
-    wait_snapshot(&env, 1, 0).await?;
+    env.wait_snapshot(WAIT, 1, 0).await?;
     let carol = kubectl_as(&env, "carol", &dev_token(&env, CAROL, &[]).await?).await?;
     let out = run(&carol, &["get", "pod", "demo", "-o", "name"]).await?;
     assert!(out.success(), "a Viewer reads pods: {out}");

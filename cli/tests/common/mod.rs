@@ -71,6 +71,43 @@ impl Env {
         Ok(out.stdout)
     }
 
+    /// `tether role …` with JSON output; the created object's id.
+    pub async fn role(&self, args: &[&str]) -> anyhow::Result<String> {
+        let mut full = vec!["role"];
+        full.extend_from_slice(args);
+        full.extend(["-o", "json"]);
+        let out = self.tether_ok(&full).await?;
+        let v: serde_json::Value = serde_json::from_str(&out)?;
+        v["id"]
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| anyhow::anyhow!("no id in {out}"))
+    }
+
+    /// Waits up to `limit` until guard holds `assignments` role assignments and `denies` deny assignments.
+    pub async fn wait_snapshot(
+        &self,
+        limit: Duration,
+        assignments: usize,
+        denies: usize,
+    ) -> anyhow::Result<()> {
+        let guard = self
+            .up
+            .guard()
+            .ok_or_else(|| anyhow::anyhow!("guard is not wired in"))?;
+        let reached = eventually(limit, || async {
+            let s = guard.store().current();
+            s.assignments.len() == assignments && s.deny_assignments.len() == denies
+        })
+        .await;
+        anyhow::ensure!(
+            reached,
+            "guard did not get the snapshot: {:?}",
+            guard.store().current()
+        );
+        Ok(())
+    }
+
     /// The cluster as `GET /api/v1/clusters/NAME` returns it.
     pub async fn cluster(&self, name: &str) -> anyhow::Result<serde_json::Value> {
         let cluster = self.up.client()?.show_cluster(name).await?;
