@@ -18,10 +18,9 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{Value, json};
+use tether_runtime::serve;
 use tokio::net::TcpListener;
-use tokio_rustls::TlsAcceptor;
 
 use crate::certs::{self, Ca, CertError};
 
@@ -103,24 +102,24 @@ impl Idp {
             .local_addr()
             .map_err(io("reading the bound address"))?;
         let state = Arc::new(State::default());
-        let acceptor = TlsAcceptor::from(tls);
         let served = state.clone();
+        let make_service = move |_conn: serve::Conn| {
+            let state = served.clone();
+            service_fn(move |req: hyper::Request<Incoming>| {
+                let response = route(addr, &state, req.uri().path());
+                async move { Ok::<_, Infallible>(response) }
+            })
+        };
+        // Runs until the Idp is dropped (the task is aborted then).
         let task = tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                let (acceptor, state) = (acceptor.clone(), served.clone());
-                tokio::spawn(async move {
-                    let Ok(tls) = acceptor.accept(tcp).await else {
-                        return;
-                    };
-                    let svc = service_fn(move |req: hyper::Request<Incoming>| {
-                        let response = route(addr, &state, req.uri().path());
-                        async move { Ok::<_, Infallible>(response) }
-                    });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(tls), svc)
-                        .await;
-                });
-            }
+            let _draining = serve::serve(
+                listener,
+                tls,
+                serve::Limits::default(),
+                make_service,
+                std::future::pending::<()>(),
+            )
+            .await;
         });
         Ok(Idp {
             addr,
