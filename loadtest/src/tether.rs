@@ -147,6 +147,20 @@ impl RelayProcess {
                     args.push("1000000".to_owned());
                 }
             }
+            if relay_supports(binary, "--max-connections-per-principal") {
+                for flag in [
+                    "--max-connections-per-principal",
+                    "--max-connections-per-ip",
+                    "--max-handshakes-per-ip",
+                    "--principal-early-cancel-rate",
+                    "--principal-early-cancel-burst",
+                    "--ip-early-cancel-rate",
+                    "--ip-early-cancel-burst",
+                ] {
+                    args.push(flag.to_owned());
+                    args.push("1000000".to_owned());
+                }
+            }
             let log = data_dir.join("relay.log");
             let proc = Proc::spawn(
                 "tether-relay",

@@ -122,10 +122,52 @@ impl EntraConfig {
 /// Bounds on what one client can make the relay hold.
 #[derive(Debug, Clone, Args)]
 pub struct Limits {
-    /// Most concurrent TCP connections (agent tunnels and user connections together, exec sessions included);
-    /// past it new connections wait. Size it for the number of clusters plus the users' connections.
+    /// Most concurrent connections without a client certificate (users, the admin API, onboarding; upgraded
+    /// exec/attach/port-forward sessions included); past it a new one is closed right after its TLS handshake.
+    /// Agent tunnels have a budget of their own (--max-agent-connections) that these cannot take.
     #[arg(long, env = "TETHER_RELAY_MAX_CONNECTIONS", default_value_t = 50_000)]
     pub max_connections: usize,
+    /// Most concurrent agent connections (a client certificate of the relay's agent CA: tunnels); a budget
+    /// user connections cannot take, so idle users never lock a reconnecting agent out. Size it for the
+    /// number of clusters, with room for reconnects.
+    #[arg(
+        long,
+        env = "TETHER_RELAY_MAX_AGENT_CONNECTIONS",
+        default_value_t = 20_000
+    )]
+    pub max_agent_connections: usize,
+    /// Most connections in their TLS handshake at once (agents and users); past it new connections wait in
+    /// the kernel's backlog. Each has --tls-handshake-timeout at most.
+    #[arg(long, env = "TETHER_RELAY_MAX_HANDSHAKES", default_value_t = 1_024)]
+    pub max_handshakes: usize,
+    /// Most connections of one source IP in their TLS handshake at once; past it new ones from that address
+    /// wait their turn (within the handshake timeout) without holding a --max-handshakes slot, so one
+    /// address cannot hold the handshake slots agents need.
+    #[arg(long, env = "TETHER_RELAY_MAX_HANDSHAKES_PER_IP", default_value_t = 64)]
+    pub max_handshakes_per_ip: usize,
+    /// Most concurrent connections of one source IP (in their handshake, or users'); past it new ones are
+    /// closed at accept. Agent tunnels stop counting once their certificate is seen. Fits 4,000 HTTP/1.1
+    /// watches from one address (several users behind one NAT).
+    #[arg(
+        long,
+        env = "TETHER_RELAY_MAX_CONNECTIONS_PER_IP",
+        default_value_t = 4_000
+    )]
+    pub max_connections_per_ip: usize,
+    /// Most concurrent user connections of one principal (a connection counts for the principal of its first
+    /// request to /clusters/…); past it that request gets 429 with Retry-After and an HTTP/1.1 connection is
+    /// closed. Fits one principal holding 1,000 watches over HTTP/1.1 (one connection each).
+    #[arg(
+        long,
+        env = "TETHER_RELAY_MAX_CONNECTIONS_PER_PRINCIPAL",
+        default_value_t = 2_000
+    )]
+    pub max_connections_per_principal: u32,
+    /// A user connection with no request in flight for this long is closed: HTTP/1.1 keep-alive between
+    /// requests, HTTP/2 with no open stream (GOAWAY). Like a load balancer's idle timeout; a watch or any
+    /// other long-running request in flight keeps its connection (e.g. 5m, 30s).
+    #[arg(long, env = "TETHER_RELAY_USER_IDLE_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    pub user_idle_timeout: Duration,
     /// Time allowed for the TLS handshake.
     #[arg(skip = Duration::from_secs(10))]
     pub tls_handshake_timeout: Duration,
@@ -186,6 +228,35 @@ pub struct Limits {
     /// Requests one source IP may make in a burst.
     #[arg(long, env = "TETHER_RELAY_IP_REQUEST_BURST", default_value_t = 4_000)]
     pub ip_request_burst: u32,
+    /// A request its user drops (connection closed, HTTP/2 stream reset, response not read to its end) within
+    /// this long of the relay opening its stream counts as an early cancellation (e.g. 1s, 500ms).
+    #[arg(long, env = "TETHER_RELAY_EARLY_CANCEL_WINDOW", default_value = "1s", value_parser = parse_duration)]
+    pub early_cancel_window: Duration,
+    /// Early cancellations per second one principal may sustain (token bucket refill); past the burst its new
+    /// requests get 429 with Retry-After.
+    #[arg(
+        long,
+        env = "TETHER_RELAY_PRINCIPAL_EARLY_CANCEL_RATE",
+        default_value_t = 10
+    )]
+    pub principal_early_cancel_rate: u32,
+    /// Early cancellations one principal may make in a burst (token bucket size).
+    #[arg(
+        long,
+        env = "TETHER_RELAY_PRINCIPAL_EARLY_CANCEL_BURST",
+        default_value_t = 100
+    )]
+    pub principal_early_cancel_burst: u32,
+    /// Early cancellations per second one source IP may sustain.
+    #[arg(long, env = "TETHER_RELAY_IP_EARLY_CANCEL_RATE", default_value_t = 50)]
+    pub ip_early_cancel_rate: u32,
+    /// Early cancellations one source IP may make in a burst.
+    #[arg(
+        long,
+        env = "TETHER_RELAY_IP_EARLY_CANCEL_BURST",
+        default_value_t = 500
+    )]
+    pub ip_early_cancel_burst: u32,
 }
 
 impl Limits {
@@ -198,6 +269,12 @@ impl Limits {
             principal_open_burst: self.principal_request_burst,
             ip_opens_per_sec: self.ip_request_rate,
             ip_open_burst: self.ip_request_burst,
+            early_cancel_window: self.early_cancel_window,
+            principal_cancels_per_sec: self.principal_early_cancel_rate,
+            principal_cancel_burst: self.principal_early_cancel_burst,
+            ip_cancels_per_sec: self.ip_early_cancel_rate,
+            ip_cancel_burst: self.ip_early_cancel_burst,
+            connections_per_principal: self.max_connections_per_principal,
         }
     }
 }
@@ -294,11 +371,36 @@ impl Config {
                 .map_err(|e| ConfigError::UnsupportedDatabase(e.to_string()))?;
         }
         let l = &self.limits;
-        let checks: [(&'static str, bool, &'static str); 7] = [
+        let checks: [(&'static str, bool, &'static str); 12] = [
             (
                 "max_connections",
                 l.max_connections == 0,
                 "must be at least 1",
+            ),
+            (
+                "max_agent_connections",
+                l.max_agent_connections == 0,
+                "must be at least 1",
+            ),
+            (
+                "max_handshakes",
+                l.max_handshakes == 0,
+                "must be at least 1",
+            ),
+            (
+                "max_handshakes_per_ip",
+                l.max_handshakes_per_ip == 0,
+                "must be at least 1",
+            ),
+            (
+                "max_connections_per_ip",
+                l.max_connections_per_ip == 0,
+                "must be at least 1",
+            ),
+            (
+                "user_idle_timeout",
+                l.user_idle_timeout.is_zero(),
+                "must be greater than zero",
             ),
             (
                 "reconnect_rate",
@@ -336,13 +438,24 @@ impl Config {
                 return Err(ConfigError::InvalidLimit { name, why });
             }
         }
-        let client_bounds: [(&'static str, u32); 6] = [
+        let client_bounds: [(&'static str, u32); 11] = [
             ("max_streams_per_principal", l.max_streams_per_principal),
             ("max_streams_per_ip", l.max_streams_per_ip),
             ("principal_request_rate", l.principal_request_rate),
             ("principal_request_burst", l.principal_request_burst),
             ("ip_request_rate", l.ip_request_rate),
             ("ip_request_burst", l.ip_request_burst),
+            (
+                "max_connections_per_principal",
+                l.max_connections_per_principal,
+            ),
+            ("principal_early_cancel_rate", l.principal_early_cancel_rate),
+            (
+                "principal_early_cancel_burst",
+                l.principal_early_cancel_burst,
+            ),
+            ("ip_early_cancel_rate", l.ip_early_cancel_rate),
+            ("ip_early_cancel_burst", l.ip_early_cancel_burst),
         ];
         for (name, value) in client_bounds {
             if value == 0 {
@@ -444,6 +557,13 @@ mod tests {
         assert_eq!(c.identity_validity, Duration::from_secs(90 * 86_400));
         assert_eq!(c.hostnames, ["localhost", "127.0.0.1", "::1"]);
         assert_eq!(c.limits.max_connections, 50_000);
+        assert_eq!(c.limits.max_agent_connections, 20_000);
+        assert_eq!(c.limits.user_idle_timeout, Duration::from_secs(300));
+        assert_eq!(c.limits.early_cancel_window, Duration::from_secs(1));
+        // Issue 17: one principal can hold 1,000 long-running requests to one cluster, over HTTP/1.1 too.
+        assert!(c.limits.max_streams_per_principal >= 1_000);
+        assert!(c.limits.max_connections_per_principal >= 1_000);
+        assert!(c.limits.max_connections_per_ip >= 1_000);
         assert_eq!(c.limits.max_header_bytes, 64 * 1024);
         assert!(c.entra.is_none());
         let c = <Config as clap::Parser>::try_parse_from([

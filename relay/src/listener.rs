@@ -29,8 +29,15 @@ fn reconnect_window(tunnels: usize, rate: u32) -> Duration {
 fn serve_limits(limits: &crate::config::Limits) -> serve::Limits {
     serve::Limits {
         max_connections: limits.max_connections,
+        // Agents present a certificate of the agent CA (the only one the listener verifies).
+        cert_budget: Some(limits.max_agent_connections),
+        max_handshakes: limits.max_handshakes,
+        max_handshakes_per_ip: limits.max_handshakes_per_ip,
+        max_connections_per_ip: limits.max_connections_per_ip,
         tls_handshake_timeout: limits.tls_handshake_timeout,
         header_read_timeout: limits.header_read_timeout,
+        // Agent tunnels are upgraded (no longer HTTP), so this closes idle user connections only.
+        idle_timeout: Some(limits.user_idle_timeout),
         max_header_bytes: limits.max_header_bytes,
         h2_max_concurrent_streams: limits.h2_max_concurrent_streams,
         h2_keep_alive_interval: Some(Duration::from_secs(30)),
@@ -52,7 +59,8 @@ pub(crate) async fn serve(
     let stop_flusher = CancellationToken::new();
     let flusher = tokio::spawn(flush_activity(shared.clone(), stop_flusher.clone()));
     let svc_shared = shared.clone();
-    let make_service = move |ctx: ConnCtx| {
+    let make_service = move |conn: serve::Conn| {
+        let ctx = ConnCtx::new(conn);
         let shared = svc_shared.clone();
         service_fn(move |req: Request<Incoming>| {
             let shared = shared.clone();

@@ -1,14 +1,20 @@
 //! Per-client bounds on what users can make a cluster's tunnel hold (issue 10 item 1): concurrent streams per
-//! cluster and stream opens per second, each per principal and per source IP. Over a bound only that client is
-//! refused (429 with `Retry-After`); nobody else notices.
+//! cluster, stream opens per second and early cancellations per second, each per principal and per source IP,
+//! and concurrent connections per principal. Over a bound only that client is refused (429 with
+//! `Retry-After`); nobody else notices.
 //!
 //! A *principal* is the credential's subject when the relay validated it (an Entra token's `oid`), else a
 //! SHA-256 of the unverified credential: two requests with the same token are the same principal whether or
-//! not the token is valid. Not done here: connection counts and idle timeouts (the listener's), the tunnel's
-//! own total stream limit.
+//! not the token is valid. An *early cancellation* is a stream its user dropped (the connection closed, the
+//! HTTP/2 stream reset, the response body dropped unread) within `early_cancel_window` of opening it: the
+//! open-and-cancel pattern that costs the tunnel, the agent and the apiserver work for nothing.
+//!
+//! Not done here: per-IP connection counts, the budgets of agents and users and the idle timeout (the
+//! listener's, [`tether_runtime::serve`]), the tunnel's own total stream limit.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -29,6 +35,19 @@ pub(crate) struct ClientLimits {
     pub(crate) ip_opens_per_sec: u32,
     /// Stream opens one source IP may make in a burst.
     pub(crate) ip_open_burst: u32,
+    /// A stream its user drops within this long of opening it counts as an early cancellation.
+    pub(crate) early_cancel_window: Duration,
+    /// Early cancellations per second one principal may sustain.
+    pub(crate) principal_cancels_per_sec: u32,
+    /// Early cancellations one principal may make in a burst.
+    pub(crate) principal_cancel_burst: u32,
+    /// Early cancellations per second one source IP may sustain.
+    pub(crate) ip_cancels_per_sec: u32,
+    /// Early cancellations one source IP may make in a burst.
+    pub(crate) ip_cancel_burst: u32,
+    /// Most concurrent connections one principal holds (a connection counts for the principal of its first
+    /// request).
+    pub(crate) connections_per_principal: u32,
 }
 
 /// Who is asking: the principal and the address it came from.
@@ -75,6 +94,10 @@ struct Bucket {
 struct State {
     streams: HashMap<(Subject, String), u32>,
     buckets: HashMap<Subject, Bucket>,
+    /// Early-cancellation buckets: a cancellation takes a token, time refills them.
+    cancels: HashMap<Subject, Bucket>,
+    /// Connections per principal.
+    connections: HashMap<[u8; 32], u32>,
 }
 
 /// The bookkeeping, shared by every user request.
@@ -127,6 +150,29 @@ impl Quotas {
                 retry_after: Duration::from_secs(1),
             });
         }
+        let cancel_checks = [
+            (
+                &p,
+                l.principal_cancels_per_sec,
+                l.principal_cancel_burst,
+                "early cancellations of this client (requests dropped right after they were sent)",
+            ),
+            (
+                &i,
+                l.ip_cancels_per_sec,
+                l.ip_cancel_burst,
+                "early cancellations from this address (requests dropped right after they were sent)",
+            ),
+        ];
+        for (subject, rate, burst, what) in cancel_checks {
+            let tokens = refill(&state.cancels, subject, rate, burst, now);
+            if tokens < 1.0 {
+                return Err(Refusal {
+                    what,
+                    retry_after: wait_for_token(tokens, rate),
+                });
+            }
+        }
         let checks = [
             (
                 &p,
@@ -142,17 +188,16 @@ impl Quotas {
             ),
         ];
         for (subject, rate, burst, what) in checks {
-            let tokens = refill(&state, subject, rate, burst, now);
+            let tokens = refill(&state.buckets, subject, rate, burst, now);
             if tokens < 1.0 {
-                let wait = (1.0 - tokens) / f64::from(rate.max(1));
                 return Err(Refusal {
                     what,
-                    retry_after: Duration::from_secs_f64(wait.ceil().max(1.0)),
+                    retry_after: wait_for_token(tokens, rate),
                 });
             }
         }
         for (subject, rate, burst, _) in checks {
-            let tokens = refill(&state, subject, rate, burst, now) - 1.0;
+            let tokens = refill(&state.buckets, subject, rate, burst, now) - 1.0;
             state
                 .buckets
                 .insert(subject.clone(), Bucket { tokens, at: now });
@@ -170,6 +215,20 @@ impl Quotas {
                 b.tokens + elapsed * f64::from(rate) < f64::from(burst)
             });
         }
+        if state.cancels.len() > PRUNE_ABOVE {
+            let limits = *l;
+            state.cancels.retain(|subject, b| {
+                let (rate, burst) = match subject {
+                    Subject::Principal(_) => (
+                        limits.principal_cancels_per_sec,
+                        limits.principal_cancel_burst,
+                    ),
+                    Subject::Ip(_) => (limits.ip_cancels_per_sec, limits.ip_cancel_burst),
+                };
+                let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
+                b.tokens + elapsed * f64::from(rate) < f64::from(burst)
+            });
+        }
         let keys = [(p, cluster.to_owned()), (i, cluster.to_owned())];
         for key in &keys {
             *state.streams.entry(key.clone()).or_insert(0) += 1;
@@ -177,6 +236,50 @@ impl Quotas {
         Ok(StreamSlot {
             quotas: Arc::clone(self),
             keys,
+            opened: now,
+            armed: AtomicBool::new(false),
+        })
+    }
+
+    /// Counts one early cancellation against the subjects of `keys`, at `now`.
+    fn cancelled(&self, keys: &[(Subject, String); 2], now: Instant) {
+        let l = &self.limits;
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        for (subject, _) in keys {
+            let (rate, burst) = match subject {
+                Subject::Principal(_) => (l.principal_cancels_per_sec, l.principal_cancel_burst),
+                Subject::Ip(_) => (l.ip_cancels_per_sec, l.ip_cancel_burst),
+            };
+            // Floored at zero: past the bound no new stream is admitted, so only streams already open can
+            // still add to it, and the wait never grows beyond one token's refill.
+            let tokens = (refill(&state.cancels, subject, rate, burst, now) - 1.0).max(0.0);
+            state
+                .cancels
+                .insert(subject.clone(), Bucket { tokens, at: now });
+        }
+    }
+
+    /// Admits one more connection of `principal`, or refuses it when the principal holds its bound already.
+    /// The connection counts until the slot is dropped.
+    pub(crate) fn admit_connection(
+        self: &Arc<Self>,
+        principal: &Principal,
+    ) -> Result<ConnectionSlot, Refusal> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let held = state.connections.entry(principal.0).or_insert(0);
+        if *held >= self.limits.connections_per_principal {
+            if *held == 0 {
+                state.connections.remove(&principal.0);
+            }
+            return Err(Refusal {
+                what: "concurrent connections of this client",
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        *held += 1;
+        Ok(ConnectionSlot {
+            quotas: Arc::clone(self),
+            principal: principal.0,
         })
     }
 
@@ -192,8 +295,21 @@ impl Quotas {
     }
 }
 
-fn refill(state: &State, subject: &Subject, rate: u32, burst: u32, now: Instant) -> f64 {
-    match state.buckets.get(subject) {
+/// How long until a bucket holding `tokens` that refills at `rate` per second has one again (whole seconds, at
+/// least one: `Retry-After` counts in seconds).
+fn wait_for_token(tokens: f64, rate: u32) -> Duration {
+    let wait = (1.0 - tokens) / f64::from(rate.max(1));
+    Duration::from_secs_f64(wait.ceil().max(1.0))
+}
+
+fn refill(
+    buckets: &HashMap<Subject, Bucket>,
+    subject: &Subject,
+    rate: u32,
+    burst: u32,
+    now: Instant,
+) -> f64 {
+    match buckets.get(subject) {
         None => f64::from(burst),
         Some(b) => {
             let elapsed = now.saturating_duration_since(b.at).as_secs_f64();
@@ -202,15 +318,38 @@ fn refill(state: &State, subject: &Subject, rate: u32, burst: u32, now: Instant)
     }
 }
 
-/// One admitted stream; counts against its principal and address until dropped.
+/// One admitted stream; counts against its principal and address until dropped. Once [armed](Self::arm) (the
+/// stream is open), dropping it before [`StreamSlot::finish`] within the early-cancel window counts as an early
+/// cancellation.
 #[derive(Debug)]
 pub(crate) struct StreamSlot {
     quotas: Arc<Quotas>,
     keys: [(Subject, String); 2],
+    opened: Instant,
+    armed: AtomicBool,
+}
+
+impl StreamSlot {
+    /// The stream is open: from now on, dropping the slot unfinished is the user's cancellation.
+    pub(crate) fn arm(&self) {
+        self.armed.store(true, Ordering::Release);
+    }
+
+    /// The exchange ended on its own (response complete, or failed on the relay's or the cluster's side): not
+    /// the user's cancellation.
+    pub(crate) fn finish(&self) {
+        self.armed.store(false, Ordering::Release);
+    }
 }
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
+        let now = Instant::now();
+        if self.armed.load(Ordering::Acquire)
+            && now.saturating_duration_since(self.opened) < self.quotas.limits.early_cancel_window
+        {
+            self.quotas.cancelled(&self.keys, now);
+        }
         let mut state = self
             .quotas
             .state
@@ -222,6 +361,29 @@ impl Drop for StreamSlot {
                 if *n == 0 {
                     state.streams.remove(key);
                 }
+            }
+        }
+    }
+}
+
+/// One connection of a principal; counts until dropped (with the connection).
+#[derive(Debug)]
+pub(crate) struct ConnectionSlot {
+    quotas: Arc<Quotas>,
+    principal: [u8; 32],
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        let mut state = self
+            .quotas
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = state.connections.get_mut(&self.principal) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                state.connections.remove(&self.principal);
             }
         }
     }
@@ -239,6 +401,12 @@ mod tests {
             principal_open_burst: 100,
             ip_opens_per_sec: 1,
             ip_open_burst: 100,
+            early_cancel_window: Duration::from_secs(3600),
+            principal_cancels_per_sec: 1,
+            principal_cancel_burst: 100,
+            ip_cancels_per_sec: 1,
+            ip_cancel_burst: 100,
+            connections_per_principal: 2,
         }
     }
 
@@ -309,5 +477,58 @@ mod tests {
     fn principals_do_not_collide_between_credentials_and_subjects() {
         assert_ne!(Principal::of_credential("x"), Principal::of_subject("x"));
         assert_eq!(Principal::of_credential("x"), Principal::of_credential("x"));
+    }
+
+    #[test]
+    fn early_cancellations_past_the_burst_refuse_only_that_client() {
+        let mut l = limits();
+        l.streams_per_principal = 1000;
+        l.streams_per_ip = 1000;
+        l.principal_cancel_burst = 2;
+        let q = Quotas::new(l);
+        let (a, b) = (Principal::of_credential("a"), Principal::of_credential("b"));
+        let ip: IpAddr = [10, 0, 0, 1].into();
+        let now = Instant::now();
+        // A slot dropped before its stream opened, or one that finished, is not a cancellation.
+        drop(q.admit(&a, ip, "edge", now));
+        if let Ok(done) = q.admit(&a, ip, "edge", now) {
+            done.arm();
+            done.finish();
+        }
+        for _ in 0..2 {
+            let slot = q.admit(&a, ip, "edge", now);
+            assert!(slot.is_ok());
+            if let Ok(slot) = slot {
+                slot.arm();
+            }
+        }
+        let refused = q.admit(&a, ip, "edge", Instant::now()).err();
+        assert!(
+            refused.is_some_and(|r| r.what.starts_with("early cancellations of this client")),
+            "{refused:?}"
+        );
+        assert!(q.admit(&b, ip, "edge", Instant::now()).is_ok());
+        // The bucket refills (one per second here).
+        assert!(
+            q.admit(&a, ip, "edge", Instant::now() + Duration::from_millis(1100))
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn connections_per_principal_are_counted_until_dropped() {
+        let q = Quotas::new(limits());
+        let (a, b) = (Principal::of_credential("a"), Principal::of_credential("b"));
+        let first = q.admit_connection(&a);
+        let second = q.admit_connection(&a);
+        assert!(first.is_ok() && second.is_ok());
+        let third = q.admit_connection(&a).err();
+        assert_eq!(
+            third.map(|r| r.what),
+            Some("concurrent connections of this client")
+        );
+        assert!(q.admit_connection(&b).is_ok());
+        drop(first);
+        assert!(q.admit_connection(&a).is_ok());
     }
 }

@@ -1,17 +1,20 @@
 //! The state every connection, handler and tunnel task shares. It imports no handler: handlers and domain
 //! services import it.
 
-use std::sync::Arc;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rustls::pki_types::CertificateDer;
+use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::task::TaskTracker;
 
 use crate::activity::ActivityLog;
 use crate::config::Config;
 use crate::guard_hub::GuardHub;
 use crate::identity::AgentCa;
-use crate::quota::Quotas;
+use crate::quota::{ConnectionSlot, Quotas};
 use crate::rbac::Rbac;
 use crate::registry::Registry;
 use crate::store::{Store, TokenHash};
@@ -94,6 +97,30 @@ impl Shared {
 }
 
 /// What a request handler knows about its connection: the peer, its verified client certificate (only the
-/// tunnel endpoint looks at it) and the connection's slot under `max_connections` (held by upgraded pipes and
-/// tunnels too, so the limit counts them).
-pub(crate) type ConnCtx = tether_runtime::serve::Conn;
+/// tunnel endpoint looks at it), the connection's slot under its budget (held by upgraded pipes and tunnels
+/// too, so the limit counts them) and the principal it counts for.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnCtx {
+    /// The peer's address.
+    pub(crate) peer: SocketAddr,
+    /// The client certificate, verified by the agent CA (agents only).
+    pub(crate) client_cert: Option<Arc<CertificateDer<'static>>>,
+    /// The connection's slot under `max_connections` or `max_agent_connections`.
+    pub(crate) permit: Arc<OwnedSemaphorePermit>,
+    /// The slot of the principal of the first request to `/clusters/…` on this connection, once it was
+    /// admitted (`max_connections_per_principal`); held by every clone, so by the connection and its
+    /// upgraded pipes.
+    pub(crate) principal: Arc<Mutex<Option<ConnectionSlot>>>,
+}
+
+impl ConnCtx {
+    /// The context of a connection the listener accepted.
+    pub(crate) fn new(conn: tether_runtime::serve::Conn) -> Self {
+        Self {
+            peer: conn.peer,
+            client_cert: conn.client_cert,
+            permit: conn.permit,
+            principal: Arc::default(),
+        }
+    }
+}

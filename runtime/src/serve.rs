@@ -1,7 +1,23 @@
 //! The one TLS + HTTP accept loop every Tether server uses: TLS (ALPN `h2` and `http/1.1` as the
 //! `rustls::ServerConfig` says), HTTP/1.1 or HTTP/2 per connection (hyper-util's `auto` builder), upgrades
-//! (WebSocket, `101` pipes), the client certificate handed to the service, a connection limit, a TLS-handshake
-//! and a header-read timeout, and a graceful shutdown in two steps the caller drives ([`Draining`]).
+//! (WebSocket, `101` pipes), the client certificate handed to the service, connection budgets (one for
+//! connections without a client certificate, optionally one of their own for those with one, a bound on
+//! connections still in their TLS handshake, per-source-IP bounds), a TLS-handshake, header-read and idle
+//! timeout, and a graceful shutdown in two steps the caller drives ([`Draining`]).
+//!
+//! The phases of a connection and what bounds each:
+//!
+//! ```text
+//!  backlog ──accept──▶ handshaking ──TLS done──▶ served ──▶ closed
+//!  (waits while        (max_connections_per_ip,  (max_connections, or cert_budget for a client that
+//!   max_handshakes      else closed at accept;    presented a certificate; full → closed at once;
+//!   are in use)         max_handshakes_per_ip,    idle_timeout with no request in flight → closed
+//!                       else waits its turn;      (HTTP/1.1) or GOAWAY (HTTP/2))
+//!                       tls_handshake_timeout)
+//! ```
+//!
+//! Not done here: anything that needs to know who the client is beyond its address and certificate (per
+//! principal bounds are the service's).
 //!
 //! ```no_run
 //! # async fn example(listener: tokio::net::TcpListener, tls: std::sync::Arc<rustls::ServerConfig>) {
@@ -18,18 +34,22 @@
 //! # }
 //! ```
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use hyper::body::{Body, Incoming};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::service::Service;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use rustls::pki_types::CertificateDer;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -40,13 +60,31 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The limits of one listener.
 #[derive(Debug, Clone)]
 pub struct Limits {
-    /// Most concurrent connections; past it, new connections wait in the kernel's backlog. Taken as at least 1
-    /// and at most `tokio::sync::Semaphore::MAX_PERMITS` (`usize::MAX` means no limit).
+    /// Most concurrent connections past their TLS handshake that presented no client certificate (all of them
+    /// when [`Limits::cert_budget`] is `None`); past it a new one is closed right after its handshake. Taken as
+    /// at least 1 and at most `tokio::sync::Semaphore::MAX_PERMITS` (`usize::MAX` means no limit).
     pub max_connections: usize,
+    /// A budget of their own for connections whose client presented a (verified) certificate, e.g. the
+    /// relay's agent tunnels, so that connections without one cannot take it; `None`: they share
+    /// [`Limits::max_connections`].
+    pub cert_budget: Option<usize>,
+    /// Most connections in their TLS handshake at once; past it new connections wait in the kernel's backlog.
+    pub max_handshakes: usize,
+    /// Most connections of one source IP in their TLS handshake at once; past it new ones from that address
+    /// wait their turn (within [`Limits::tls_handshake_timeout`]) without holding one of the
+    /// [`Limits::max_handshakes`] slots.
+    pub max_handshakes_per_ip: usize,
+    /// Most connections of one source IP at once (in their handshake, or served without a client certificate
+    /// when [`Limits::cert_budget`] is set); past it new ones are closed at accept.
+    pub max_connections_per_ip: usize,
     /// How long a client has to finish the TLS handshake.
     pub tls_handshake_timeout: Duration,
     /// How long an HTTP/1.1 client has to send a request's headers.
     pub header_read_timeout: Duration,
+    /// A connection with no request in flight (no response being produced or streamed) for this long is
+    /// closed: HTTP/1.1 between keep-alive requests, HTTP/2 with no open stream (GOAWAY). `None`: never.
+    /// Upgraded connections (WebSocket, tunnels) are not HTTP any more and are not affected.
+    pub idle_timeout: Option<Duration>,
     /// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
     pub max_header_bytes: usize,
     /// Most concurrent HTTP/2 streams per connection.
@@ -61,8 +99,13 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_connections: 10_000,
+            cert_budget: None,
+            max_handshakes: 1_024,
+            max_handshakes_per_ip: usize::MAX,
+            max_connections_per_ip: usize::MAX,
             tls_handshake_timeout: Duration::from_secs(10),
             header_read_timeout: Duration::from_secs(30),
+            idle_timeout: None,
             max_header_bytes: 64 * 1024,
             h2_max_concurrent_streams: 250,
             h2_keep_alive_interval: Some(Duration::from_secs(30)),
@@ -79,8 +122,8 @@ pub struct Conn {
     /// The first certificate of the chain the client presented (verified by the `ServerConfig`'s client
     /// verifier, if it has one).
     pub client_cert: Option<Arc<CertificateDer<'static>>>,
-    /// The connection's slot under [`Limits::max_connections`], held by the accept loop until the HTTP connection
-    /// ends; keep a clone for as long as anything (an upgraded pipe, a tunnel) still uses it after that, so the
+    /// The connection's slot under [`Limits::max_connections`] (or [`Limits::cert_budget`]), held by the accept
+    /// loop until the HTTP connection ends; keep a clone for as long as anything (an upgraded pipe, a tunnel) still uses it after that, so the
     /// limit counts it.
     pub permit: Arc<OwnedSemaphorePermit>,
 }
@@ -137,16 +180,25 @@ where
     M: Fn(Conn) -> S + Send + Sync + 'static,
     S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>> + Send + 'static,
     S::Future: Send + 'static,
-    S::Error: Into<BoxError>,
+    S::Error: Into<BoxError> + 'static,
     B: Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
     let make_service = Arc::new(make_service);
     let acceptor = TlsAcceptor::from(tls);
-    let slots = Arc::new(Semaphore::new(
-        limits.max_connections.clamp(1, Semaphore::MAX_PERMITS),
+    let handshakes = Arc::new(Semaphore::new(
+        limits.max_handshakes.clamp(1, Semaphore::MAX_PERMITS),
     ));
+    let budgets = Arc::new(Budgets {
+        plain: Arc::new(Semaphore::new(
+            limits.max_connections.clamp(1, Semaphore::MAX_PERMITS),
+        )),
+        cert: limits
+            .cert_budget
+            .map(|n| Arc::new(Semaphore::new(n.clamp(1, Semaphore::MAX_PERMITS)))),
+        per_ip: PerIp::new(limits.max_handshakes_per_ip, limits.max_connections_per_ip),
+    });
     let draining = Draining {
         connections: TaskTracker::new(),
         graceful: CancellationToken::new(),
@@ -155,9 +207,9 @@ where
     let limits = Arc::new(limits);
     tokio::pin!(shutdown);
     loop {
-        let permit = tokio::select! {
+        let handshake = tokio::select! {
             () = &mut shutdown => break,
-            permit = slots.clone().acquire_owned() => match permit {
+            permit = handshakes.clone().acquire_owned() => match permit {
                 Ok(p) => p,
                 Err(_) => break,
             },
@@ -175,12 +227,22 @@ where
                 }
             },
         };
+        let Some(ip_slot) = budgets.per_ip.admit(peer.ip()) else {
+            // Dropping the stream closes it: this address holds its bound of connections already.
+            tracing::debug!(%peer, "connection refused at accept: this address is at its bound");
+            continue;
+        };
         let _ = tcp.set_nodelay(true);
         draining.connections.spawn(serve_connection(
             acceptor.clone(),
             tcp,
             peer,
-            Arc::new(permit),
+            Admission {
+                handshake,
+                handshakes: handshakes.clone(),
+                ip_slot,
+                budgets: budgets.clone(),
+            },
             limits.clone(),
             make_service.clone(),
             draining.graceful.clone(),
@@ -190,12 +252,229 @@ where
     draining
 }
 
+/// The connection budgets of one listener.
+struct Budgets {
+    /// Connections without a client certificate (all of them without a `cert`).
+    plain: Arc<Semaphore>,
+    /// Connections with a client certificate, when they have a budget of their own.
+    cert: Option<Arc<Semaphore>>,
+    /// Counts per source IP.
+    per_ip: Arc<PerIp>,
+}
+
+/// What an accepted connection holds until it is served (or refused).
+struct Admission {
+    /// Its slot among the connections in their handshake.
+    handshake: OwnedSemaphorePermit,
+    /// All handshake slots (to give its slot back while it waits for one of its address's).
+    handshakes: Arc<Semaphore>,
+    /// Its count under its address.
+    ip_slot: IpSlot,
+    budgets: Arc<Budgets>,
+}
+
+/// Connections per source IP, and each address's handshake slots.
+#[derive(Debug)]
+struct PerIp {
+    max_handshakes: usize,
+    max_connections: usize,
+    counts: Mutex<HashMap<IpAddr, IpEntry>>,
+}
+
+#[derive(Debug)]
+struct IpEntry {
+    /// Connections counted under the address.
+    connections: usize,
+    /// Its handshake slots.
+    handshakes: Arc<Semaphore>,
+}
+
+impl PerIp {
+    fn new(max_handshakes: usize, max_connections: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max_handshakes: max_handshakes.clamp(1, Semaphore::MAX_PERMITS),
+            max_connections,
+            counts: Mutex::default(),
+        })
+    }
+
+    /// Counts a new connection from `ip`, or `None` when `ip` holds its bound of connections already.
+    fn admit(self: &Arc<Self>, ip: IpAddr) -> Option<IpSlot> {
+        let ip = ip.to_canonical();
+        let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        let entry = counts.entry(ip).or_insert_with(|| IpEntry {
+            connections: 0,
+            handshakes: Arc::new(Semaphore::new(self.max_handshakes)),
+        });
+        if entry.connections >= self.max_connections {
+            if entry.connections == 0 {
+                counts.remove(&ip);
+            }
+            return None;
+        }
+        entry.connections += 1;
+        Some(IpSlot {
+            per_ip: self.clone(),
+            handshakes: entry.handshakes.clone(),
+            ip,
+            counted: true,
+        })
+    }
+}
+
+/// One connection's count under its address; released on drop.
+#[derive(Debug)]
+struct IpSlot {
+    per_ip: Arc<PerIp>,
+    /// The address's handshake slots.
+    handshakes: Arc<Semaphore>,
+    ip: IpAddr,
+    counted: bool,
+}
+
+impl IpSlot {
+    /// Stops counting the connection under its address (a connection with a budget of its own).
+    fn release(&mut self) {
+        if !std::mem::take(&mut self.counted) {
+            return;
+        }
+        let mut counts = self
+            .per_ip
+            .counts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(entry) = counts.get_mut(&self.ip) {
+            entry.connections = entry.connections.saturating_sub(1);
+            if entry.connections == 0 {
+                counts.remove(&self.ip);
+            }
+        }
+    }
+}
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// When a connection last had nothing in flight, and how many requests it has in flight now.
+#[derive(Debug)]
+struct Activity {
+    state: Mutex<(usize, Instant)>,
+}
+
+impl Activity {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new((0, Instant::now())),
+        })
+    }
+
+    /// A request starts; it is in flight until the returned guard is dropped.
+    fn begin(self: &Arc<Self>) -> Busy {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.0 += 1;
+        Busy(self.clone())
+    }
+
+    /// Resolves once nothing has been in flight for `timeout`.
+    async fn idle_for(&self, timeout: Duration) {
+        // Bounded: each round sleeps at least until a moment `timeout` after the last check or the last end.
+        loop {
+            let wake = {
+                let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                let now = Instant::now();
+                match *state {
+                    (0, since) if now >= since + timeout => return,
+                    (0, since) => since + timeout,
+                    _ => now + timeout,
+                }
+            };
+            tokio::time::sleep_until(wake).await;
+        }
+    }
+}
+
+/// One request in flight on a connection (its response body included).
+#[derive(Debug)]
+struct Busy(Arc<Activity>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let mut state = self.0.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.0 = state.0.saturating_sub(1);
+        if state.0 == 0 {
+            state.1 = Instant::now();
+        }
+    }
+}
+
+/// The caller's service, with every request counted in flight until its response body is done or dropped.
+struct Tracked<S> {
+    inner: S,
+    activity: Arc<Activity>,
+}
+
+type TrackedFuture<B, E> =
+    Pin<Box<dyn Future<Output = Result<hyper::Response<TrackedBody<B>>, E>> + Send>>;
+
+impl<S, B> Service<hyper::Request<Incoming>> for Tracked<S>
+where
+    S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>>,
+    S::Future: Send + 'static,
+    S::Error: 'static,
+    B: Body + Send + 'static,
+{
+    type Response = hyper::Response<TrackedBody<B>>;
+    type Error = S::Error;
+    type Future = TrackedFuture<B, S::Error>;
+
+    fn call(&self, req: hyper::Request<Incoming>) -> Self::Future {
+        let busy = self.activity.begin();
+        let response = self.inner.call(req);
+        Box::pin(async move {
+            let resp = response.await?;
+            Ok(resp.map(|body| TrackedBody {
+                body: Box::pin(body),
+                _busy: busy,
+            }))
+        })
+    }
+}
+
+/// A response body that keeps its request in flight until it is dropped.
+struct TrackedBody<B> {
+    body: Pin<Box<B>>,
+    _busy: Busy,
+}
+
+impl<B: Body> Body for TrackedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        self.body.as_mut().poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn serve_connection<M, S, B>(
     acceptor: TlsAcceptor,
     tcp: TcpStream,
     peer: SocketAddr,
-    permit: Arc<OwnedSemaphorePermit>,
+    admission: Admission,
     limits: Arc<Limits>,
     make_service: Arc<M>,
     graceful: CancellationToken,
@@ -204,22 +483,44 @@ async fn serve_connection<M, S, B>(
     M: Fn(Conn) -> S + Send + Sync + 'static,
     S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>> + Send + 'static,
     S::Future: Send + 'static,
-    S::Error: Into<BoxError>,
+    S::Error: Into<BoxError> + 'static,
     B: Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
-    // The slot is held until the connection ends, whether or not the service keeps its `Conn`.
-    let _slot = permit.clone();
+    let Admission {
+        handshake,
+        handshakes,
+        mut ip_slot,
+        budgets,
+    } = admission;
+    // One deadline for waiting for the address's turn and for the handshake itself.
+    let handshake_deadline = Instant::now() + limits.tls_handshake_timeout;
+    let shake = async {
+        // Its address's slot first; while the address's slots are all taken, the connection waits without a
+        // global one, so one address's connections cannot hold the slots others need.
+        let (handshake, ip_handshake) = match ip_slot.handshakes.clone().try_acquire_owned() {
+            Ok(ip_handshake) => (handshake, ip_handshake),
+            Err(_) => {
+                drop(handshake);
+                let ip_handshake = ip_slot.handshakes.clone().acquire_owned().await.ok()?;
+                (handshakes.acquire_owned().await.ok()?, ip_handshake)
+            }
+        };
+        let tls = acceptor.accept(tcp).await;
+        drop((handshake, ip_handshake));
+        Some(tls)
+    };
     let tls = tokio::select! {
         () = graceful.cancelled() => return,
         () = hard.cancelled() => return,
-        r = tokio::time::timeout(limits.tls_handshake_timeout, acceptor.accept(tcp)) => match r {
-            Ok(Ok(tls)) => tls,
-            Ok(Err(e)) => {
+        r = tokio::time::timeout_at(handshake_deadline, shake) => match r {
+            Ok(Some(Ok(tls))) => tls,
+            Ok(Some(Err(e))) => {
                 tracing::debug!(%peer, error = %e, "TLS handshake failed");
                 return;
             }
+            Ok(None) => return,
             Err(_) => {
                 tracing::debug!(%peer, "TLS handshake timed out");
                 return;
@@ -232,11 +533,32 @@ async fn serve_connection<M, S, B>(
         .peer_certificates()
         .and_then(|chain| chain.first())
         .map(|cert| Arc::new(cert.clone().into_owned()));
-    let service = make_service(Conn {
-        peer,
-        client_cert,
-        permit,
-    });
+    // A client with a certificate takes from its own budget when there is one, and no longer counts under
+    // its address (many agents may share one egress address with many users).
+    let (budget, own_budget) = match (&client_cert, &budgets.cert) {
+        (Some(_), Some(cert)) => (cert, true),
+        _ => (&budgets.plain, false),
+    };
+    if own_budget {
+        ip_slot.release();
+    }
+    let Ok(permit) = budget.clone().try_acquire_owned() else {
+        tracing::debug!(%peer, with_certificate = own_budget, "connection refused: its budget is full");
+        return;
+    };
+    let permit = Arc::new(permit);
+    // The slots are held until the connection ends, whether or not the service keeps its `Conn`.
+    let _slot = permit.clone();
+    let _ip_slot = ip_slot;
+    let activity = Activity::new();
+    let service = Tracked {
+        inner: make_service(Conn {
+            peer,
+            client_cert,
+            permit,
+        }),
+        activity: activity.clone(),
+    };
 
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -253,9 +575,23 @@ async fn serve_connection<M, S, B>(
         .keep_alive_timeout(limits.h2_keep_alive_timeout);
     let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
     tokio::pin!(conn);
+    let idle = async {
+        match limits.idle_timeout {
+            Some(timeout) => activity.idle_for(timeout).await,
+            None => std::future::pending().await,
+        }
+    };
     let result = tokio::select! {
         r = conn.as_mut() => r,
         () = graceful.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            tokio::select! {
+                r = conn.as_mut() => r,
+                () = hard.cancelled() => return,
+            }
+        }
+        () = idle => {
+            tracing::debug!(%peer, "closing an idle connection");
             conn.as_mut().graceful_shutdown();
             tokio::select! {
                 r = conn.as_mut() => r,
@@ -323,5 +659,52 @@ mod tests {
         draining.cut();
         tokio::time::timeout(Duration::from_secs(60), draining.wait()).await?;
         Ok(())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_is_idle_only_once_its_last_request_ended_long_enough_ago() {
+        let activity = Activity::new();
+        let first = activity.begin();
+        let second = activity.begin();
+        let idle = activity.idle_for(Duration::from_secs(10));
+        tokio::pin!(idle);
+        // Virtual time: an hour passes with requests in flight, and the connection is not idle.
+        assert!(
+            tokio::time::timeout(Duration::from_secs(3600), &mut idle)
+                .await
+                .is_err()
+        );
+        drop(first);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(3600), &mut idle)
+                .await
+                .is_err()
+        );
+        drop(second);
+        let ended = Instant::now();
+        idle.await;
+        assert!(ended.elapsed() >= Duration::from_secs(10));
+    }
+
+    #[test]
+    fn an_address_is_counted_until_its_connections_end_or_leave_for_their_own_budget() {
+        let per_ip = PerIp::new(2, 2);
+        let ip: IpAddr = [10, 0, 0, 1].into();
+        let a = per_ip.admit(ip);
+        let mut b = per_ip.admit(ip);
+        assert!(a.is_some() && b.is_some());
+        assert!(
+            per_ip.admit(ip).is_none(),
+            "a third connection was admitted"
+        );
+        assert!(per_ip.admit([10, 0, 0, 2].into()).is_some());
+        if let Some(b) = b.as_mut() {
+            b.release();
+        }
+        let c = per_ip.admit(ip);
+        assert!(c.is_some());
+        drop((a, b, c));
+        let counts = per_ip.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        assert!(counts.is_empty(), "{counts:?}");
     }
 }

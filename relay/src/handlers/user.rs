@@ -15,7 +15,7 @@ use tether_tunnel::{OpenOptions, Priority, kind};
 use crate::api_error::ApiError;
 use crate::body::{Body, BoxError};
 use crate::forward::{self, Target};
-use crate::quota::{Principal, StreamSlot};
+use crate::quota::{Principal, Refusal, StreamSlot};
 use crate::state::{ConnCtx, Shared};
 use crate::{auth, entra, user_headers};
 
@@ -47,6 +47,19 @@ pub(crate) async fn handle(
     }
     if !auth::valid_cluster_name(name) {
         return Err(ApiError::cluster_not_found(name));
+    }
+    // The connection counts for the principal of its first request; over the principal's bound this request
+    // is refused and an HTTP/1.1 connection closed (an HTTP/2 one asks again with its next request).
+    if let Err(r) = count_connection(shared, &ctx, &principal) {
+        tracing::debug!(cluster = name, peer = %ctx.peer, bound = r.what, "client over its bound");
+        let mut resp = ApiError::client_over_bound(r.what, name, r.retry_after).into_response();
+        if req.version() <= http::Version::HTTP_11 {
+            resp.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+        }
+        return Ok(resp);
     }
     // The registry answers for connected clusters without touching the store on the hot path; deleting a
     // cluster removes its tunnel, so a registered tunnel implies the cluster exists.
@@ -88,22 +101,45 @@ pub(crate) async fn handle(
         .map_err(|e| forward::tunnel_error(e, target))?;
     let control = stream.control();
     tracing::debug!(cluster = name, method = %req.method(), path = req.uri().path(), stream = ?stream.id(), "forwarding");
+    // From here on, the user dropping the request before it completes is a cancellation.
+    slot.arm();
     let slot = Arc::new(slot);
     let resp = forward::forward(
         stream,
         async move { control.accepted().await },
         req,
         target,
-        (ctx.permit, Arc::clone(&slot)),
+        (ctx.permit, ctx.principal, Arc::clone(&slot)),
     )
-    .await?;
-    Ok(resp.map(|body| Holding { body, _slot: slot }.boxed()))
+    .await;
+    let resp = match resp {
+        Ok(resp) => resp,
+        Err(e) => {
+            // The relay or the cluster ended it, not the user.
+            slot.finish();
+            return Err(e);
+        }
+    };
+    Ok(resp.map(|body| Holding { body, slot }.boxed()))
 }
 
-/// A response body that keeps its stream's [`StreamSlot`] counted until the body ends or is dropped.
+/// Counts the connection for `principal` if it counts for nobody yet.
+fn count_connection(shared: &Shared, ctx: &ConnCtx, principal: &Principal) -> Result<(), Refusal> {
+    let mut held = ctx
+        .principal
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if held.is_none() {
+        *held = Some(shared.quotas.admit_connection(principal)?);
+    }
+    Ok(())
+}
+
+/// A response body that keeps its stream's [`StreamSlot`] counted until the body ends or is dropped, and tells
+/// it when the body ended on its own (so that only the user dropping it early is a cancellation).
 struct Holding {
     body: Body,
-    _slot: Arc<StreamSlot>,
+    slot: Arc<StreamSlot>,
 }
 
 impl http_body::Body for Holding {
@@ -114,11 +150,19 @@ impl http_body::Body for Holding {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let frame = Pin::new(&mut self.body).poll_frame(cx);
+        if matches!(frame, Poll::Ready(None | Some(Err(_)))) {
+            self.slot.finish();
+        }
+        frame
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        let end = self.body.is_end_stream();
+        if end {
+            self.slot.finish();
+        }
+        end
     }
 
     fn size_hint(&self) -> SizeHint {

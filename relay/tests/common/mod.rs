@@ -164,9 +164,41 @@ impl Client {
         &self,
         alpn: &[u8],
     ) -> anyhow::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        self.raw_tls_from(alpn, None).await
+    }
+
+    /// A TLS connection from `source` (another loopback address such as 127.0.0.2, to be another client IP)
+    /// when given.
+    pub async fn raw_tls_from(
+        &self,
+        alpn: &[u8],
+        source: Option<std::net::IpAddr>,
+    ) -> anyhow::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let tcp = match source {
+            None => TcpStream::connect(self.addr).await?,
+            Some(ip) => self.tcp_from(ip).await?,
+        };
+        self.tls_over(tcp, alpn).await
+    }
+
+    /// A TCP connection to the relay from the loopback address `ip`.
+    pub async fn tcp_from(&self, ip: std::net::IpAddr) -> anyhow::Result<TcpStream> {
+        let socket = match ip {
+            std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+            std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+        };
+        socket.bind(SocketAddr::new(ip, 0))?;
+        Ok(socket.connect(self.addr).await?)
+    }
+
+    /// TLS over a TCP connection to the relay.
+    pub async fn tls_over(
+        &self,
+        tcp: TcpStream,
+        alpn: &[u8],
+    ) -> anyhow::Result<tokio_rustls::client::TlsStream<TcpStream>> {
         let mut config = (*self.tls).clone();
         config.alpn_protocols = vec![alpn.to_vec()];
-        let tcp = TcpStream::connect(self.addr).await?;
         let name = rustls::pki_types::ServerName::try_from(self.server_name.clone())?;
         Ok(TlsConnector::from(Arc::new(config))
             .connect(name, tcp)
