@@ -137,7 +137,7 @@ pub struct Limits {
     )]
     pub max_agent_connections: usize,
     /// Most connections in their TLS handshake at once (agents and users); past it new connections wait in
-    /// the kernel's backlog. Each has --tls-handshake-timeout at most.
+    /// the kernel's backlog. Each has the TLS handshake timeout (10 s) at most.
     #[arg(long, env = "TETHER_RELAY_MAX_HANDSHAKES", default_value_t = 1_024)]
     pub max_handshakes: usize,
     /// Most connections of one source IP in their TLS handshake at once; past it new ones from that address
