@@ -589,3 +589,52 @@ async fn one_principal_holds_a_thousand_watches_with_the_defaults() -> anyhow::R
     drop((watches, h2));
     relay.stop().await
 }
+
+/// Issue 17 item 5: with the relay's defaults, one tunnel carries 10,000 concurrent watches (the agent
+/// advertises 16,384 streams, as `cluster-agent`'s `TUNNEL_MAX_STREAMS`): 10 principals, 1,000 each on one
+/// HTTP/2 connection, from 4 addresses; nothing at the relay caps a tunnel below that.
+#[tokio::test]
+async fn one_tunnel_carries_ten_thousand_watches_with_the_defaults() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let relay = TestRelay::start(dir.path()).await?;
+    let identity = relay.admin()?.onboarded("edge").await?;
+    let tls = common::agent_tls(&relay, Some(&identity), &[b"http/1.1"])?;
+    let mut headers = HeaderMap::new();
+    headers.insert("tether-cluster", http::HeaderValue::from_static("edge"));
+    let mut session = tether_tunnel::SessionConfig::new(tether_tunnel::Role::Client);
+    session.max_concurrent_streams = 16_384;
+    let conn = tether_tunnel::ws::connect(&relay.tunnel_url(), tls, headers, session).await?;
+    serve_streams(conn.clone());
+    relay.admin()?.wait_connected("edge", true).await?;
+    let client = relay.client()?;
+
+    let mut principals = tokio::task::JoinSet::new();
+    for p in 0..10u8 {
+        let client = client.clone();
+        principals.spawn(async move {
+            let source = IpAddr::from([127, 0, 0, 1 + p % 4]);
+            let mut h2 = H2::open(&client, Some(source)).await?;
+            let token = format!("controller-{p}");
+            let mut held = Vec::new();
+            for _ in 0..1_000 {
+                let (status, body) = h2.watch(&client, &token).await?;
+                anyhow::ensure!(status == StatusCode::OK, "principal {p}: {status}");
+                held.push(body);
+            }
+            Ok::<_, anyhow::Error>((h2, held))
+        });
+    }
+    let mut all = Vec::new();
+    while let Some(done) = principals.join_next().await {
+        all.push(done??);
+    }
+    let open: usize = all.iter().map(|(_, held)| held.len()).sum();
+    assert_eq!(open, 10_000);
+    let mut h2 = H2::open(&client, None).await?;
+    let status = h2
+        .get(&client, "/clusters/edge/api/v1/pods", "someone-else")
+        .await?;
+    assert_eq!(status, StatusCode::OK);
+    drop((all, h2, conn));
+    relay.stop().await
+}
