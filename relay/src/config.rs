@@ -129,11 +129,11 @@ pub struct Limits {
     pub max_connections: usize,
     /// Most concurrent agent connections (a client certificate of the relay's agent CA: tunnels); a budget
     /// user connections cannot take, so idle users never lock a reconnecting agent out. Size it for the
-    /// number of clusters, with room for reconnects.
+    /// number of clusters times the tunnels each agent holds, with room for reconnects and moves.
     #[arg(
         long,
         env = "TETHER_RELAY_MAX_AGENT_CONNECTIONS",
-        default_value_t = 20_000
+        default_value_t = 50_000
     )]
     pub max_agent_connections: usize,
     /// Most connections in their TLS handshake at once (agents and users); past it new connections wait in
@@ -557,7 +557,7 @@ mod tests {
         assert_eq!(c.identity_validity, Duration::from_secs(90 * 86_400));
         assert_eq!(c.hostnames, ["localhost", "127.0.0.1", "::1"]);
         assert_eq!(c.limits.max_connections, 50_000);
-        assert_eq!(c.limits.max_agent_connections, 20_000);
+        assert_eq!(c.limits.max_agent_connections, 50_000);
         assert_eq!(c.limits.user_idle_timeout, Duration::from_secs(300));
         assert_eq!(c.limits.early_cancel_window, Duration::from_secs(1));
         // Issue 17: one principal can hold 1,000 long-running requests to one cluster, over HTTP/1.1 too.
