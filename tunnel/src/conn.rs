@@ -52,13 +52,16 @@ pub enum TunnelError {
 
 impl TunnelError {
     /// True when trying again (on this or a new tunnel) may succeed: too many streams, a closed tunnel, and
-    /// a reset or refusal because the peer is shutting down (or, for a refusal, has too many streams).
+    /// a reset or refusal because the peer is shutting down (or, for a refusal, has too many streams or is
+    /// shedding load).
     pub fn is_retryable(&self) -> bool {
         match self {
             TunnelError::TooManyStreams | TunnelError::Closed(_) => true,
             TunnelError::Reset(c) => *c == code::SHUTDOWN,
             TunnelError::Refused { code: c, .. } => {
-                *c == code::SHUTDOWN || *c == code::REFUSED_TOO_MANY_STREAMS
+                *c == code::SHUTDOWN
+                    || *c == code::REFUSED_TOO_MANY_STREAMS
+                    || *c == code::OVERLOADED
             }
             TunnelError::TimedOut(_) => false,
         }
