@@ -996,7 +996,17 @@ impl<T: Transport> Driver<T> {
         };
         let mut st = self.shared.lock();
         match recv {
-            Recv::Data(bytes) => st.session.handle_input(now(), bytes),
+            Recv::Data(bytes) => {
+                let shed = st.session.stats().shed_periods;
+                st.session.handle_input(now(), bytes);
+                if st.session.stats().shed_periods > shed {
+                    tracing::warn!(
+                        period = ?tether_proto::SHED_PERIOD,
+                        "the peer reset too many streams right after opening them (users cancelling requests): \
+                         refusing new streams for a moment; the tunnel stays up"
+                    );
+                }
+            }
             Recv::Closed => {
                 self.input_done = true;
                 st.session.handle_transport_closed();

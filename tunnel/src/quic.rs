@@ -1049,6 +1049,8 @@ impl QuicConnection {
             bytes_in: s.udp_rx.bytes,
             bytes_out: s.udp_tx.bytes,
             open_streams: len_u32(self.open_streams()),
+            // QUIC streams are quinn's: no session sheds them.
+            ..Stats::default()
         }
     }
 
