@@ -220,6 +220,7 @@ async fn one_principals_open_and_cancel_burst_leaves_the_tunnel_and_other_users_
             seed,
         ));
     }
+    let started = std::time::Instant::now();
     let mut gets = 0;
     while !burst.is_empty() {
         let out = kubectl
@@ -238,6 +239,13 @@ async fn one_principals_open_and_cancel_burst_leaves_the_tunnel_and_other_users_
             anyhow::bail!("the burst never finished");
         }
     }
+
+    let elapsed = started.elapsed();
+    println!(
+        "burst: {} watches opened and dropped in {elapsed:?} ({:.0}/s); {gets} GETs of the other user beside it",
+        CLIENTS * WATCHES_EACH,
+        (CLIENTS * WATCHES_EACH) as f64 / elapsed.as_secs_f64()
+    );
 
     // The other user's watch is still open and still delivers; its GETs still work.
     let out = kubectl
@@ -269,6 +277,10 @@ async fn one_principals_open_and_cancel_burst_leaves_the_tunnel_and_other_users_
     // The agent never lost its tunnel.
     let log = std::fs::read_to_string(&agent_log)?;
     let connects = log.matches("connected to the relay").count();
+    println!(
+        "agent shed load {} time(s) during the burst",
+        log.matches("refusing new streams for a moment").count()
+    );
     assert_eq!(
         connects, 1,
         "the agent reconnected during the burst; its log:\n{log}"

@@ -55,6 +55,10 @@ const MAX_HEADER_BYTES: usize = 64 * 1024;
 const LINGER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Idle pooled connections to the apiserver are closed after this long.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// HTTP/2 receive window of each request on a pooled upstream connection: the tunnel stream's initial window,
+/// as a response cannot leave the agent faster than its tunnel stream takes it. The connection's window is this
+/// times the streams per connection (see [`clients`]).
+const UPSTREAM_STREAM_WINDOW: u32 = 256 * 1024;
 /// How long a pooled request whose user went away still waits for its response head before it is cancelled
 /// (see [`send_pooled`]).
 const ABANDONED_HEAD_WAIT: Duration = Duration::from_secs(10);
@@ -333,11 +337,18 @@ fn clients(
         }
     };
     let http2 = connector(true);
+    // Every stream's window fits in the connection's: a response nobody reads (its user stopped reading, so its
+    // tunnel stream is full) holds its own window and never the connection's, which other users' requests on
+    // the same upstream connection need. hyper's defaults (2 MiB per stream, 5 MiB per connection) let three
+    // such responses stall the connection.
+    let connection_window = UPSTREAM_STREAM_WINDOW.saturating_mul(pool.streams_per_connection);
     let pooled = Pool::new(pool.clone(), move || {
         Client::builder(TokioExecutor::new())
             .timer(TokioTimer::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .http2_initial_stream_window_size(UPSTREAM_STREAM_WINDOW)
+            .http2_initial_connection_window_size(connection_window)
             .build(http2.clone())
     });
     let upgrade = Client::builder(TokioExecutor::new())
