@@ -38,7 +38,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tower::ServiceExt as _;
 
 use crate::auth_proxy::{AuthProxy, Credential, impersonate};
-use crate::pool::{self, Busy, Leased, Pool, PoolOptions};
+use crate::pool::{self, Busy, Lease, Leased, Pool, PoolOptions};
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -55,6 +55,13 @@ const MAX_HEADER_BYTES: usize = 64 * 1024;
 const LINGER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Idle pooled connections to the apiserver are closed after this long.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// HTTP/2 receive window of each request on a pooled upstream connection: the tunnel stream's initial window,
+/// as a response cannot leave the agent faster than its tunnel stream takes it. The connection's window is this
+/// times the streams per connection (see [`clients`]).
+const UPSTREAM_STREAM_WINDOW: u32 = 256 * 1024;
+/// How long a pooled request whose user went away still waits for its response head before it is cancelled
+/// (see [`send_pooled`]).
+const ABANDONED_HEAD_WAIT: Duration = Duration::from_secs(10);
 
 /// Why the upstream (apiserver) client could not be built from the kube config.
 #[derive(Debug, thiserror::Error)]
@@ -330,11 +337,18 @@ fn clients(
         }
     };
     let http2 = connector(true);
+    // Every stream's window fits in the connection's: a response nobody reads (its user stopped reading, so its
+    // tunnel stream is full) holds its own window and never the connection's, which other users' requests on
+    // the same upstream connection need. hyper's defaults (2 MiB per stream, 5 MiB per connection) let three
+    // such responses stall the connection.
+    let connection_window = UPSTREAM_STREAM_WINDOW.saturating_mul(pool.streams_per_connection);
     let pooled = Pool::new(pool.clone(), move || {
         Client::builder(TokioExecutor::new())
             .timer(TokioTimer::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .http2_initial_stream_window_size(UPSTREAM_STREAM_WINDOW)
+            .http2_initial_connection_window_size(connection_window)
             .build(http2.clone())
     });
     let upgrade = Client::builder(TokioExecutor::new())
@@ -576,10 +590,22 @@ async fn forward(
             Err(Busy) => return busy(&upstream.base()),
         }
     };
-    let client = lease.as_ref().map_or(upgrading, |lease| lease.client());
-    let mut resp = match client.request(out).await {
-        Ok(resp) => resp,
-        Err(e) => return upstream_error(&e, &upstream.base()),
+    let sent = match lease {
+        Some(lease) => send_pooled(lease, out)
+            .await
+            .map(|sent| sent.map(|(resp, lease)| (resp, Some(lease)))),
+        None => Ok(upgrading.request(out).await.map(|resp| (resp, None))),
+    };
+    let (mut resp, lease) = match sent {
+        Ok(Ok(sent)) => sent,
+        Ok(Err(e)) => return upstream_error(&e, &upstream.base()),
+        Err(TaskLost) => {
+            return status_response(
+                StatusCode::BAD_GATEWAY,
+                "InternalError",
+                "the request to the apiserver was lost",
+            );
+        }
     };
 
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
@@ -626,6 +652,44 @@ async fn forward(
     };
     Response::from_parts(parts, Either::Left(body))
 }
+
+/// Sends a request on a shared (pooled) upstream connection, in a task of its own that outlives a user who goes
+/// away before the response head arrives.
+///
+/// Dropping a request that is still waiting for its head resets an HTTP/2 stream the apiserver may not have
+/// taken up yet, and servers bound those: hyper's h2 server closes the whole connection (GOAWAY
+/// `ENHANCE_YOUR_CALM`, "too_many_resets") after 20 resets of streams its application has not accepted, Go's
+/// after too many handlers queued — failing every other user's request on that connection. So a request whose
+/// tunnel stream goes away keeps going until its head arrives (or [`ABANDONED_HEAD_WAIT`] passes), and only
+/// then is dropped: a reset after the head cancels a stream the server is already serving, which is cheap and
+/// not counted. The number of such requests is bounded by the pool (each keeps its lease until then).
+async fn send_pooled(
+    lease: Lease<UpstreamClient>,
+    out: Request<Incoming>,
+) -> Result<Sent, TaskLost> {
+    let (mut tx, rx) = tokio::sync::oneshot::channel();
+    let request = lease.client().request(out);
+    tokio::spawn(async move {
+        tokio::pin!(request);
+        let result = tokio::select! {
+            result = &mut request => result,
+            () = tx.closed() => {
+                // The user went away: wait for the head, then let the response (and the lease) go.
+                let _ = tokio::time::timeout(ABANDONED_HEAD_WAIT, request).await;
+                return;
+            }
+        };
+        let _ = tx.send(result.map(|resp| (resp, lease)));
+    });
+    rx.await.map_err(|_| TaskLost)
+}
+
+/// What [`send_pooled`] gets back: the response head with the lease its body keeps, or the client's error.
+type Sent = Result<(Response<Incoming>, Lease<UpstreamClient>), hyper_util::client::legacy::Error>;
+
+/// The task sending a pooled request ended without an answer (it panicked, or the runtime is shutting down).
+#[derive(Debug)]
+struct TaskLost;
 
 /// Every upstream connection is full and none may be added: 503 with `Retry-After`, as kube-apiserver's
 /// max-in-flight filter answers.

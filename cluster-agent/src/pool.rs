@@ -16,6 +16,9 @@
 //! - an idle connection is closed by its client after the pool's idle timeout, extra ones included.
 //!
 //! A request whose tunnel stream goes away while it waits is dropped with its stream, before it is sent.
+//! One already sent on a pooled connection waits for its response head before it is cancelled
+//! (`forward::send_pooled`): resets of requests the apiserver has not taken up yet are what HTTP/2 servers
+//! count against the whole connection, so one user's cancellations could otherwise close it for everyone.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -271,9 +271,17 @@ pub struct HolArgs {
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     #[serde(serialize_with = "ser_duration")]
     pub warmup: Duration,
-    /// Size of the response the stalled reader asks for and stops reading.
+    /// Size of the response each stalled reader asks for and stops reading.
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     pub stall_size: u64,
+    /// Stalled readers (one principal, each on its own HTTP/1.1 connection), enough unread stream windows to
+    /// fill the tunnel's 16 MiB connection window.
+    #[arg(long, default_value_t = 64)]
+    pub stalled_readers: usize,
+    /// Clients of the open/cancel burst (another principal): each opens a watch over HTTP/1.1 and drops it
+    /// within 10–50 ms, again and again, for the measured phase. 0 skips the phase.
+    #[arg(long, default_value_t = 48)]
+    pub burst_clients: usize,
     /// HTTP version of the GET clients (the stalled reader always has its own HTTP/1.1 connection).
     #[arg(long, value_enum, default_value_t = Protocol::H1)]
     pub protocol: Protocol,

@@ -59,8 +59,8 @@ pub use frame::{
     MAX_SETTINGS_ENTRIES, MAX_WINDOW, MIN_MAX_FRAME_SIZE, SettingId, Settings,
 };
 pub use session::{
-    Config, ConnectionError, Event, OpenError, Priority, ReadResult, Role, Session, Stats,
-    StreamError, StreamState, TUNE_PERIOD,
+    Config, ConnectionError, Event, OpenError, Priority, ReadResult, Role, SHED_PERIOD, Session,
+    Stats, StreamError, StreamState, TUNE_PERIOD,
 };
 
 /// Magic bytes at the start of every HELLO frame ("TTHR").
@@ -111,4 +111,8 @@ pub mod code {
     pub const REFUSED: u32 = 11;
     /// The connection is shutting down; retry on another connection.
     pub const SHUTDOWN: u32 = 12;
+    /// REFUSE only: the receiver is shedding load (its peer opened and cancelled too many streams at once, or
+    /// the application is overloaded) and refuses new streams for a moment; the connection stays up and the
+    /// stream may be retried shortly on the same connection.
+    pub const OVERLOADED: u32 = 13;
 }

@@ -43,7 +43,11 @@ pub struct Config {
     /// its reader, so its window doubles, up to this; a slow or stalled reader keeps the initial window. The
     /// growth of all streams together stays within half of `connection_window`.
     pub max_stream_window: u32,
-    /// Receive window for the whole connection (default 16 MiB).
+    /// Receive window for the whole connection (default 16 MiB): bytes in flight on the wire. Credit comes
+    /// back as soon as data is buffered in a stream within that stream's own window, not when it is read, so
+    /// a reader that stalls holds at most its stream's window and never starves the other streams; memory
+    /// held for unread data is bounded by the stream windows (streams × `initial_stream_window`, plus at
+    /// most half of this for windows grown by auto-tuning).
     pub connection_window: u32,
     /// Largest frame payload accepted (default 64 KiB).
     pub max_frame_size: u32,
@@ -263,6 +267,11 @@ pub struct Stats {
     pub bytes_out: u64,
     /// Streams currently open.
     pub open_streams: u32,
+    /// Times the session started shedding (refusing new streams with [`code::OVERLOADED`]) because the peer
+    /// reset too many streams right after opening them.
+    pub shed_periods: u64,
+    /// Peer streams refused with [`code::OVERLOADED`] while shedding.
+    pub shed_streams: u64,
 }
 
 /// Where a stream is in its life, as reported by [`Session::stream_state`]. A stream that is gone (closed and
@@ -320,8 +329,12 @@ const MAX_STREAM_ID: u32 = (1 << 31) - 1;
 const MAX_PENDING_PONGS: usize = 32;
 /// Control frames queued (and not yet transmitted) before a peer that keeps causing more is cut off.
 const MAX_CONTROL_QUEUE: usize = 4096;
-/// Peer RESETs of streams younger than [`RAPID_RESET_AGE`] tolerated per [`RAPID_RESET_WINDOW`].
+/// Peer RESETs of streams younger than [`RAPID_RESET_AGE`] tolerated per [`RAPID_RESET_WINDOW`] before the
+/// session sheds new streams for [`SHED_PERIOD`].
 const RAPID_RESET_LIMIT: u32 = 1000;
+/// How long the session refuses new peer streams (code OVERLOADED) once the peer reset too many right after
+/// opening them. Streams already open are not touched.
+pub const SHED_PERIOD: Duration = Duration::from_secs(1);
 /// How young a stream must be for its reset to count as "rapid".
 const RAPID_RESET_AGE: Duration = Duration::from_secs(1);
 /// Window over which rapid resets are counted.
@@ -581,6 +594,8 @@ pub struct Session {
     srtt: Option<Duration>,
     rapid_resets: u32,
     rapid_reset_window_start: Instant,
+    /// While set and in the future, new peer streams are refused with [`code::OVERLOADED`].
+    shed_until: Option<Instant>,
     tombstones: VecDeque<(u32, Tomb)>,
     stats: Stats,
 }
@@ -686,6 +701,7 @@ impl Session {
             srtt: None,
             rapid_resets: 0,
             rapid_reset_window_start: now,
+            shed_until: None,
             tombstones: VecDeque::new(),
             stats: Stats::default(),
         }
@@ -929,6 +945,18 @@ impl Session {
             });
             return;
         }
+        if self.shedding(now) {
+            self.stats.shed_streams += 1;
+            let reason = Bytes::from_static(
+                b"shedding load: too many streams were reset right after opening; retry in a second",
+            );
+            self.queue_for_peer(Frame::Refuse {
+                stream: StreamId(id),
+                code: code::OVERLOADED,
+                reason,
+            });
+            return;
+        }
         if self.peer_count >= self.config.max_concurrent_streams {
             let reason = Bytes::from_static(b"too many concurrent streams");
             let frame = Frame::Refuse {
@@ -1032,7 +1060,8 @@ impl Session {
             return self.fatal(code::FLOW_CONTROL_ERROR, "peer exceeded a stream window");
         }
         s.recv_window -= len;
-        if len > 0 {
+        let n = payload.len();
+        if n > 0 {
             s.receive(payload, input_len);
         }
         if fin {
@@ -1041,6 +1070,12 @@ impl Session {
         if (len > 0 || fin) && !s.readable_notified {
             s.readable_notified = true;
             self.events.push_back(Event::Readable { id: StreamId(id) });
+        }
+        if n > 0 {
+            // Within its stream's window the data is the stream's to hold: its connection credit goes back
+            // at once, so a stream whose reader stalls holds its own window and never the connection's
+            // (memory is bounded by the stream windows, see `Config::connection_window`).
+            self.release_conn_credit(n);
         }
     }
 
@@ -1070,6 +1105,8 @@ impl Session {
         };
         // The rapid-reset attack makes us start work and cancels it at once. A peer that resets a stream we have
         // already answered in full (the relay does this at the end of every ordinary request) costs nothing.
+        // The relay resets a stream whenever its user goes away, so many early resets are what users do, not a
+        // protocol violation: past the bound we shed (refuse new streams for a moment), never close the tunnel.
         if !s.local
             && s.send == SendHalf::Open
             && now.saturating_duration_since(s.opened_at) < RAPID_RESET_AGE
@@ -1080,10 +1117,10 @@ impl Session {
             }
             self.rapid_resets += 1;
             if self.rapid_resets > RAPID_RESET_LIMIT {
-                return self.fatal(
-                    code::ENHANCE_YOUR_CALM,
-                    "too many streams reset right after opening",
-                );
+                self.rapid_resets = 0;
+                self.rapid_reset_window_start = now;
+                self.shed_until = now.checked_add(SHED_PERIOD);
+                self.stats.shed_periods += 1;
             }
         }
         self.remove_stream(id, Tomb::Reset(code));
@@ -1660,7 +1697,6 @@ impl Session {
                 increment,
             });
         }
-        self.release_conn_credit(data.len());
         Ok(ReadResult::Data(data))
     }
 
@@ -1728,6 +1764,11 @@ impl Session {
         self.peer
     }
 
+    /// True while new peer streams are refused with [`code::OVERLOADED`] (see [`SHED_PERIOD`]).
+    pub fn shedding(&self, now: Instant) -> bool {
+        self.shed_until.is_some_and(|until| now < until)
+    }
+
     /// Where a stream is in its life; None once it is forgotten (or never existed).
     pub fn stream_state(&self, id: StreamId) -> Option<StreamState> {
         self.streams.get(&id.0).map(Stream::state)
@@ -1754,7 +1795,7 @@ impl Session {
         }
     }
 
-    /// Forgets a stream, returning its unread data's connection credit to the peer.
+    /// Forgets a stream (its unread data's connection credit was returned when the data arrived).
     fn remove_stream(&mut self, id: u32, tomb: Tomb) -> Option<Stream> {
         let s = self.streams.remove(&id)?;
         self.grown = self.grown.saturating_sub(
@@ -1768,9 +1809,6 @@ impl Session {
         }
         if let Answer::Opening { deadline: Some(d) } = s.answer {
             self.deadlines.remove(&(d, id));
-        }
-        if s.recv_buffered > 0 {
-            self.release_conn_credit(s.recv_buffered);
         }
         if self.tombstones.len() >= TOMBSTONES {
             self.tombstones.pop_front();

@@ -649,6 +649,45 @@ fn unread_data_of_a_reset_stream_returns_connection_credit() {
 }
 
 #[test]
+fn streams_nobody_reads_cannot_freeze_the_connection() {
+    // 64 large answers the relay's users never read (e.g. `GET /openapi/v2`) hold 64 full stream windows, the
+    // whole 16 MiB connection window: another stream on the same connection is still answered, because
+    // connection credit comes back as soon as data sits in a stream within that stream's own window.
+    let mut pair = Pair::connected();
+    let window = config(Role::Server).initial_stream_window as usize;
+    let big = vec![3u8; 2 * window];
+    let mut unread = Vec::new();
+    for _ in 0..64 {
+        let id = pair.open_accepted(Priority::Normal);
+        // The server answers on a stream the client opened: the relay opens, the agent answers.
+        let _ = pair.server.session.write(id, &big).expect("write");
+        unread.push(id);
+    }
+    pair.advance(Duration::from_millis(10));
+    let id = pair.open_accepted(Priority::Normal);
+    let data = pattern(5, 1 << 20);
+    let mut got = Vec::new();
+    let mut off = 0;
+    for _ in 0..10_000 {
+        if got.len() == data.len() {
+            break;
+        }
+        if off < data.len() {
+            off += pair.server.session.write(id, &data[off..]).expect("write");
+        }
+        pair.advance(Duration::from_micros(100));
+        got.extend_from_slice(&pair.client.read_all(id).0);
+    }
+    assert_eq!(got.len(), data.len(), "the other stream froze");
+    assert_eq!(got, data);
+    // Each unread stream holds no more than its own window.
+    for id in unread {
+        let (held, _) = pair.client.read_all(id);
+        assert_eq!(held.len(), window);
+    }
+}
+
+#[test]
 fn ping_measures_rtt_and_keeps_alive() {
     let mut pair = Pair::new(config(Role::Client), config(Role::Server));
     pair.delay = Duration::from_millis(40);

@@ -365,6 +365,21 @@ pub(crate) fn tunnel_error(e: TunnelError, target: Target<'_>) -> ApiError {
             format!("too many concurrent requests to cluster {cluster} through the relay"),
         )
         .retry_after(Duration::from_secs(1)),
+        // The agent is shedding load (its users opened and cancelled streams faster than it serves them): the
+        // tunnel stays up and the request can come back in a moment, as from kube-apiserver's own overload
+        // protection (429 with Retry-After, which client-go and kubectl retry).
+        TunnelError::Refused {
+            code: code::OVERLOADED,
+            ..
+        } => ApiError::tunnel(
+            StatusCode::TOO_MANY_REQUESTS,
+            "TooManyRequests",
+            format!(
+                "the agent of cluster {cluster} is shedding load for a moment (too many requests were \
+                 cancelled right after they were sent); retry shortly"
+            ),
+        )
+        .retry_after(Duration::from_secs(1)),
         TunnelError::Refused {
             code: code::SHUTDOWN,
             reason,
@@ -619,6 +634,23 @@ mod tests {
             .ok_or_else(|| anyhow::anyhow!("no error"))?;
         assert_eq!(err.status, StatusCode::TOO_MANY_REQUESTS);
         assert!(err.retry_after.is_some());
+
+        // An agent that sheds load: 429 with Retry-After, never a 502.
+        let (relay_side, _agent_side) = tokio::io::duplex(1024);
+        let shedding = std::future::ready(Err(TunnelError::Refused {
+            code: code::OVERLOADED,
+            reason: "shedding load".into(),
+        }));
+        let req = Request::builder()
+            .uri("/x")
+            .body(http_body_util::Empty::<Bytes>::new())?;
+        let err = forward(relay_side, shedding, req, target(), ())
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("no error"))?;
+        assert_eq!(err.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(err.retry_after, Some(Duration::from_secs(1)));
+        assert!(err.message.contains("shedding load"), "{}", err.message);
         Ok(())
     }
 

@@ -52,13 +52,16 @@ pub enum TunnelError {
 
 impl TunnelError {
     /// True when trying again (on this or a new tunnel) may succeed: too many streams, a closed tunnel, and
-    /// a reset or refusal because the peer is shutting down (or, for a refusal, has too many streams).
+    /// a reset or refusal because the peer is shutting down (or, for a refusal, has too many streams or is
+    /// shedding load).
     pub fn is_retryable(&self) -> bool {
         match self {
             TunnelError::TooManyStreams | TunnelError::Closed(_) => true,
             TunnelError::Reset(c) => *c == code::SHUTDOWN,
             TunnelError::Refused { code: c, .. } => {
-                *c == code::SHUTDOWN || *c == code::REFUSED_TOO_MANY_STREAMS
+                *c == code::SHUTDOWN
+                    || *c == code::REFUSED_TOO_MANY_STREAMS
+                    || *c == code::OVERLOADED
             }
             TunnelError::TimedOut(_) => false,
         }
@@ -993,7 +996,17 @@ impl<T: Transport> Driver<T> {
         };
         let mut st = self.shared.lock();
         match recv {
-            Recv::Data(bytes) => st.session.handle_input(now(), bytes),
+            Recv::Data(bytes) => {
+                let shed = st.session.stats().shed_periods;
+                st.session.handle_input(now(), bytes);
+                if st.session.stats().shed_periods > shed {
+                    tracing::warn!(
+                        period = ?tether_proto::SHED_PERIOD,
+                        "the peer reset too many streams right after opening them (users cancelling requests): \
+                         refusing new streams for a moment; the tunnel stays up"
+                    );
+                }
+            }
             Recv::Closed => {
                 self.input_done = true;
                 st.session.handle_transport_closed();

@@ -129,8 +129,10 @@ pub enum QuicError {
 
 /// The QUIC transport settings derived from the session settings, so both transports share one set of knobs:
 /// stream window = `max_stream_window` (quinn does not auto-tune, so a stream gets the ceiling the WebSocket
-/// transport grows to; the connection window still bounds what all streams together may have unread),
-/// connection window and send window = `connection_window`, at most
+/// transport grows to), no connection receive window of its own (quinn returns connection credit only as the
+/// application reads, so streams nobody reads would use it up and freeze every other stream; what all streams
+/// together hold unread is bounded by streams × stream window instead, as for WebSocket tunnels), send window =
+/// `connection_window`, at most
 /// `max_concurrent_streams` streams from the peer, keepalive and idle timeout as configured, initial MTU 1,200
 /// with path MTU discovery, no datagrams. `accept_streams` false sets the peer's stream limit to 0 (raised
 /// once the relay has authenticated the tunnel).
@@ -147,7 +149,7 @@ pub fn transport_config(
     t.max_concurrent_bidi_streams(varint(streams))
         .max_concurrent_uni_streams(varint(1))
         .stream_receive_window(varint(config.max_stream_window.max(1)))
-        .receive_window(varint(config.connection_window.max(1)))
+        .receive_window(VarInt::MAX)
         .send_window(u64::from(config.connection_window.max(1)))
         .keep_alive_interval(Some(config.keepalive_interval))
         .max_idle_timeout(Some(
@@ -1047,6 +1049,8 @@ impl QuicConnection {
             bytes_in: s.udp_rx.bytes,
             bytes_out: s.udp_tx.bytes,
             open_streams: len_u32(self.open_streams()),
+            // QUIC streams are quinn's: no session sheds them.
+            ..Stats::default()
         }
     }
 

@@ -1,8 +1,12 @@
 //! `hol`: head-of-line blocking. Parallel GETs through the tunnel, first alone (baseline), then beside one
-//! client that asked for a large response and stopped reading it (its own connection, the same tunnel),
-//! then alone again. A tunnel without per-stream flow control would stall every stream behind the unread
-//! one; Tether's should not.
+//! principal whose clients asked for large responses and stopped reading them (`--stalled-readers`, each on its
+//! own connection, the same tunnel), then alone again, then beside another principal's open/cancel burst
+//! (`--burst-clients` clients opening watches over HTTP/1.1 and dropping each within 10–50 ms). A tunnel
+//! without per-stream flow control would stall every stream behind the unread ones, and one whose agent closes
+//! the tunnel on early resets would fail every GET during the burst; Tether's should do neither.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -17,8 +21,9 @@ use crate::scenario::{CpuMeter, Env, stop_upstream};
 use crate::upstream::paths;
 
 const BASELINE: &str = "tether baseline";
-const STALLED: &str = "tether + stalled reader";
+const STALLED: &str = "tether + stalled readers";
 const AFTER: &str = "tether baseline again";
+const BURST: &str = "tether + open/cancel burst";
 
 /// Runs the scenario.
 pub async fn run(env: &Env, args: &HolArgs) -> anyhow::Result<Report> {
@@ -26,6 +31,8 @@ pub async fn run(env: &Env, args: &HolArgs) -> anyhow::Result<Report> {
     report.setting("concurrency", args.concurrency);
     report.setting("duration", format!("{:?}", args.duration));
     report.setting("stall_size", format!("{} MiB", args.stall_size >> 20));
+    report.setting("stalled_readers", args.stalled_readers);
+    report.setting("burst_clients", args.burst_clients);
     report.setting("protocol", args.protocol);
 
     let up = env.upstream(1).await?;
@@ -68,69 +75,45 @@ pub async fn run(env: &Env, args: &HolArgs) -> anyhow::Result<Report> {
     let (baseline, _) = phase(BASELINE).await?;
     report.runs.push(baseline);
 
-    // The stalled reader: its own HTTP/1.1 connection, reads the head and the first chunk, then stops.
-    let stall_client = paths.client(&up, Protocol::H1)?;
+    // The stalled readers: each on its own HTTP/1.1 connection, reads the head and the first chunk, then stops.
     let uri: Uri = format!("{}{}{}", target.base, paths::BULK, args.stall_size).parse()?;
-    let (got_tx, got_rx) = oneshot::channel::<anyhow::Result<u64>>();
-    let (release_tx, release_rx) = oneshot::channel::<()>();
-    let stalled = tokio::spawn(async move {
-        // Retried for a while: a tunnel that just failed under the baseline load may still be reconnecting.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        let result = loop {
-            let attempt = async {
-                let req = Request::get(uri.clone())
-                    .header(header::AUTHORIZATION, "Bearer loadtest")
-                    .body(Empty::new())?;
-                let resp = stall_client.request(req).await?;
-                anyhow::ensure!(
-                    resp.status().is_success(),
-                    "stalled request: HTTP {}",
-                    resp.status()
-                );
-                let mut body = resp.into_body();
-                let mut got = 0u64;
-                while got == 0 {
-                    match body.frame().await {
-                        Some(frame) => got += frame?.into_data().map_or(0, |d| d.len() as u64),
-                        None => anyhow::bail!("the stalled response ended early"),
-                    }
-                }
-                anyhow::Ok((got, body))
-            }
-            .await;
-            match attempt {
-                Err(_) if tokio::time::Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                other => break other,
-            }
-        };
-        match result {
-            Ok((got, body)) => {
-                let _ = got_tx.send(Ok(got));
-                // Hold the unread body until released.
-                let _ = release_rx.await;
-                drop(body);
-            }
-            Err(e) => {
-                let _ = got_tx.send(Err(e));
-            }
-        }
-    });
-    let first_bytes = tokio::time::timeout(Duration::from_secs(40), got_rx)
-        .await
-        .context("the stalled reader got no data within 40 s")??
-        .context("stalled reader")?;
+    let mut releases = Vec::new();
+    let mut stalled = Vec::new();
+    let mut got = Vec::new();
+    for _ in 0..args.stalled_readers.max(1) {
+        let stall_client = paths.client(&up, Protocol::H1)?;
+        let (got_tx, got_rx) = oneshot::channel::<anyhow::Result<u64>>();
+        let (release_tx, release_rx) = oneshot::channel::<()>();
+        stalled.push(tokio::spawn(stall(
+            stall_client,
+            uri.clone(),
+            got_tx,
+            release_rx,
+        )));
+        releases.push(release_tx);
+        got.push(got_rx);
+    }
+    let mut first_bytes = 0;
+    for got_rx in got {
+        first_bytes += tokio::time::timeout(Duration::from_secs(40), got_rx)
+            .await
+            .context("a stalled reader got no data within 40 s")??
+            .context("stalled reader")?;
+    }
     let relay_before = tether.relay.process().rss_kib();
     let agent_before = tether.agent.process().rss_kib();
     let (with_stall, _) = phase(STALLED).await?;
     let relay_during = tether.relay.process().rss_kib();
     let agent_during = tether.agent.process().rss_kib();
-    let _ = release_tx.send(());
-    let _ = stalled.await;
+    for release in releases {
+        let _ = release.send(());
+    }
+    for task in stalled {
+        let _ = task.await;
+    }
     report.runs.push(with_stall);
     report.figures.push(Figure::new(
-        "bytes the stalled reader read before stopping",
+        "bytes the stalled readers read before stopping, together",
         first_bytes as f64,
         "B",
     ));
@@ -149,6 +132,43 @@ pub async fn run(env: &Env, args: &HolArgs) -> anyhow::Result<Report> {
 
     let (after, _) = phase(AFTER).await?;
     report.runs.push(after);
+
+    if args.burst_clients > 0 {
+        // Another principal's open/cancel burst, for the whole measured phase.
+        let stop = Arc::new(AtomicBool::new(false));
+        let opened = Arc::new(AtomicU64::new(0));
+        let watch: Uri = format!("{}{}", target.base, paths::WATCH).parse()?;
+        let mut burst = Vec::new();
+        for seed in 0..args.burst_clients {
+            let client = paths.client(&up, Protocol::H1)?;
+            burst.push(tokio::spawn(open_and_cancel(
+                client,
+                watch.clone(),
+                seed,
+                stop.clone(),
+                opened.clone(),
+            )));
+        }
+        let started = tokio::time::Instant::now();
+        let (with_burst, _) = phase(BURST).await?;
+        stop.store(true, Ordering::Relaxed);
+        let elapsed = started.elapsed().as_secs_f64();
+        for task in burst {
+            let _ = task.await;
+        }
+        report.runs.push(with_burst);
+        let opened = opened.load(Ordering::Relaxed);
+        report.figures.push(Figure::new(
+            "watches opened and dropped by the burst",
+            opened as f64,
+            "",
+        ));
+        report.figures.push(Figure::new(
+            "burst rate (watches opened and dropped per second)",
+            opened as f64 / elapsed.max(0.001),
+            "/s",
+        ));
+    }
     let failed: Vec<String> = report
         .runs
         .iter()
@@ -182,6 +202,85 @@ pub async fn run(env: &Env, args: &HolArgs) -> anyhow::Result<Report> {
     Ok(report)
 }
 
+/// One stalled reader: asks for `uri`, reads the head and a first chunk, reports how much, then holds the unread
+/// body until released.
+async fn stall(
+    client: crate::client::HttpClient,
+    uri: Uri,
+    got_tx: oneshot::Sender<anyhow::Result<u64>>,
+    release_rx: oneshot::Receiver<()>,
+) {
+    // Retried for a while: a tunnel that just failed under the baseline load may still be reconnecting.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let result = loop {
+        let attempt = async {
+            let req = Request::get(uri.clone())
+                .header(header::AUTHORIZATION, "Bearer loadtest-stalled")
+                .body(Empty::new())?;
+            let resp = client.request(req).await?;
+            anyhow::ensure!(
+                resp.status().is_success(),
+                "stalled request: HTTP {}",
+                resp.status()
+            );
+            let mut body = resp.into_body();
+            let mut got = 0u64;
+            while got == 0 {
+                match body.frame().await {
+                    Some(frame) => got += frame?.into_data().map_or(0, |d| d.len() as u64),
+                    None => anyhow::bail!("the stalled response ended early"),
+                }
+            }
+            anyhow::Ok((got, body))
+        }
+        .await;
+        match attempt {
+            Err(_) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            other => break other,
+        }
+    };
+    match result {
+        Ok((got, body)) => {
+            let _ = got_tx.send(Ok(got));
+            // Hold the unread body until released.
+            let _ = release_rx.await;
+            drop(body);
+        }
+        Err(e) => {
+            let _ = got_tx.send(Err(e));
+        }
+    }
+}
+
+/// One client of the open/cancel burst: opens a watch and drops it within 10–50 ms, until `stop`.
+async fn open_and_cancel(
+    client: crate::client::HttpClient,
+    uri: Uri,
+    seed: usize,
+    stop: Arc<AtomicBool>,
+    opened: Arc<AtomicU64>,
+) {
+    let mut i = 0usize;
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(req) = Request::get(uri.clone())
+            .header(header::AUTHORIZATION, "Bearer loadtest-burst")
+            .body(Empty::new())
+        else {
+            return;
+        };
+        let linger = Duration::from_millis(10 + ((seed * 31 + i * 17) % 41) as u64);
+        opened.fetch_add(1, Ordering::Relaxed);
+        // Dropping the request (or the response) closes its HTTP/1.1 connection: the relay resets the stream.
+        if let Ok(Ok(resp)) = tokio::time::timeout(linger, client.request(req)).await {
+            let mut body = resp.into_body();
+            let _ = tokio::time::timeout(linger, body.frame()).await;
+        }
+        i += 1;
+    }
+}
+
 fn ratios_and_targets(report: &mut Report) {
     let p99 = |r: &Report, l: &str| r.run(l).and_then(|x| x.latency.as_ref()).map(|s| s.p99_ms);
     let baseline = match (p99(report, BASELINE), p99(report, AFTER)) {
@@ -195,6 +294,11 @@ fn ratios_and_targets(report: &mut Report) {
         p99(report, BASELINE),
     );
     let ratio = report.ratio("GET p99 stalled / mean baseline", stalled, baseline);
+    report.ratio(
+        "GET p99 beside the open/cancel burst / mean baseline",
+        p99(report, BURST),
+        baseline,
+    );
     report.targets.push(TargetCheck::compare(
         "HOL: GET p99 within 10 % of its baseline (≤ 1.10×)",
         ratio,
