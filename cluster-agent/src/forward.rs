@@ -163,6 +163,16 @@ impl Upstream {
         Self::from_kube_config_with(config, Some(proxy), PoolOptions::default())
     }
 
+    /// Pooled upstream connections and requests in use now, pass-through and impersonating together
+    /// (upgrades, which have a connection each, are not counted).
+    pub(crate) fn usage(&self) -> pool::Usage {
+        let own = self.inner.pooled.usage();
+        match &self.inner.impersonating {
+            Some(imp) => own + imp.pooled.usage(),
+            None => own,
+        }
+    }
+
     /// Whether the authentication proxy is on.
     pub fn impersonates(&self) -> bool {
         self.inner.impersonating.is_some()
