@@ -340,11 +340,14 @@ fn clients(
         }
     };
     let http2 = connector(true);
+    let connection_window = upstream_connection_window(pool.streams_per_connection);
     let pooled = Pool::new(pool.clone(), move || {
         Client::builder(TokioExecutor::new())
             .timer(TokioTimer::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .http2_initial_stream_window_size(UPSTREAM_STREAM_WINDOW)
+            .http2_initial_connection_window_size(connection_window)
             .build(http2.clone())
     });
     let upgrade = Client::builder(TokioExecutor::new())
@@ -352,6 +355,20 @@ fn clients(
         .pool_max_idle_per_host(0)
         .build(connector(false));
     Ok((pooled, upgrade))
+}
+
+/// HTTP/2 receive window of one request on an upstream connection: what a response whose reader (the tunnel
+/// stream, and the user behind it) does not read can hold in the agent — the tunnel's largest stream window.
+const UPSTREAM_STREAM_WINDOW: u32 = 1024 * 1024;
+
+/// HTTP/2 receive window of a whole upstream connection: room for every stream it may carry at its full window,
+/// so responses nobody reads cannot use up the connection's credit and stall the other requests on it (with
+/// hyper's default of 5 MiB, three unread large lists froze every short GET sharing their connection).
+fn upstream_connection_window(streams_per_connection: u32) -> u32 {
+    // h2's largest window is 2^31 - 1.
+    let largest = (1u64 << 31) - 1;
+    let wanted = u64::from(streams_per_connection.max(1)) * u64::from(UPSTREAM_STREAM_WINDOW);
+    u32::try_from(wanted.min(largest)).unwrap_or(u32::MAX >> 1)
 }
 
 /// The apiserver TLS settings exactly as kube-rs's own client builds them ([`kube::client::ConfigExt`]): the
@@ -862,6 +879,16 @@ where
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_upstream_connection_window_holds_every_stream_at_its_full_window() {
+        assert_eq!(
+            upstream_connection_window(100),
+            100 * UPSTREAM_STREAM_WINDOW
+        );
+        assert_eq!(upstream_connection_window(0), UPSTREAM_STREAM_WINDOW);
+        assert_eq!(upstream_connection_window(u32::MAX), (1 << 31) - 1);
+    }
 
     fn upstream(url: &str) -> Upstream {
         let config = kube::Config::new(url.parse().unwrap());
