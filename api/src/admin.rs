@@ -98,6 +98,10 @@ pub struct Cluster {
     pub node_count: Option<u64>,
     /// Whether the onboarding token was redeemed.
     pub onboarded: bool,
+    /// Streams open on the current tunnel, its control stream included (`None` without a tunnel): requests in
+    /// flight, watches, exec sessions — what the fault-injection tests watch for leaks.
+    #[serde(default)]
+    pub open_streams: Option<u64>,
     /// Tags.
     pub tags: BTreeMap<String, String>,
     /// Allocatable CPU over all nodes, in millicores.

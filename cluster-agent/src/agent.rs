@@ -150,6 +150,7 @@ pub async fn run(
     };
     let upstream =
         Upstream::from_kube_config_with(&kube_config, auth_proxy, config.upstream.clone())?;
+    probes.set_upstream(&upstream);
     // Dropping the pusher (when `run` returns) stops it.
     let (snapshots, _pusher) = match &config.guard {
         Some(guard) => {
@@ -222,6 +223,8 @@ pub async fn run(
         let tls = relay_tls.config(Some(&state.identity))?;
         let mut session = SessionConfig::new(Role::Client);
         session.max_concurrent_streams = TUNNEL_MAX_STREAMS;
+        session.keepalive_interval = config.tunnel_keepalive;
+        session.idle_timeout = config.tunnel_timeout;
         let connecting = tokio::time::timeout(
             config.connect_timeout,
             ws::connect_with_proxy(&tunnel_url, tls, headers.clone(), session, proxy),

@@ -98,6 +98,13 @@ pub struct Config {
     /// Timeout of each attempt to reach the relay (TCP, TLS, WebSocket and onboarding request).
     #[arg(long, env = "TETHER_CONNECT_TIMEOUT", default_value = "15s", value_parser = parse_duration)]
     pub connect_timeout: Duration,
+    /// A tunnel the relay has been silent on this long gets a PING (e.g. 15s, 1s).
+    #[arg(long, env = "TETHER_TUNNEL_KEEPALIVE", default_value = "15s", value_parser = parse_duration)]
+    pub tunnel_keepalive: Duration,
+    /// A tunnel the relay has been silent on this long (PINGs unanswered: a network partition) is declared
+    /// dead and the agent reconnects (e.g. 45s, 2s).
+    #[arg(long, env = "TETHER_TUNNEL_TIMEOUT", default_value = "45s", value_parser = parse_duration)]
+    pub tunnel_timeout: Duration,
     /// How the connections to the apiserver grow with load (`--upstream-*`, [`crate::pool`]).
     #[command(flatten)]
     pub upstream: PoolOptions,
@@ -438,6 +445,16 @@ impl Config {
         if self.connect_timeout.is_zero() {
             return Err(ConfigError::InvalidDuration(
                 "the connect timeout must be greater than zero",
+            ));
+        }
+        if self.tunnel_keepalive < Duration::from_millis(100) {
+            return Err(ConfigError::InvalidDuration(
+                "the tunnel keepalive must be at least 100ms",
+            ));
+        }
+        if self.tunnel_timeout <= self.tunnel_keepalive {
+            return Err(ConfigError::InvalidDuration(
+                "the tunnel timeout must be longer than the tunnel keepalive",
             ));
         }
         if let Some(entra) = &self.entra {

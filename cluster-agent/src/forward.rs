@@ -170,6 +170,16 @@ impl Upstream {
         Self::from_kube_config_with(config, Some(proxy), PoolOptions::default())
     }
 
+    /// Pooled upstream connections and requests in use now, pass-through and impersonating together
+    /// (upgrades, which have a connection each, are not counted).
+    pub(crate) fn usage(&self) -> pool::Usage {
+        let own = self.inner.pooled.usage();
+        match &self.inner.impersonating {
+            Some(imp) => own + imp.pooled.usage(),
+            None => own,
+        }
+    }
+
     /// Whether the authentication proxy is on.
     pub fn impersonates(&self) -> bool {
         self.inner.impersonating.is_some()
@@ -339,9 +349,8 @@ fn clients(
     let http2 = connector(true);
     // Every stream's window fits in the connection's: a response nobody reads (its user stopped reading, so its
     // tunnel stream is full) holds its own window and never the connection's, which other users' requests on
-    // the same upstream connection need. hyper's defaults (2 MiB per stream, 5 MiB per connection) let three
-    // such responses stall the connection.
-    let connection_window = UPSTREAM_STREAM_WINDOW.saturating_mul(pool.streams_per_connection);
+    // the same upstream connection need.
+    let connection_window = upstream_connection_window(pool.streams_per_connection);
     let pooled = Pool::new(pool.clone(), move || {
         Client::builder(TokioExecutor::new())
             .timer(TokioTimer::new())
@@ -356,6 +365,16 @@ fn clients(
         .pool_max_idle_per_host(0)
         .build(connector(false));
     Ok((pooled, upgrade))
+}
+
+/// HTTP/2 receive window of a whole upstream connection: room for every stream it may carry at its full window,
+/// so responses nobody reads cannot use up the connection's credit and stall the other requests on it (with
+/// hyper's default of 5 MiB, three unread large lists froze every short GET sharing their connection).
+fn upstream_connection_window(streams_per_connection: u32) -> u32 {
+    // h2's largest window is 2^31 - 1.
+    let largest = (1u64 << 31) - 1;
+    let wanted = u64::from(streams_per_connection.max(1)) * u64::from(UPSTREAM_STREAM_WINDOW);
+    u32::try_from(wanted.min(largest)).unwrap_or(u32::MAX >> 1)
 }
 
 /// The apiserver TLS settings exactly as kube-rs's own client builds them ([`kube::client::ConfigExt`]): the
@@ -916,6 +935,16 @@ where
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_upstream_connection_window_holds_every_stream_at_its_full_window() {
+        assert_eq!(
+            upstream_connection_window(100),
+            100 * UPSTREAM_STREAM_WINDOW
+        );
+        assert_eq!(upstream_connection_window(0), UPSTREAM_STREAM_WINDOW);
+        assert_eq!(upstream_connection_window(u32::MAX), (1 << 31) - 1);
+    }
 
     fn upstream(url: &str) -> Upstream {
         let config = kube::Config::new(url.parse().unwrap());

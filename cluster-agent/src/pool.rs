@@ -113,6 +113,26 @@ impl<C> Drop for Lease<C> {
     }
 }
 
+/// Upstream connections and requests in use (the agent's `/metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Usage {
+    /// Connections with at least one request open.
+    pub(crate) connections: usize,
+    /// Requests open (sent, or waiting to be sent, whose response body is not finished).
+    pub(crate) requests: usize,
+}
+
+impl std::ops::Add for Usage {
+    type Output = Usage;
+
+    fn add(self, other: Usage) -> Usage {
+        Usage {
+            connections: self.connections + other.connections,
+            requests: self.requests + other.requests,
+        }
+    }
+}
+
 /// Every connection is full and none may be added.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Busy;
@@ -187,6 +207,19 @@ impl<C> Pool<C> {
             slot,
             freed: self.freed.clone(),
         })
+    }
+
+    /// What is in use now: connections with at least one request open, and requests open, over both sets.
+    /// A connection idle in its client's pool counts as unused (its client closes it after the idle timeout).
+    pub(crate) fn usage(&self) -> Usage {
+        let sets = self.sets.lock().unwrap_or_else(|p| p.into_inner());
+        let mut usage = Usage::default();
+        for slot in sets.short.iter().chain(sets.long.iter()) {
+            let open = slot.open.load(Ordering::Acquire);
+            usage.requests += open;
+            usage.connections += usize::from(open > 0);
+        }
+        usage
     }
 
     /// Connections (clients) made so far: short, long-running.

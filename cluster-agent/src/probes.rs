@@ -3,7 +3,9 @@
 //! - `GET /readyz`: 200 only while a tunnel to the relay is up, else 503;
 //! - `GET /livez`: 200 while the agent runs: a task of the agent's own answers within [`LIVENESS_TIMEOUT`] (a
 //!   runtime too starved to schedule it, or an agent that stopped, is 503);
-//! - `GET /metrics`: Prometheus text with `tether_agent_open_streams`, the tunnel streams being served.
+//! - `GET /metrics`: Prometheus text with `tether_agent_open_streams`, the tunnel streams being served, and
+//!   `tether_agent_upstream_connections` / `tether_agent_upstream_requests`, the pooled apiserver connections
+//!   with a request open and the requests open on them (what the fault-injection tests watch for leaks).
 //!
 //! Nothing else is served on that port: other paths are 404, other methods 405, request bodies are not read,
 //! a client that does not send its request head within [`HEADER_READ_TIMEOUT`] is disconnected, and at most
@@ -12,8 +14,8 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -23,6 +25,8 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::task::JoinHandle;
+
+use crate::forward::Upstream;
 
 /// How long `/livez` waits for the agent's task to answer.
 pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(2);
@@ -38,6 +42,8 @@ pub(crate) struct Probes {
     live: mpsc::Sender<oneshot::Sender<()>>,
     /// Tunnel streams being served (requests in flight, watches, upgraded pipes), for `/metrics`.
     open_streams: Arc<AtomicUsize>,
+    /// The apiserver connections, once made (for `/metrics`).
+    upstream: Arc<OnceLock<Upstream>>,
 }
 
 /// Counts one served stream in [`Probes`]' gauge until dropped.
@@ -71,6 +77,7 @@ impl Probes {
             tunnel_up: Arc::new(AtomicBool::new(false)),
             live,
             open_streams: Arc::default(),
+            upstream: Arc::default(),
         };
         (probes, Task(responder))
     }
@@ -78,6 +85,11 @@ impl Probes {
     /// Records whether a tunnel is up (`/readyz`).
     pub(crate) fn set_tunnel_up(&self, up: bool) {
         self.tunnel_up.store(up, Ordering::Relaxed);
+    }
+
+    /// The apiserver connections whose use `/metrics` reports (the first call wins).
+    pub(crate) fn set_upstream(&self, upstream: &Upstream) {
+        let _ = self.upstream.set(upstream.clone());
     }
 
     /// Counts a served stream until the returned guard is dropped.
@@ -112,11 +124,20 @@ impl Probes {
             Check::Ready => self.tunnel_up.load(Ordering::Relaxed),
             Check::Live => self.alive().await,
             Check::Metrics => {
+                let usage = self.upstream.get().map(Upstream::usage).unwrap_or_default();
                 let text = format!(
                     "# HELP tether_agent_open_streams Tunnel streams being served.\n\
                      # TYPE tether_agent_open_streams gauge\n\
-                     tether_agent_open_streams {}\n",
-                    self.open_streams.load(Ordering::Relaxed)
+                     tether_agent_open_streams {}\n\
+                     # HELP tether_agent_upstream_connections Pooled apiserver connections with a request open.\n\
+                     # TYPE tether_agent_upstream_connections gauge\n\
+                     tether_agent_upstream_connections {}\n\
+                     # HELP tether_agent_upstream_requests Requests open on pooled apiserver connections.\n\
+                     # TYPE tether_agent_upstream_requests gauge\n\
+                     tether_agent_upstream_requests {}\n",
+                    self.open_streams.load(Ordering::Relaxed),
+                    usage.connections,
+                    usage.requests,
                 );
                 let mut response = plain(StatusCode::OK, "");
                 *response.body_mut() = Full::new(Bytes::from(text));

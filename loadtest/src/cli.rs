@@ -71,7 +71,9 @@ pub enum Command {
     Reconnect(ReconnectArgs),
     /// A stalled reader beside parallel GETs on the same tunnel: GET p99 with and without it.
     Hol(HolArgs),
-    /// Every scenario in turn, with its defaults.
+    /// Stream open/close cycles through one tunnel: relay and agent RSS and stream tables before and after.
+    Churn(ChurnArgs),
+    /// Every scenario in turn, with its defaults (`churn` excepted: a million cycles take a while).
     All,
     /// Internal: serve the upstream (used as a child process by the scenarios).
     #[command(hide = true)]
@@ -288,6 +290,30 @@ pub struct HolArgs {
 }
 
 impl Default for HolArgs {
+    /// The command line's defaults.
+    fn default() -> Self {
+        defaults()
+    }
+}
+
+/// `churn` options.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct ChurnArgs {
+    /// Measured open/close cycles.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub cycles: u64,
+    /// Unmeasured cycles first (allocator arenas and pools reach their working size).
+    #[arg(long, default_value_t = 10_000)]
+    pub warmup_cycles: u64,
+    /// Cycles in flight at once (each worker keeps one HTTP/1.1 connection).
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// Every Nth cycle is a watch dropped once its head arrived (a reset mid-response); 0: none.
+    #[arg(long, default_value_t = 10)]
+    pub cancel_every: u64,
+}
+
+impl Default for ChurnArgs {
     /// The command line's defaults.
     fn default() -> Self {
         defaults()

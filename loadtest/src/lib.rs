@@ -5,7 +5,8 @@
 //! Scenarios ([`cli::Command`]): `requests` (kubectl-like get/list/watch from N concurrent clients), `bulk`
 //! (large streamed responses over one stream and many), `tunnels` (M idle tunnels on one relay: RSS, heartbeat
 //! CPU, connect rate), `reconnect` (the relay restarted under M agents), `hol` (a stalled reader beside
-//! parallel GETs on the same tunnel). Each writes a [`report::Report`] as JSON, a readable table and SVG plots.
+//! parallel GETs on the same tunnel), `churn` (stream open/close cycles: relay and agent RSS and stream tables
+//! before and after). Each writes a [`report::Report`] as JSON, a readable table and SVG plots.
 //!
 //! Tether is driven through its binaries (`tether-relay`, `tether-agent`), its admin REST API and its agent
 //! endpoints, never by linking the relay or agent crates; simulated agents (for thousands of tunnels) use
@@ -53,6 +54,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<Vec<Report>> {
             reports.push(finish(&env, scenario::reconnect::run(&env, a).await?)?)
         }
         Command::Hol(a) => reports.push(finish(&env, scenario::hol::run(&env, a).await?)?),
+        Command::Churn(a) => reports.push(finish(&env, scenario::churn::run(&env, a).await?)?),
         Command::All => {
             reports.push(finish(
                 &env,

@@ -373,6 +373,8 @@ pub struct AgentOptions {
     pub wrapper: Option<String>,
     /// `RUST_LOG` for the agent.
     pub log_level: String,
+    /// More flags for the agent (e.g. `--health-listen ADDR` for its `/metrics`).
+    pub extra_args: Vec<String>,
 }
 
 /// A running `tether-agent` serving one cluster.
@@ -413,7 +415,10 @@ impl AgentProcess {
             "--kubeconfig",
             &kubeconfig.display().to_string(),
         ]
-        .map(str::to_owned);
+        .map(str::to_owned)
+        .into_iter()
+        .chain(options.extra_args.iter().cloned())
+        .collect::<Vec<_>>();
         let log = dir.join(format!("agent-{cluster}.log"));
         let mut proc = Proc::spawn(
             "tether-agent",

@@ -52,9 +52,17 @@ pub struct Config {
     /// Connection and request limits.
     #[command(flatten)]
     pub limits: Limits,
-    /// Session settings for agent tunnels (the role is always forced to [`Role::Server`]).
+    /// Session settings for agent tunnels (the role is always forced to [`Role::Server`]; the keepalive and
+    /// the dead-tunnel timeout come from `tunnel_keepalive` and `tunnel_timeout`: see [`Config::tunnel_session`]).
     #[arg(skip = SessionConfig::new(Role::Server))]
     pub tunnel: SessionConfig,
+    /// A tunnel the agent has been silent on this long gets a PING (e.g. 15s, 1s).
+    #[arg(long, env = "TETHER_RELAY_TUNNEL_KEEPALIVE", default_value = "15s", value_parser = parse_duration)]
+    pub tunnel_keepalive: Duration,
+    /// A tunnel the agent has been silent on this long (PINGs unanswered: a network partition, a frozen
+    /// agent) is declared dead: its requests end and new ones get 503 "not connected" (e.g. 45s, 2s).
+    #[arg(long, env = "TETHER_RELAY_TUNNEL_TIMEOUT", default_value = "45s", value_parser = parse_duration)]
+    pub tunnel_timeout: Duration,
     /// How often agents send heartbeats (whole seconds, e.g. 30s).
     #[arg(long, env = "TETHER_RELAY_HEARTBEAT_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub heartbeat_interval: Duration,
@@ -332,6 +340,15 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// The session settings an agent tunnel runs with: `tunnel`, as the server, with the keepalive flags.
+    pub fn tunnel_session(&self) -> SessionConfig {
+        let mut session = self.tunnel.clone();
+        session.role = Role::Server;
+        session.keepalive_interval = self.tunnel_keepalive;
+        session.idle_timeout = self.tunnel_timeout;
+        session
+    }
+
     /// The defaults written on the fields (the environment is not read), with `data_dir`.
     pub fn new(data_dir: PathBuf) -> Self {
         let command = Self::command().mut_args(|arg| arg.env(None::<&str>));
@@ -477,7 +494,17 @@ impl Config {
                 why: "must be greater than zero",
             });
         }
-        let settings: [(&'static str, bool, &'static str); 3] = [
+        let settings: [(&'static str, bool, &'static str); 5] = [
+            (
+                "tunnel keepalive",
+                self.tunnel_keepalive < Duration::from_millis(100),
+                "must be at least 100ms",
+            ),
+            (
+                "tunnel timeout",
+                self.tunnel_timeout <= self.tunnel_keepalive,
+                "must be longer than the tunnel keepalive",
+            ),
             (
                 "heartbeat interval",
                 self.heartbeat_interval < Duration::from_secs(1)

@@ -359,6 +359,11 @@ impl KubectlChild {
 
     /// Waits for kubectl to exit by itself within `timeout`.
     pub async fn wait(mut self, timeout: Duration) -> Result<ExitStatus, TestkitError> {
+        self.wait_exit(timeout).await
+    }
+
+    /// Like [`KubectlChild::wait`], keeping the child (its stderr stays readable afterwards).
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus, TestkitError> {
         match tokio::time::timeout(timeout, self.child.wait()).await {
             Ok(Ok(status)) => Ok(status),
             Ok(Err(e)) => Err(TestkitError::Kubectl(format!(

@@ -20,6 +20,7 @@ use crate::tether::{AgentOptions, AgentProcess, Binaries, RelayOptions, RelayPro
 use crate::upstream;
 
 pub mod bulk;
+pub mod churn;
 pub mod hol;
 pub mod reconnect;
 pub mod requests;
@@ -183,6 +184,7 @@ impl Env {
             &AgentOptions {
                 wrapper: self.common.agent_wrapper.clone(),
                 log_level: self.common.log_level.clone(),
+                extra_args: Vec::new(),
             },
         )
         .await?;

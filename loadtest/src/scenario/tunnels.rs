@@ -62,6 +62,7 @@ pub async fn run(env: &Env, args: &TunnelsArgs) -> anyhow::Result<Report> {
             &AgentOptions {
                 wrapper: env.common.agent_wrapper.clone(),
                 log_level: env.common.log_level.clone(),
+                extra_args: Vec::new(),
             },
         )
         .await?;

@@ -8,7 +8,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use serde_json::json;
-use tether_tunnel::{Role, ws};
+use tether_tunnel::ws;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
@@ -185,8 +185,7 @@ pub(crate) async fn tunnel(
                 return;
             }
         };
-        let mut session = task_shared.config.tunnel.clone();
-        session.role = Role::Server;
+        let session = task_shared.config.tunnel_session();
         let conn = ws::accept_upgraded(TokioIo::new(upgraded), session);
         tunnels::run(&task_shared, &cluster, &version, &peer, conn).await;
         drop(ctx);
