@@ -108,8 +108,24 @@ pub struct Cluster {
     pub total_cpu_millis: Option<u64>,
     /// Allocatable memory over all nodes.
     pub total_memory_bytes: Option<u64>,
+    /// The live tunnels of the cluster as the relay measures them (empty when not connected).
+    #[serde(default)]
+    pub tunnels: Vec<Tunnel>,
     /// Whether the agent is older than `latestAgentVersion`.
     pub upgrade_available: bool,
+}
+
+/// One live tunnel of a cluster, as the relay measures it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Tunnel {
+    /// Since when this tunnel is up.
+    pub connected_since: Option<String>,
+    /// Smoothed round trip of the tunnel seen from the relay: QUIC's own estimate, or the WebSocket
+    /// transport's keepalive ping; `None` before the first measurement.
+    pub rtt_millis: Option<f64>,
+    /// `quic` or `wss`.
+    pub transport: String,
 }
 
 /// The answer to `POST /api/v1/clusters` and `POST /api/v1/clusters/import`: the cluster and its one-time

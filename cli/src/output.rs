@@ -292,6 +292,12 @@ pub(crate) fn cluster_details(
         _ => "not connected".into(),
     };
     rows.push(("Tunnel", tunnel));
+    for t in &cluster.tunnels {
+        rows.push((
+            "  Transport",
+            format!("{} (RTT {})", t.transport, rtt(t.rtt_millis)),
+        ));
+    }
     let tags = tags(&cluster.tags);
     rows.push(("Tags", if tags.is_empty() { "-".into() } else { tags }));
     if let Some(t) = timestamp(cluster.created_at.as_deref()) {
@@ -343,19 +349,7 @@ pub(crate) fn cluster_details(
             rows.push(("  Memory", bytes(health.memory_bytes as f64)));
             rows.push(("  CPU time", format!("{:.1}s", health.cpu_seconds)));
             rows.push(("  Reconnects", health.reconnects.to_string()));
-            rows.push((
-                "  Tunnel RTT",
-                health.tunnel_rtt_millis.map_or_else(
-                    || "-".into(),
-                    |ms| {
-                        if ms < 10.0 {
-                            format!("{ms:.1} ms")
-                        } else {
-                            format!("{ms:.0} ms")
-                        }
-                    },
-                ),
-            ));
+            rows.push(("  Tunnel RTT", rtt(health.tunnel_rtt_millis)));
             if let Some(t) = timestamp(health.reported_at.as_deref()) {
                 rows.push(("  Reported", time_and_age(t, now)));
             }
@@ -389,6 +383,15 @@ pub(crate) fn cluster_details(
         writeln!(out, "{}", line.trim_end())?;
     }
     Ok(())
+}
+
+/// A round trip in milliseconds, `-` when not measured yet.
+fn rtt(millis: Option<f64>) -> String {
+    match millis {
+        Some(ms) if ms < 10.0 => format!("{ms:.1} ms"),
+        Some(ms) => format!("{ms:.0} ms"),
+        None => "-".into(),
+    }
 }
 
 fn scope(namespace: Option<&str>) -> String {
@@ -569,6 +572,7 @@ mod tests {
             "agentHealth": {"uptimeSeconds": 3725, "memoryBytes": 31_457_280, "cpuSeconds": 2.5,
                             "reconnects": 1, "tunnelRttMillis": 3.2, "reportedAt": "2026-11-21T11:59:55Z"},
             "identity": {"notAfter": "2027-02-19T12:00:00Z", "fingerprint": "ab:cd"},
+            "tunnels": [{"transport": "quic", "rttMillis": 0.42, "connectedSince": "2026-11-21T10:00:00Z"}],
         }))?;
         let mut out = Vec::new();
         cluster_details(&mut out, &cluster, NOW)?;
@@ -576,6 +580,7 @@ mod tests {
         for expected in [
             "Status:             Connected",
             "Tunnel:             connected since 2026-11-21T10:00:00Z (2h ago)",
+            "  Transport:        quic (RTT 0.4 ms)",
             "Tags:               env=prod,team=blue",
             "Last seen:          2026-11-21T11:59:55Z (5s ago)",
             "Kubernetes version: v1.33.1",

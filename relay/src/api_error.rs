@@ -202,19 +202,9 @@ impl ApiError {
         self.retryable()
     }
 
-    /// The one mapping from an error to what the client sees: a Kubernetes `Status` object.
-    pub(crate) fn into_response(self) -> Response<Body> {
-        match self.origin {
-            Origin::Client => {
-                tracing::debug!(status = %self.status, error = %self.message, "request refused")
-            }
-            Origin::Tunnel => {
-                tracing::info!(status = %self.status, error = %self.message, "request failed on the tunnel side")
-            }
-            Origin::Internal => {
-                tracing::warn!(status = %self.status, error = %self.message, "request failed inside the relay")
-            }
-        }
+    /// The Kubernetes `Status` object for this error (the body of [`ApiError::into_response`]; for QUIC
+    /// tunnels, the reason of the refusal).
+    pub(crate) fn status_json(&self) -> serde_json::Value {
         let mut details = serde_json::Map::new();
         if let Some(after) = self.retry_after {
             details.insert("retryAfterSeconds".into(), json!(after.as_secs().max(1)));
@@ -233,6 +223,23 @@ impl ApiError {
         {
             obj.insert("details".into(), serde_json::Value::Object(details));
         }
+        status
+    }
+
+    /// The one mapping from an error to what the client sees: a Kubernetes `Status` object.
+    pub(crate) fn into_response(self) -> Response<Body> {
+        match self.origin {
+            Origin::Client => {
+                tracing::debug!(status = %self.status, error = %self.message, "request refused")
+            }
+            Origin::Tunnel => {
+                tracing::info!(status = %self.status, error = %self.message, "request failed on the tunnel side")
+            }
+            Origin::Internal => {
+                tracing::warn!(status = %self.status, error = %self.message, "request failed inside the relay")
+            }
+        }
+        let status = self.status_json();
         let mut resp = Response::new(body::full(status.to_string()));
         *resp.status_mut() = self.status;
         let h = resp.headers_mut();

@@ -49,6 +49,12 @@ pub struct Config {
     /// postgres://USER:PASSWORD@HOST/DB for replicas sharing one store.
     #[arg(long, env = "TETHER_RELAY_DATABASE_URL")]
     pub database_url: Option<String>,
+    /// UDP address for QUIC agent tunnels (default: the HTTPS listener's address, same port number).
+    #[arg(long, env = "TETHER_RELAY_QUIC_LISTEN")]
+    pub quic_listen: Option<std::net::SocketAddr>,
+    /// Do not listen for QUIC tunnels: agents connect over WebSocket only.
+    #[arg(long, env = "TETHER_RELAY_NO_QUIC")]
+    pub no_quic: bool,
     /// Connection and request limits.
     #[command(flatten)]
     pub limits: Limits,
@@ -176,9 +182,14 @@ pub struct Limits {
     /// other long-running request in flight keeps its connection (e.g. 5m, 30s).
     #[arg(long, env = "TETHER_RELAY_USER_IDLE_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
     pub user_idle_timeout: Duration,
-    /// Time allowed for the TLS handshake.
+    /// Time allowed for the TLS handshake; for QUIC tunnels, for the whole unauthenticated phase (QUIC and
+    /// TLS handshake, the agent's HELLO, its authentication).
     #[arg(skip = Duration::from_secs(10))]
     pub tls_handshake_timeout: Duration,
+    /// Most QUIC tunnel handshakes in progress (not yet authenticated) at once; past it new attempts are
+    /// refused at once (CONNECTION_REFUSED) and agents retry, or fall back to WebSocket.
+    #[arg(long, env = "TETHER_RELAY_MAX_QUIC_HANDSHAKES", default_value_t = 256)]
+    pub max_quic_handshakes: usize,
     /// Time allowed to receive a request's headers (HTTP/1.1).
     #[arg(skip = Duration::from_secs(30))]
     pub header_read_timeout: Duration,
@@ -388,7 +399,12 @@ impl Config {
                 .map_err(|e| ConfigError::UnsupportedDatabase(e.to_string()))?;
         }
         let l = &self.limits;
-        let checks: [(&'static str, bool, &'static str); 12] = [
+        let checks: [(&'static str, bool, &'static str); 13] = [
+            (
+                "max_quic_handshakes",
+                l.max_quic_handshakes == 0,
+                "must be at least 1",
+            ),
             (
                 "max_connections",
                 l.max_connections == 0,

@@ -5,6 +5,8 @@
 //!   relay's agent CA) and `GET /agent/v1/tunnel` (mTLS with that certificate, then a WebSocket upgrade carrying
 //!   a [`tether_tunnel::Connection`], one per cluster, whose first agent-opened stream is the control channel:
 //!   heartbeats, metadata, health, identity renewal);
+//! - agents over QUIC: a UDP listener on the same port number (`--quic-listen`, `--no-quic`) takes the same
+//!   tunnels over QUIC, authenticated by the same checks before the agent may open a stream;
 //! - users: `/clusters/NAME/…`, each request forwarded as HTTP/1.1 over a new stream of NAME's tunnel, bodies
 //!   streamed, `101` upgrades (exec, attach, port-forward) turned into raw byte pipes;
 //! - operators: the admin REST API under `/api/v1/` (bearer admin token): clusters (inventory with
@@ -43,6 +45,7 @@ mod guard_hub;
 mod handlers;
 mod identity;
 mod listener;
+mod quic_listener;
 mod quota;
 mod rbac;
 mod registry;
@@ -159,7 +162,8 @@ impl Relay {
     }
 
     /// Serves on `listener` until `shutdown` resolves, then stops gracefully: no new connections, tunnels
-    /// get GOAWAY, in-flight requests get `limits.shutdown_grace` to finish.
+    /// get GOAWAY, in-flight requests get `limits.shutdown_grace` to finish. Unless `no_quic` is set, QUIC
+    /// tunnels are accepted on UDP at `quic_listen`, by default at `listener`'s address (same port number).
     pub async fn serve(
         self,
         listener: TcpListener,
@@ -173,7 +177,12 @@ impl Relay {
             self.entra,
             self.registry,
         ));
-        listener::serve(shared, self.tls.server_config, listener, shutdown).await
+        let quic = quic_listener::bind(
+            &shared.config,
+            listener.local_addr().ok(),
+            self.tls.server_config.clone(),
+        )?;
+        listener::serve(shared, self.tls.server_config, listener, quic, shutdown).await
     }
 }
 

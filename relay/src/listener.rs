@@ -1,5 +1,6 @@
 //! The HTTPS listener: [`tether_runtime::serve`] (TLS, HTTP/1.1 and HTTP/2, limits) with the relay's shutdown
-//! sequence (agents told when to come back, then GOAWAY, grace, cut); requests go to [`crate::router`].
+//! sequence (agents told when to come back, then GOAWAY, grace, cut); requests go to [`crate::router`]. The
+//! QUIC listener ([`crate::quic_listener`]) runs beside it and stops with it.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -15,6 +16,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::RelayError;
+use crate::quic_listener;
 use crate::router;
 use crate::state::{ConnCtx, Shared};
 
@@ -50,12 +52,23 @@ pub(crate) async fn serve(
     shared: Arc<Shared>,
     tls: Arc<rustls::ServerConfig>,
     listener: TcpListener,
+    quic: Option<tether_tunnel::quic::Listener>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RelayError> {
     let limits = shared.config.limits.clone();
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "relay listening");
     }
+    let stop_quic = CancellationToken::new();
+    let quic = quic.map(|quic| {
+        let quic = Arc::new(quic);
+        let task = tokio::spawn(quic_listener::serve(
+            shared.clone(),
+            quic.clone(),
+            stop_quic.clone(),
+        ));
+        (quic, task)
+    });
     let stop_flusher = CancellationToken::new();
     let flusher = tokio::spawn(flush_activity(shared.clone(), stop_flusher.clone()));
     let svc_shared = shared.clone();
@@ -71,6 +84,7 @@ pub(crate) async fn serve(
     let connections =
         serve::serve(listener, tls, serve_limits(&limits), make_service, shutdown).await;
     tracing::info!("relay shutting down");
+    stop_quic.cancel();
 
     let tunnels = shared.registry.all();
     let window = reconnect_window(tunnels.len(), limits.reconnect_rate);
@@ -106,6 +120,10 @@ pub(crate) async fn serve(
         if cut.is_err() {
             tracing::warn!("some tasks did not stop after being cut; leaving them");
         }
+    }
+    if let Some((quic, task)) = quic {
+        let _ = task.await;
+        quic_listener::close(&quic, code::SHUTDOWN, "relay stopped");
     }
     stop_flusher.cancel();
     if flusher.await.is_err() {

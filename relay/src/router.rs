@@ -35,6 +35,12 @@ pub(crate) async fn route(
         } else {
             Err(ApiError::method_not_allowed())
         }
+    } else if path == "/agent/v1/check" {
+        if req.method() == Method::GET {
+            agent::check(&shared, &ctx, &req).await
+        } else {
+            Err(ApiError::method_not_allowed())
+        }
     } else if path == "/api/v1/clusters" {
         clusters::handle(&shared, req, None).await
     } else if let Some(name) = path.strip_prefix("/api/v1/clusters/") {

@@ -252,6 +252,50 @@ pub async fn connect_addr(
     )))
 }
 
+/// Only the QUIC and TLS handshakes with `addr` (`server_name` for SNI and the certificate check; the client
+/// certificate in `tls`, if any, is presented), then closes the connection with [`code::NO_ERROR`]: no HELLO
+/// is sent, so the relay opens no tunnel. Returns the round-trip time quinn measured. For `tether-agent doctor`
+/// (is UDP to the relay open, and does its certificate verify over QUIC?). Gives up after `timeout`.
+pub async fn probe(
+    addr: SocketAddr,
+    server_name: &str,
+    tls: Arc<rustls::ClientConfig>,
+    timeout: Duration,
+) -> Result<Duration, QuicError> {
+    let mut tls = (*tls).clone();
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    tls.enable_early_data = false;
+    let crypto =
+        QuicClientConfig::try_from(Arc::new(tls)).map_err(|e| QuicError::Tls(e.to_string()))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+    client.transport_config(Arc::new(transport_config(
+        &SessionConfig::new(Role::Client),
+        true,
+    )?));
+    let bind: SocketAddr = if addr.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let endpoint = quinn::Endpoint::client(bind).map_err(QuicError::Bind)?;
+    let connecting = endpoint
+        .connect_with(client, addr, server_name)
+        .map_err(|e| QuicError::Handshake(e.to_string()))?;
+    let result = match tokio::time::timeout(timeout, connecting).await {
+        Err(_) => Err(QuicError::TimedOut),
+        Ok(Err(e)) => Err(handshake_error(e)),
+        Ok(Ok(conn)) => {
+            let rtt = conn.rtt();
+            conn.close(varint(code::NO_ERROR), b"probe done");
+            Ok(rtt)
+        }
+    };
+    endpoint.close(varint(code::NO_ERROR), b"probe done");
+    // Lets the CONNECTION_CLOSE go out; bounded, as the peer may be gone.
+    let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
+    result
+}
+
 fn parse_url(url: &str) -> Result<(String, u16), QuicError> {
     let invalid = |why: &str| QuicError::InvalidUrl(format!("{url}: {why}"));
     let parsed = url::Url::parse(url).map_err(|e| invalid(&e.to_string()))?;
@@ -333,6 +377,12 @@ impl Listener {
         })
     }
 
+    /// Stops accepting: new attempts are refused, connections already accepted go on (for a graceful
+    /// shutdown; [`Listener::close`] ends them).
+    pub fn stop_accepting(&self) {
+        self.endpoint.set_server_config(None);
+    }
+
     /// Stops accepting and closes every connection of this endpoint with `code` and `reason`.
     pub fn close(&self, code: u32, reason: &str) {
         self.endpoint.close(varint(code), reason.as_bytes());
@@ -350,6 +400,12 @@ impl Handshake {
     /// The client's address.
     pub fn remote_address(&self) -> SocketAddr {
         self.incoming.remote_address()
+    }
+
+    /// Refuses the attempt before any handshake state is kept (the client sees CONNECTION_REFUSED): for a
+    /// server that is over its bound of handshakes in progress, or shutting down.
+    pub fn refuse(self) {
+        self.incoming.refuse();
     }
 
     /// Runs the QUIC/TLS handshake and reads the client's HELLO, within the handshake timeout. No stream can

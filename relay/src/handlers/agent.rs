@@ -1,5 +1,6 @@
 //! The agent endpoints: onboarding (token + CSR → the cluster's certificate) and the tunnel (mTLS, then a
-//! WebSocket upgrade handed to [`crate::tunnels`], which owns the life of the tunnel).
+//! WebSocket upgrade handed to [`crate::tunnels`], which owns the life of the tunnel). A QUIC tunnel
+//! ([`quic_tunnel`], from [`crate::quic_listener`]) is authenticated by the same checks.
 
 use std::sync::Arc;
 
@@ -8,7 +9,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use serde_json::json;
-use tether_tunnel::ws;
+use tether_tunnel::{code, quic, ws};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
@@ -117,13 +118,17 @@ fn agent_version(headers: &HeaderMap) -> String {
 
 /// Checks the client certificate of a tunnel request for `cluster`: it names the cluster, is its current (or
 /// just-replaced) identity, and has not expired. Returns what it read from it.
-async fn authenticate(shared: &Shared, ctx: &ConnCtx, cluster: &str) -> Result<PeerCert, ApiError> {
+async fn authenticate(
+    shared: &Shared,
+    client_cert: Option<&[u8]>,
+    cluster: &str,
+) -> Result<PeerCert, ApiError> {
     if !auth::valid_cluster_name(cluster) {
         return Err(ApiError::unauthorized(
             "the Tether-Cluster header must name the cluster (a DNS label)",
         ));
     }
-    let Some(cert) = &ctx.client_cert else {
+    let Some(cert) = client_cert else {
         return Err(ApiError::unauthorized(NO_CLIENT_CERT));
     };
     let peer = identity::parse_peer(cert).map_err(ApiError::unauthorized)?;
@@ -163,7 +168,8 @@ pub(crate) async fn tunnel(
     let cluster = header_str(req.headers(), "tether-cluster")
         .unwrap_or_default()
         .to_owned();
-    let peer = match authenticate(shared, &ctx, &cluster).await {
+    let client_cert = ctx.client_cert.as_deref().map(|c| c.as_ref());
+    let peer = match authenticate(shared, client_cert, &cluster).await {
         Ok(peer) => peer,
         Err(e) => {
             tracing::info!(cluster = %cluster, peer = %ctx.peer, reason = e.reason, error = %e.message, "agent tunnel refused");
@@ -192,6 +198,75 @@ pub(crate) async fn tunnel(
     });
     let (parts, ()) = switch.into_parts();
     Ok(Response::from_parts(parts, crate::body::empty()))
+}
+
+/// `GET /agent/v1/check`: the tunnel's authentication without the tunnel, for `tether-agent doctor`. The same
+/// checks as `GET /agent/v1/tunnel` (client certificate naming the `Tether-Cluster`, the cluster's current
+/// identity, not expired) and the same refusals; on success 200 with what the relay read and its own clock
+/// (`relayTime`), and no tunnel is opened, so a running agent is not disturbed.
+pub(crate) async fn check(
+    shared: &Shared,
+    ctx: &ConnCtx,
+    req: &Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    let cluster = header_str(req.headers(), "tether-cluster").unwrap_or_default();
+    let client_cert = ctx.client_cert.as_deref().map(|c| c.as_ref());
+    let peer = match authenticate(shared, client_cert, cluster).await {
+        Ok(peer) => peer,
+        Err(e) => {
+            tracing::info!(cluster = %cluster, peer = %ctx.peer, reason = e.reason, error = %e.message, "agent identity check refused");
+            return Err(e);
+        }
+    };
+    let format = |t: OffsetDateTime| {
+        t.format(&Rfc3339)
+            .map_err(|e| ApiError::internal(format!("cannot format a time: {e}")))
+    };
+    Ok(respond::json(
+        StatusCode::OK,
+        &json!({
+            "cluster": cluster,
+            "fingerprint": peer.fingerprint,
+            "notAfter": format(peer.not_after)?,
+            "relayTime": format(OffsetDateTime::now_utc())?,
+        }),
+    ))
+}
+
+/// A QUIC tunnel whose handshake is done: authenticates it exactly as [`tunnel`] does (the client certificate
+/// from the QUIC handshake, the cluster from the HELLO), then accepts it and starts the tunnel; or refuses it
+/// with the Kubernetes `Status` the WebSocket path would answer, as the reason (code REFUSED).
+pub(crate) async fn quic_tunnel(shared: &Arc<Shared>, pending: quic::PendingTunnel) {
+    let cluster = header_str(pending.headers(), "tether-cluster")
+        .unwrap_or_default()
+        .to_owned();
+    let remote = pending.remote_address();
+    let client_cert = pending.peer_certificates().first().map(|c| c.as_ref());
+    let peer = match authenticate(shared, client_cert, &cluster).await {
+        Ok(peer) => peer,
+        Err(e) => {
+            tracing::info!(cluster = %cluster, peer = %remote, reason = e.reason, error = %e.message, transport = "quic", "agent tunnel refused");
+            pending.refuse(code::REFUSED, &e.status_json().to_string());
+            return;
+        }
+    };
+    if shared.is_shutting_down() {
+        let e = ApiError::shutting_down();
+        pending.refuse(code::SHUTDOWN, &e.status_json().to_string());
+        return;
+    }
+    let version = agent_version(pending.headers());
+    let conn = match pending.accept().await {
+        Ok(conn) => conn,
+        Err(e) => {
+            tracing::info!(cluster = %cluster, peer = %remote, error = %e, "QUIC tunnel lost before it started");
+            return;
+        }
+    };
+    let task_shared = shared.clone();
+    shared.tasks.spawn(async move {
+        tunnels::run(&task_shared, &cluster, &version, &peer, conn).await;
+    });
 }
 
 #[cfg(test)]

@@ -329,6 +329,14 @@ fn cluster_view(shared: &Shared, mut c: ClusterRecord, now: OffsetDateTime) -> a
         agent_version: c.agent_version.clone(),
         connected: live.is_some(),
         connected_since: rfc3339(live.as_ref().map(|t| t.since)),
+        tunnels: live
+            .iter()
+            .map(|t| admin::Tunnel {
+                connected_since: rfc3339(Some(t.since)),
+                rtt_millis: t.conn.rtt().map(|rtt| rtt.as_secs_f64() * 1000.0),
+                transport: t.conn.transport().as_str().to_owned(),
+            })
+            .collect(),
         connectivity_status: connectivity(shared, &c, now).as_str().to_owned(),
         created_at: rfc3339(Some(c.created_at)),
         distribution: metadata.map(|m| m.distribution.clone()),
