@@ -26,12 +26,14 @@
 //! port ([`probes`]: `/readyz`, `/livez`, nothing else).
 //!
 //! Entry point: [`run`] with a [`Config`], as called by the `tether-agent` binary and by `tether up`.
+//! `tether-agent doctor` ([`doctor::run`]) checks, with the same configuration, what the agent needs.
 
 mod agent;
 pub mod auth_proxy;
 mod config;
 mod control;
 mod directory;
+pub mod doctor;
 pub mod forward;
 mod guard_push;
 mod health;

@@ -1,11 +1,14 @@
 //! `tether-agent`: parses flags (or their environment variables) straight into [`tether_agent::Config`],
 //! validates, and runs the agent until SIGINT or SIGTERM. Exit status: 0 after a clean drain, 64 for a bad
 //! configuration (flags included), 1 for a fatal error.
+//!
+//! `tether-agent doctor [the same flags] [-o json]` runs [`tether_agent::doctor`] instead: one line per check,
+//! exit status 0 when no check failed, 1 when one did, 64 for a bad configuration.
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use tether_agent::{AgentError, Config};
+use tether_agent::{AgentError, Config, ConfigError};
 use tether_runtime::cli::EX_USAGE;
 use tether_runtime::process::{LogFormat, init_tracing, shutdown_signal};
 
@@ -13,7 +16,8 @@ use tether_runtime::process::{LogFormat, init_tracing, shutdown_signal};
 #[command(
     name = "tether-agent",
     version,
-    about = "Tether cluster agent: dials the relay and serves its apiserver"
+    about = "Tether cluster agent: dials the relay and serves its apiserver",
+    after_help = "`tether-agent doctor` with the same flags checks what the agent needs (see `tether-agent doctor --help`)."
 )]
 struct Cli {
     #[command(flatten)]
@@ -25,7 +29,12 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli: Cli = tether_runtime::cli::parse();
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args.get(1).is_some_and(|a| a == "doctor") {
+        args.remove(1);
+        return doctor(tether_runtime::cli::parse_from(args)).await;
+    }
+    let cli: Cli = tether_runtime::cli::parse_from(args);
     init_tracing(cli.log_format);
     let config = match cli.config.with_proxy_env() {
         Ok(config) => config,
@@ -45,6 +54,33 @@ async fn main() -> ExitCode {
             eprintln!("tether-agent: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `tether-agent doctor`: the report on stdout; no identity is required (the identity check reports it).
+async fn doctor(args: tether_agent::doctor::Args) -> ExitCode {
+    tether_runtime::process::init_tracing_with_default(args.log_format, "warn");
+    let config = match args.config.with_proxy_env() {
+        Ok(config) => config,
+        Err(e) => return usage(&format!("invalid proxy settings: {e}")),
+    };
+    match config.validate() {
+        Ok(()) | Err(ConfigError::MissingOnboardingToken { .. }) => {}
+        Err(e) => return usage(&format!("invalid configuration: {e}")),
+    }
+    let options = tether_agent::doctor::Options {
+        max_clock_skew: args.max_clock_skew,
+    };
+    let report = tether_agent::doctor::run(&config, &options).await;
+    if args.output == "json" {
+        println!("{}", report.json());
+    } else {
+        print!("{}", report.text());
+    }
+    if report.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 

@@ -177,6 +177,19 @@ impl SecretStore {
         Ok(identity::decode(&json, key, relay, cluster, &where_)?)
     }
 
+    /// The identity for `relay` and `cluster` the Secret holds, if any, read only (no claim): what
+    /// `tether-agent doctor` inspects.
+    pub(crate) async fn peek(
+        &self,
+        relay: &str,
+        cluster: &str,
+    ) -> Result<Option<Identity>, StateSecretError> {
+        match self.read().await? {
+            Some(secret) => self.identity_in(&secret, relay, cluster),
+            None => Ok(None),
+        }
+    }
+
     /// The identity for `relay` and `cluster` when the Secret holds one that `usable` accepts; else a claim to
     /// onboard, or word to wait for another agent's onboarding.
     pub(crate) async fn acquire(

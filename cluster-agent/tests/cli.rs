@@ -313,3 +313,98 @@ fn https_proxy_in_the_environment_is_used_for_the_relay_only() -> Result<()> {
     assert!(!all.contains("http-proxy"), "{all}");
     Ok(())
 }
+
+#[test]
+fn doctor_takes_the_agent_flags_and_checks_them_the_same_way() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let state = state.to_str().unwrap_or_default();
+
+    let out = agent()
+        .args([
+            "doctor",
+            "--relay",
+            "http://relay.example",
+            "--cluster",
+            "prod",
+        ])
+        .args(["--state-dir", state])
+        .output()?;
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the scheme must be https"));
+
+    let out = agent().args(["doctor", "--help"]).output()?;
+    assert_eq!(out.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--relay",
+        "--relay-ca",
+        "--proxy-https",
+        "--max-clock-skew",
+        "--output",
+    ] {
+        assert!(help.contains(flag), "{flag}: {help}");
+    }
+
+    // The agent's whole command line works, --log-format included (the Helm chart passes it).
+    let out = agent()
+        .args([
+            "doctor",
+            "--log-format=json",
+            "--relay",
+            "http://relay.example",
+        ])
+        .args(["--cluster", "prod", "--state-dir", state])
+        .output()?;
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the scheme must be https"));
+
+    let out = agent()
+        .args(["doctor", "-o", "yaml", "--relay", "https://relay.example"])
+        .args(["--cluster", "prod", "--state-dir", state])
+        .output()?;
+    assert_eq!(out.status.code(), Some(64));
+    Ok(())
+}
+
+#[test]
+fn doctor_never_uses_or_shows_the_onboarding_token() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    // A closed port: the relay checks fail, the identity check says the agent will onboard.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let out = agent()
+        .args([
+            "doctor",
+            "--relay",
+            &format!("https://{closed}"),
+            "--cluster",
+            "prod",
+        ])
+        .args(["--connect-timeout", "2s"])
+        .arg("--state-dir")
+        .arg(&state)
+        .env("TETHER_ONBOARDING_TOKEN", "super-secret-onboarding-token")
+        .env("KUBECONFIG", dir.path().join("no-kubeconfig"))
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .output()?;
+    assert_eq!(out.status.code(), Some(1));
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!all.contains("super-secret-onboarding-token"), "{all}");
+    let identity = all
+        .lines()
+        .find(|l| l.split_whitespace().nth(1) == Some("identity"))
+        .unwrap_or_default();
+    assert!(
+        identity.starts_with("skip") && identity.contains("will onboard"),
+        "{all}"
+    );
+    assert!(all.lines().any(|l| l.starts_with("FAIL  tcp")), "{all}");
+    // Nothing was stored: the doctor does not onboard.
+    assert!(!state.join("identity.json").exists());
+    Ok(())
+}

@@ -165,9 +165,16 @@ impl Drop for TestApiserver {
 
 impl TestApiserver {
     pub async fn start() -> Result<Self> {
+        Self::start_on("127.0.0.1:0".parse()?).await
+    }
+
+    /// Listens on `addr` (its certificate names that IP address too).
+    pub async fn start_on(addr: SocketAddr) -> Result<Self> {
         let ca = Arc::new(TestCa::new()?);
-        let tls = tokio_rustls::TlsAcceptor::from(ca.server_config(&["localhost", "127.0.0.1"])?);
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let ip = addr.ip().to_string();
+        let tls =
+            tokio_rustls::TlsAcceptor::from(ca.server_config(&["localhost", "127.0.0.1", &ip])?);
+        let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let seen = Arc::new(Mutex::new(Vec::new()));
         let cluster = Arc::new(FakeCluster::new());
@@ -233,7 +240,7 @@ impl TestApiserver {
     }
 
     pub fn url(&self) -> String {
-        format!("https://127.0.0.1:{}", self.addr.port())
+        format!("https://{}", self.addr)
     }
 
     pub fn seen(&self) -> Vec<Seen> {

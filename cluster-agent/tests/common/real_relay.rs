@@ -63,7 +63,7 @@ impl RelayProcess {
     }
 
     pub fn url(&self) -> String {
-        format!("https://127.0.0.1:{}", self.addr.port())
+        format!("https://{}", self.addr)
     }
 
     pub async fn stop(mut self) -> Result<()> {
