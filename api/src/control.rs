@@ -65,6 +65,14 @@ pub enum Message {
 pub struct Hello {
     /// The agent's version (semver, e.g. `0.1.0`).
     pub agent_version: String,
+    /// A random id of the agent process, the same on each of its tunnels: tells the tunnels of two agent
+    /// replicas sharing one identity apart (empty from older agents).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub instance: String,
+    /// How many tunnels this agent process keeps to the relay fleet (its K; 0 from older agents, read as 1).
+    /// A cluster with fewer live tunnels than its agent keeps shows as `Degraded`.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub tunnels: u32,
 }
 
 /// Payload of [`Message::Welcome`].
@@ -76,6 +84,14 @@ pub struct Welcome {
     /// The newest agent version this relay offers, when it says.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub latest_agent_version: Option<String>,
+    /// The id of the relay replica that holds this tunnel (empty from older relays). An agent keeping several
+    /// tunnels spreads them over distinct replicas.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub replica: String,
+    /// How many relay replicas are live in the fleet, this one included (0 from older relays, read as 1):
+    /// an agent keeps at most this many tunnels on distinct replicas.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub replicas: u32,
 }
 
 /// Payload of [`Message::Heartbeat`].
@@ -194,6 +210,15 @@ pub struct Draining {
     /// relay's tunnel count divided by the accept rate it expects after a restart). Agents clamp it to a
     /// bound of their own.
     pub reconnect_within_ms: u64,
+    /// Make before break: the relay keeps serving the streams of this tunnel, and opens new ones on it, until
+    /// the agent has opened its replacement (to another replica) and sent GOAWAY on this tunnel, or until the
+    /// relay's drain timeout. The agent dials the replacement at once (`reconnect_within_ms` does not apply).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub make_before_break: bool,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Why a control message could not be sent or received.
@@ -339,10 +364,14 @@ mod tests {
         vec![
             Message::Hello(Hello {
                 agent_version: "0.1.0".into(),
+                instance: "5f0c".into(),
+                tunnels: 2,
             }),
             Message::Welcome(Welcome {
                 heartbeat_interval_seconds: 30,
                 latest_agent_version: Some("0.2.0".into()),
+                replica: "relay-0".into(),
+                replicas: 3,
             }),
             Message::Heartbeat(Heartbeat { seq: 7 }),
             Message::Metadata(Metadata {
@@ -395,6 +424,7 @@ mod tests {
             }),
             Message::Draining(Draining {
                 reconnect_within_ms: 10_000,
+                make_before_break: true,
             }),
         ]
     }
@@ -442,7 +472,7 @@ mod tests {
     fn wire_format_is_camel_case_with_a_type() -> anyhow::Result<()> {
         let frame = encode(&Message::Welcome(Welcome {
             heartbeat_interval_seconds: 30,
-            latest_agent_version: None,
+            ..Welcome::default()
         }))?;
         let json = r#"{"type":"welcome","heartbeatIntervalSeconds":30}"#;
         assert_eq!(&frame[..4], &(json.len() as u32).to_be_bytes());
@@ -515,7 +545,8 @@ mod tests {
         assert_eq!(
             m,
             Message::Hello(Hello {
-                agent_version: "1.2.3".into()
+                agent_version: "1.2.3".into(),
+                ..Hello::default()
             })
         );
         let m = decode(br#"{"type":"heartbeat"}"#)?;

@@ -181,6 +181,7 @@ async fn run_inner(
         &mut write,
         &Message::Hello(Hello {
             agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+            ..Hello::default()
         }),
     )
     .await?;

@@ -219,6 +219,7 @@ async fn control_channel(
     let version = env!("CARGO_PKG_VERSION").to_owned();
     let hello = control::Hello {
         agent_version: version.clone(),
+        ..control::Hello::default()
     };
     control::send(&mut wr, &Message::Hello(hello)).await?;
     if answer.accepted().await.is_err() {

@@ -100,6 +100,7 @@ pub(crate) async fn serve(mut channel: Channel, stream: Stream) {
             };
             let message = Message::Draining(wire::Draining {
                 reconnect_within_ms: u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
+                ..wire::Draining::default()
             });
             let sent = tokio::time::timeout(DRAINING_SEND, async {
                 wire::send(&mut wr, &message).await?;
@@ -272,6 +273,7 @@ where
             let welcome = Message::Welcome(Welcome {
                 heartbeat_interval_seconds: shared.config.heartbeat_interval.as_secs(),
                 latest_agent_version: Some(shared.config.latest_agent_version.clone()),
+                ..Welcome::default()
             });
             wire::send(wr, &welcome).await?;
             state.welcomed = true;

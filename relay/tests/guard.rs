@@ -139,6 +139,7 @@ impl Agent {
         agent
             .send(Message::Hello(Hello {
                 agent_version: "0.1.0".into(),
+                ..Hello::default()
             }))
             .await?;
         match agent.recv().await? {

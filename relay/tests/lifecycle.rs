@@ -56,6 +56,7 @@ impl Agent {
         agent
             .send(Message::Hello(Hello {
                 agent_version: version.into(),
+                ..Hello::default()
             }))
             .await?;
         match agent.recv().await? {
@@ -825,7 +826,8 @@ async fn shutdown_tells_each_agent_when_to_come_back_then_closes_gracefully() ->
         assert_eq!(
             draining,
             Message::Draining(Draining {
-                reconnect_within_ms: 2_000
+                reconnect_within_ms: 2_000,
+                ..Draining::default()
             })
         );
         // Then the channel ends cleanly, and the tunnel with it.

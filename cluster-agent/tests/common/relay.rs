@@ -508,6 +508,7 @@ async fn serve_control(conn: Connection, state: Arc<RelayState>) {
                     let welcome = Message::Welcome(Welcome {
                         heartbeat_interval_seconds: state.heartbeat_seconds.load(Ordering::SeqCst),
                         latest_agent_version: Some("9.9.9".to_owned()),
+                        ..Welcome::default()
                     });
                     if control::send(&mut write, &welcome).await.is_err() {
                         return;
