@@ -1,7 +1,7 @@
 //! Clear ends when the path breaks (issue 17, item 4), with the real kubectl through the relay: the cluster
 //! `faults` is served by a separate `tether-agent` process, SIGKILLed while kubectl holds a long-running
-//! request. Each request ends; `get -w` and `exec` say which cluster and why; `port-forward` says only that
-//! the connection was lost (see its test). A kube-rs `watcher` (an informer) through the relay resumes by
+//! request. Each request ends; `get -w`, `exec` and `port-forward` (over SPDY in a WebSocket, and over plain
+//! SPDY) say which cluster and why. A kube-rs `watcher` (an informer) through the relay resumes by
 //! itself once the agent is back and sees every change made while it was down.
 
 mod common;
@@ -159,12 +159,20 @@ async fn exec_ends_with_the_cluster_and_the_cause_when_the_agent_is_killed() -> 
     faults.stop().await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn port_forward_ends_when_the_agent_is_killed() -> anyhow::Result<()> {
-    let mut faults = Faults::start().await?;
-    let mut forward = faults.kubectl.spawn(&["port-forward", "pod/demo", ":7"])?;
+/// `kubectl port-forward` with one forwarded connection open when the agent is killed: kubectl prints the
+/// relay's message (which cluster, why) for that connection, then "lost connection to pod", and ends.
+async fn port_forward_names_the_cluster_and_the_cause(
+    faults: &mut Faults,
+    binary: Option<std::path::PathBuf>,
+) -> anyhow::Result<String> {
+    let token = faults.env.up.user_token.clone();
+    let mut kubectl = Kubectl::new(&faults.env.kubeconfig_for("faults", token.as_deref())?)?;
+    if let Some(binary) = binary {
+        kubectl = kubectl.with_binary(binary);
+    }
+    let mut forward = kubectl.spawn(&["port-forward", "pod/demo", ":7"])?;
     let echo = forward.forwarded_address(WAIT).await?;
-    // One connection through, so the WebSocket is up.
+    // One connection through and still open, so kubectl holds its error stream when the path breaks.
     let mut tcp = tokio::net::TcpStream::connect(echo).await?;
     {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -176,10 +184,37 @@ async fn port_forward_ends_when_the_agent_is_killed() -> anyhow::Result<()> {
     faults.kill_agent().await?;
     let stderr = stderr_naming(&forward, "lost connection").await;
     let _ = ended(forward).await?;
-    // kubectl (1.30+) tunnels SPDY inside the WebSocket and prints only "lost connection to pod", whatever
-    // the close frame's reason says (it carries the cluster and the cause); naming them would need the
-    // relay to speak SPDY inside the WebSocket (not done).
     assert!(stderr.contains("lost connection"), "{stderr}");
+    assert_names_cluster_and_cause(&stderr);
+    drop(tcp);
+    Ok(stderr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn port_forward_ends_with_the_cluster_and_the_cause_when_the_agent_is_killed()
+-> anyhow::Result<()> {
+    // kubectl ≥ 1.30: SPDY tunnelled in a WebSocket.
+    let mut faults = Faults::start().await?;
+    let stderr = port_forward_names_the_cluster_and_the_cause(&mut faults, None).await?;
+    println!("kubectl port-forward printed: {stderr}");
+    faults.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn port_forward_over_plain_spdy_ends_with_the_cluster_and_the_cause() -> anyhow::Result<()> {
+    // kubectl 1.29: SPDY on the upgraded connection itself.
+    let Some(kubectl_1_29) = tether_testkit::kubectl::versioned(29) else {
+        anyhow::ensure!(
+            std::env::var_os("CI").is_none(),
+            "kubectl 1.29 is missing: port-forward over plain SPDY cannot be tested"
+        );
+        eprintln!("skipping: no kubectl 1.29 (it port-forwards over plain SPDY)");
+        return Ok(());
+    };
+    let mut faults = Faults::start().await?;
+    let stderr =
+        port_forward_names_the_cluster_and_the_cause(&mut faults, Some(kubectl_1_29)).await?;
+    println!("kubectl 1.29 port-forward printed: {stderr}");
     faults.stop().await
 }
 
