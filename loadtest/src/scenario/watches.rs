@@ -25,7 +25,7 @@ use crate::cli::WatchesArgs;
 use crate::cluster::{CLUSTER, ClusterOptions, SampleCluster};
 use crate::procs;
 use crate::report::{Figure, Report, RunResult, TargetCheck};
-use crate::scenario::Env;
+use crate::scenario::{CpuMeter, Env};
 use crate::stats::Latency;
 use crate::watches::{Group, Watches};
 
@@ -106,12 +106,21 @@ pub async fn run(env: &Env, args: &WatchesArgs) -> anyhow::Result<Report> {
     )
     .await?;
     let before = memory(&cluster);
+    let mut pids = vec![
+        ("relay".to_owned(), cluster.relay.pid()),
+        ("sample apiserver".to_owned(), cluster.sample_pid()),
+    ];
+    if let Some(agent) = cluster.agent() {
+        pids.push(("agent".to_owned(), agent.process().pid()));
+    }
     env.say(&format!(
         "{IDLE}: {} s at {}/s",
         args.duration.as_secs(),
         args.get_rate
     ));
+    let meter = CpuMeter::start(&pids);
     let idle = probe(&cluster, &prober, args.get_rate, args.duration, IDLE).await?;
+    cpu_figures(&mut report, &meter, IDLE, idle.seconds);
     report.runs.push(idle);
 
     env.say(&format!("opening {total} watches"));
@@ -139,7 +148,9 @@ pub async fn run(env: &Env, args: &WatchesArgs) -> anyhow::Result<Report> {
         "{answered} of {total} answered in {open_secs:.1} s; {BESIDE}: {} s",
         args.duration.as_secs()
     ));
+    let meter = CpuMeter::start(&pids);
     let beside = probe(&cluster, &prober, args.get_rate, args.duration, BESIDE).await?;
+    cpu_figures(&mut report, &meter, BESIDE, beside.seconds);
     report.runs.push(beside);
     let during = memory(&cluster);
     let kubectl = kubectl_get_ns(env, &cluster).await;
@@ -159,6 +170,7 @@ pub async fn run(env: &Env, args: &WatchesArgs) -> anyhow::Result<Report> {
     ));
     let watches = Watches::open(&cluster, &groups, WATCH_PATH, WAIT).await?;
     let reopened = watches.answered();
+    let again = memory(&cluster);
     let killed = cluster.kill_agent().await.context("no agent to kill")?;
     let ended = watches.wait_ended(reopened, WAIT).await;
     let mut end_latency = Latency::new();
@@ -244,6 +256,16 @@ pub async fn run(env: &Env, args: &WatchesArgs) -> anyhow::Result<Report> {
             "MiB",
         ),
         ("agent RSS after settling", mib(settled.agent_kib), "MiB"),
+        (
+            "agent RSS with the watches open again (memory reused, not leaked, if ≈ the first time)",
+            mib(again.agent_kib),
+            "MiB",
+        ),
+        (
+            "relay RSS with the watches open again",
+            mib(again.relay_kib),
+            "MiB",
+        ),
         (
             "seconds until the tables were empty after the clients closed",
             drain_secs,
@@ -342,6 +364,17 @@ pub async fn run(env: &Env, args: &WatchesArgs) -> anyhow::Result<Report> {
         ends.as_ref().map_or(f64::NAN, |s| s.max_ms / 1000.0),
     ));
     Ok(report)
+}
+
+/// Each process's share of one core over a phase of `seconds`.
+fn cpu_figures(report: &mut Report, meter: &CpuMeter, phase: &str, seconds: f64) {
+    for (name, cpu) in meter.finish() {
+        report.figures.push(Figure::new(
+            format!("{name} CPU during \"{phase}\""),
+            cpu.as_secs_f64() * 100.0 / seconds.max(0.001),
+            "% of a core",
+        ));
+    }
 }
 
 /// The principals and their watches, as the options say.
