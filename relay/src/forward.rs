@@ -216,8 +216,9 @@ where
     };
     let (user_read, mut user_write) = tokio::io::split(user);
     let (agent_read, mut agent_write) = tokio::io::split(agent);
-    let mut user_read = Observed::new(user_read, |b: &[u8]| watch(&|pf| pf.from_user(b)));
-    let mut agent_read = Observed::new(agent_read, |b: &[u8]| watch(&|pf| pf.from_agent(b)));
+    let mut user_read = Observed::new(user_read, |b: &[u8]| watch(&|pf| pf.handle_user_bytes(b)));
+    let mut agent_read =
+        Observed::new(agent_read, |b: &[u8]| watch(&|pf| pf.handle_agent_bytes(b)));
     // The cause, once a port-forward's user was told it on each connection.
     let mut told: Option<String> = None;
     let (up, down) = {

@@ -119,7 +119,7 @@ impl PortForward {
     }
 
     /// Bytes the user sent towards the cluster.
-    pub(crate) fn from_user(&mut self, bytes: &[u8]) {
+    pub(crate) fn handle_user_bytes(&mut self, bytes: &[u8]) {
         if self.off {
             return;
         }
@@ -141,7 +141,7 @@ impl PortForward {
     }
 
     /// Bytes the cluster sent towards the user.
-    pub(crate) fn from_agent(&mut self, bytes: &[u8]) {
+    pub(crate) fn handle_agent_bytes(&mut self, bytes: &[u8]) {
         if self.off {
             return;
         }
@@ -818,17 +818,17 @@ mod tests {
         let mut kubectl = Client::new();
         // Three forwarded connections: one still open, one whose server already ended its error stream, one
         // the user reset.
-        pf.from_user(&kubectl.connection(1, 3, "0"));
-        pf.from_user(&kubectl.connection(5, 7, "1"));
-        pf.from_user(&kubectl.connection(9, 11, "2"));
+        pf.handle_user_bytes(&kubectl.connection(1, 3, "0"));
+        pf.handle_user_bytes(&kubectl.connection(5, 7, "1"));
+        pf.handle_user_bytes(&kubectl.connection(9, 11, "2"));
         for id in [1, 3, 5, 7, 9, 11] {
-            pf.from_agent(&syn_reply(id));
+            pf.handle_agent_bytes(&syn_reply(id));
         }
-        pf.from_agent(&data(3, false, b"echo"));
-        pf.from_agent(&data(5, true, b""));
-        pf.from_agent(&data(7, true, b""));
-        pf.from_user(&rst(9));
-        pf.from_user(&rst(11));
+        pf.handle_agent_bytes(&data(3, false, b"echo"));
+        pf.handle_agent_bytes(&data(5, true, b""));
+        pf.handle_agent_bytes(&data(7, true, b""));
+        pf.handle_user_bytes(&rst(9));
+        pf.handle_user_bytes(&rst(11));
         let out = pf
             .farewell("cluster prod: agent gone")
             .unwrap_or_else(|| panic!("no farewell"));
@@ -852,14 +852,14 @@ mod tests {
         }
         agent.extend(data(3, false, &[7; 300]));
         let mut whole = plain();
-        whole.from_user(&user);
-        whole.from_agent(&agent);
+        whole.handle_user_bytes(&user);
+        whole.handle_agent_bytes(&agent);
         let mut bytewise = plain();
         for b in &user {
-            bytewise.from_user(std::slice::from_ref(b));
+            bytewise.handle_user_bytes(std::slice::from_ref(b));
         }
         for b in &agent {
-            bytewise.from_agent(std::slice::from_ref(b));
+            bytewise.handle_agent_bytes(std::slice::from_ref(b));
         }
         let (a, b) = (whole.farewell("m"), bytewise.farewell("m"));
         assert!(a.is_some());
@@ -876,14 +876,14 @@ mod tests {
         let mut pf = plain();
         let mut kubectl = Client::new();
         assert_eq!(pf.farewell("m"), None, "no connection yet");
-        pf.from_user(&kubectl.connection(1, 3, "0"));
+        pf.handle_user_bytes(&kubectl.connection(1, 3, "0"));
         assert_eq!(pf.farewell("m"), None, "not answered yet");
-        pf.from_agent(&syn_reply(1));
-        pf.from_agent(&syn_reply(3));
+        pf.handle_agent_bytes(&syn_reply(1));
+        pf.handle_agent_bytes(&syn_reply(3));
         let frame = data(3, false, b"0123456789");
-        pf.from_agent(&frame[..12]);
+        pf.handle_agent_bytes(&frame[..12]);
         assert_eq!(pf.farewell("m"), None, "the cluster stopped inside a frame");
-        pf.from_agent(&frame[12..]);
+        pf.handle_agent_bytes(&frame[12..]);
         assert!(pf.farewell("m").is_some());
     }
 
@@ -897,19 +897,19 @@ mod tests {
         let mut wire = ws_frame(0x2, false, a, Some([1, 2, 3, 4]));
         wire.extend(ws_frame(0x9, true, b"ping", Some([5, 6, 7, 8])));
         wire.extend(ws_frame(0x0, true, b, Some([9, 10, 11, 12])));
-        pf.from_user(&wire);
+        pf.handle_user_bytes(&wire);
         let mut agent = syn_reply(1);
         agent.extend(syn_reply(3));
         let long = data(3, false, &[1; 70_000]);
         agent.extend(&long[..40]);
-        pf.from_agent(&ws_frame(0x2, true, &agent, None));
+        pf.handle_agent_bytes(&ws_frame(0x2, true, &agent, None));
         assert_eq!(pf.farewell("m"), None, "the SPDY frame is not finished");
         let rest = ws_frame(0x2, false, &long[40..], None);
-        pf.from_agent(&rest[..100]);
+        pf.handle_agent_bytes(&rest[..100]);
         assert_eq!(pf.farewell("m"), None, "inside a WebSocket frame");
-        pf.from_agent(&rest[100..]);
+        pf.handle_agent_bytes(&rest[100..]);
         assert_eq!(pf.farewell("m"), None, "inside a fragmented message");
-        pf.from_agent(&ws_frame(0x0, true, b"", None));
+        pf.handle_agent_bytes(&ws_frame(0x0, true, b"", None));
         let out = pf.farewell("cluster prod: gone").unwrap_or_default();
         assert_eq!(out[0], 0x82, "one unmasked, final binary frame");
         let len = usize::from(out[1]);
@@ -927,13 +927,13 @@ mod tests {
     fn what_is_not_understood_turns_it_off() {
         let mut pf = plain();
         let mut kubectl = Client::new();
-        pf.from_user(&kubectl.connection(1, 3, "0"));
-        pf.from_agent(&syn_reply(1));
+        pf.handle_user_bytes(&kubectl.connection(1, 3, "0"));
+        pf.handle_agent_bytes(&syn_reply(1));
         // SPDY version 2.
         let mut v2 = control(SYN_REPLY, 4);
         v2[1] = 2;
         v2.put_u32(3);
-        pf.from_agent(&v2);
+        pf.handle_agent_bytes(&v2);
         assert_eq!(pf.farewell("m"), None);
 
         // Corrupt header blocks.
@@ -941,19 +941,19 @@ mod tests {
         let mut frame = Client::new().syn_stream(1, &[("streamtype", "error")]);
         let last = frame.len() - 3;
         frame[last] ^= 0xff;
-        pf.from_user(&frame);
+        pf.handle_user_bytes(&frame);
         assert!(pf.off);
 
         // A header block over the bound.
         let mut pf = plain();
         let mut huge = control(SYN_STREAM, MAX_CONTROL + 1);
         huge.put_u32(1);
-        pf.from_user(&huge);
+        pf.handle_user_bytes(&huge);
         assert!(pf.off);
 
         // An unmasked frame from the user of a tunnel.
         let mut pf = tunneled();
-        pf.from_user(&ws_frame(0x2, true, b"x", None));
+        pf.handle_user_bytes(&ws_frame(0x2, true, b"x", None));
         assert!(pf.off);
     }
 }
