@@ -40,8 +40,9 @@ pub struct PoolOptions {
     /// SETTINGS_MAX_CONCURRENT_STREAMS; kube-apiserver's default is 100).
     #[arg(long = "upstream-streams-per-connection", env = "TETHER_UPSTREAM_STREAMS_PER_CONNECTION", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
     pub streams_per_connection: u32,
-    /// Connections to the apiserver at most (upgrades not counted: each has its own).
-    #[arg(long = "upstream-max-connections", env = "TETHER_UPSTREAM_MAX_CONNECTIONS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(2..))]
+    /// Connections to the apiserver at most (upgrades not counted: each has its own). The default lets one
+    /// tunnel carry 10,000 watches at kube-apiserver's 100 streams per connection, with room for short requests.
+    #[arg(long = "upstream-max-connections", env = "TETHER_UPSTREAM_MAX_CONNECTIONS", default_value_t = 128, value_parser = clap::value_parser!(u32).range(2..))]
     pub max_connections: u32,
     /// How long a request waits for a free stream when every connection is full, before a 503.
     #[arg(long = "upstream-queue-timeout", env = "TETHER_UPSTREAM_QUEUE_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
@@ -291,7 +292,7 @@ mod tests {
         let d = PoolOptions::default();
         assert_eq!(
             (d.streams_per_connection, d.max_connections, d.queue_timeout),
-            (100, 32, Duration::from_secs(5))
+            (100, 128, Duration::from_secs(5))
         );
     }
 

@@ -73,6 +73,10 @@ pub enum Command {
     Hol(HolArgs),
     /// Stream open/close cycles through one tunnel: relay and agent RSS and stream tables before and after.
     Churn(ChurnArgs),
+    /// Thousands of open watches through one tunnel to the sample apiserver (real relay, agent and apiserver
+    /// processes, the relay's product bounds, many principals): GET latency beside them, memory per watch,
+    /// upstream connections, the agent's memory after, and how fast every watch ends when the agent is killed.
+    Watches(WatchesArgs),
     /// Every scenario in turn, with its defaults (`churn` excepted: a million cycles take a while).
     All,
     /// Internal: serve the upstream (used as a child process by the scenarios).
@@ -320,6 +324,39 @@ impl Default for ChurnArgs {
     }
 }
 
+/// `watches` options.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct WatchesArgs {
+    /// Principals that each hold `--watches-per-principal` watches on one HTTP/2 connection (client-go
+    /// informers: k9s, Lens, Argo CD), each from a loopback address of its own.
+    #[arg(long, default_value_t = 20)]
+    pub principals: usize,
+    /// Watches of each of those principals.
+    #[arg(long, default_value_t = 100)]
+    pub watches_per_principal: usize,
+    /// Watches of one more principal, one HTTP/1.1 connection each (a kube-rs controller); 0: none.
+    #[arg(long, default_value_t = 1000)]
+    pub controller_watches: usize,
+    /// GETs per second of the latency probe (a principal of its own; the relay lets one sustain 200/s).
+    #[arg(long, default_value_t = 100)]
+    pub get_rate: u32,
+    /// Measured time of each latency phase (idle, beside the watches).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub duration: Duration,
+    /// How long the agent sits idle after the watches closed before its memory is read the last time.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub settle: Duration,
+}
+
+impl Default for WatchesArgs {
+    /// The command line's defaults.
+    fn default() -> Self {
+        defaults()
+    }
+}
+
 /// `upstream` (internal) options.
 #[derive(Debug, Clone, Args)]
 pub struct UpstreamArgs {
@@ -491,6 +528,7 @@ mod tests {
             ("tunnels", true),
             ("reconnect", true),
             ("hol", true),
+            ("watches", true),
             ("nope", false),
         ] {
             assert_eq!(

@@ -6,12 +6,14 @@
 //! (large streamed responses over one stream and many), `tunnels` (M idle tunnels on one relay: RSS, heartbeat
 //! CPU, connect rate), `reconnect` (the relay restarted under M agents), `hol` (a stalled reader beside
 //! parallel GETs on the same tunnel), `churn` (stream open/close cycles: relay and agent RSS and stream tables
-//! before and after). Each writes a [`report::Report`] as JSON, a readable table and SVG plots.
+//! before and after), `watches` (thousands of open watches from many principals through one tunnel to the
+//! sample apiserver: latency beside them, memory per watch, the agent killed under them). Each writes a [`report::Report`] as JSON, a readable table and SVG plots.
 //!
 //! Tether is driven through its binaries (`tether-relay`, `tether-agent`), its admin REST API and its agent
 //! endpoints, never by linking the relay or agent crates; simulated agents (for thousands of tunnels) use
 //! `tether_tunnel` to dial. The upstream is a minimal HTTPS server in this crate ([`upstream`]) that does no
-//! work, run as a child process. Everything runs on 127.0.0.1, bounded in time and count, and every child
+//! work, run as a child process; `watches` uses the test kit's sample apiserver instead ([`cluster`]), for
+//! watches that behave like kube-apiserver's, and its development issuer for principals of their own. Everything runs on 127.0.0.1, bounded in time and count, and every child
 //! process is killed at the end.
 //!
 //! What it does not do: assert anything about timings (it measures; the targets are reported, not enforced),
@@ -20,6 +22,7 @@
 pub mod certs;
 pub mod cli;
 pub mod client;
+pub mod cluster;
 pub mod peers;
 pub mod plot;
 pub mod procs;
@@ -29,6 +32,7 @@ pub mod sim;
 pub mod stats;
 pub mod tether;
 pub mod upstream;
+pub mod watches;
 
 use cli::{BulkArgs, Cli, Command, HolArgs, ReconnectArgs, RequestsArgs, TunnelsArgs};
 use report::Report;
@@ -55,6 +59,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<Vec<Report>> {
         }
         Command::Hol(a) => reports.push(finish(&env, scenario::hol::run(&env, a).await?)?),
         Command::Churn(a) => reports.push(finish(&env, scenario::churn::run(&env, a).await?)?),
+        Command::Watches(a) => reports.push(finish(&env, scenario::watches::run(&env, a).await?)?),
         Command::All => {
             reports.push(finish(
                 &env,

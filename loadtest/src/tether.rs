@@ -26,10 +26,12 @@ pub struct Binaries {
     pub relay: PathBuf,
     /// `tether-agent`.
     pub agent: PathBuf,
+    /// `tether-sample-apiserver` (the test kit's stand-in for kube-apiserver), when found.
+    pub sample_apiserver: Option<PathBuf>,
 }
 
 impl Binaries {
-    /// Finds both binaries in `dir`, else next to this executable, else on PATH.
+    /// Finds the binaries in `dir`, else next to this executable, else on PATH.
     pub fn locate(dir: Option<&Path>) -> anyhow::Result<Self> {
         let own_dir = std::env::current_exe()
             .ok()
@@ -54,7 +56,11 @@ impl Binaries {
                 .or_else(|| procs::find_program(name, None))
         };
         match (find("tether-relay"), find("tether-agent")) {
-            (Some(relay), Some(agent)) => Ok(Self { relay, agent }),
+            (Some(relay), Some(agent)) => Ok(Self {
+                relay,
+                agent,
+                sample_apiserver: find("tether-sample-apiserver"),
+            }),
             _ => bail!(
                 "tether-relay and tether-agent not found (looked in {candidates:?} and PATH): build them with \
                  `cargo build --release --workspace --bins` or pass --bin-dir"
@@ -72,6 +78,11 @@ pub struct RelayOptions {
     pub log_level: String,
     /// Heartbeat interval to ask for, when the relay has a `--heartbeat-interval` flag.
     pub heartbeat_interval: Option<Duration>,
+    /// Keep the relay's own per-client bounds (streams, rates, connections per principal and per address)
+    /// instead of lifting them; for scenarios whose clients are many principals, as in production.
+    pub product_bounds: bool,
+    /// More flags for the relay (e.g. `--entra-*`).
+    pub extra_args: Vec<String>,
 }
 
 /// A running `tether-relay`.
@@ -133,8 +144,8 @@ impl RelayProcess {
                 args.push(format!("{}s", hb.as_secs().max(1)));
             }
             // The load generator is one principal from one address by design: lift the relay's per-client
-            // bounds (issue 10) so they do not shape the figures.
-            if relay_supports(binary, "--principal-request-rate") {
+            // bounds (issue 10) so they do not shape the figures (unless the scenario's clients are many).
+            if !options.product_bounds && relay_supports(binary, "--principal-request-rate") {
                 for flag in [
                     "--max-streams-per-principal",
                     "--max-streams-per-ip",
@@ -147,7 +158,8 @@ impl RelayProcess {
                     args.push("1000000".to_owned());
                 }
             }
-            if relay_supports(binary, "--max-connections-per-principal") {
+            if !options.product_bounds && relay_supports(binary, "--max-connections-per-principal")
+            {
                 for flag in [
                     "--max-connections-per-principal",
                     "--max-connections-per-ip",
@@ -161,6 +173,7 @@ impl RelayProcess {
                     args.push("1000000".to_owned());
                 }
             }
+            args.extend(options.extra_args.iter().cloned());
             let log = data_dir.join("relay.log");
             let proc = Proc::spawn(
                 "tether-relay",
@@ -352,17 +365,36 @@ impl RelayProcess {
 
 /// Writes a kubeconfig naming the upstream at `server` (trusting `ca_pem`) with a dummy token.
 pub fn write_kubeconfig(path: &Path, server: &str, ca_pem: &str) -> anyhow::Result<()> {
+    write_kubeconfig_with_token(path, server, ca_pem, "loadtest")
+}
+
+/// Writes a kubeconfig naming `server` (trusting `ca_pem`) with a bearer `token`, readable by its owner only.
+pub fn write_kubeconfig_with_token(
+    path: &Path,
+    server: &str,
+    ca_pem: &str,
+    token: &str,
+) -> anyhow::Result<()> {
     use base64::Engine as _;
     let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
     let config = json!({
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "upstream", "cluster": {"server": server, "certificate-authority-data": ca}}],
-        "users": [{"name": "loadtest", "user": {"token": "loadtest"}}],
+        "users": [{"name": "loadtest", "user": {"token": token}}],
         "contexts": [{"name": "upstream", "context": {"cluster": "upstream", "user": "loadtest"}}],
         "current-context": "upstream",
     });
-    std::fs::write(path, serde_yaml::to_string(&config)?)?;
+    let text = serde_yaml::to_string(&config)?;
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(text.as_bytes())?;
     Ok(())
 }
 
@@ -452,5 +484,10 @@ impl AgentProcess {
     /// Stops the agent (SIGTERM, then kill after `grace`).
     pub async fn stop(self, grace: Duration) {
         self.proc.stop(grace).await;
+    }
+
+    /// Kills the agent (SIGKILL), as a crash or an OOM kill would: no drain, its sockets just close.
+    pub async fn kill(self) {
+        self.proc.kill().await;
     }
 }

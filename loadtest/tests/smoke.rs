@@ -182,7 +182,7 @@ fn hol_runs_three_phases() -> anyhow::Result<()> {
     )?;
     for label in [
         "tether baseline",
-        "tether + stalled reader",
+        "tether + stalled readers",
         "tether baseline again",
     ] {
         let r =
@@ -190,7 +190,11 @@ fn hol_runs_three_phases() -> anyhow::Result<()> {
         assert!(r["requests"].as_u64().is_some_and(|n| n > 0), "{r}");
     }
     assert!(
-        figure(&report, "bytes the stalled reader read before stopping").is_some_and(|b| b > 0.0)
+        figure(
+            &report,
+            "bytes the stalled readers read before stopping, together"
+        )
+        .is_some_and(|b| b > 0.0)
     );
     assert_eq!(report["targets"].as_array().map(Vec::len), Some(1));
     Ok(())

@@ -123,7 +123,8 @@ where
 
 /// What the relay can say on an upgraded WebSocket (exec, attach, port-forward) when the agent's side of the
 /// pipe breaks, from the 101's `Upgrade` and negotiated `Sec-WebSocket-Protocol`; `None` for anything else
-/// (SPDY: its frames carry compressed headers and stream ids the relay does not track, so it can only close).
+/// (plain SPDY). Port-forwards over SPDY, plain or tunnelled, are also told on each forwarded connection's
+/// error stream ([`crate::spdy`]), before this close.
 ///
 /// - `v4.channel.k8s.io`, `v5.channel.k8s.io` (exec, attach): a binary frame on the error channel (3) holding
 ///   a `Status`, which kubectl prints, then a close frame;
@@ -172,7 +173,7 @@ pub(crate) fn websocket_break(headers: &HeaderMap, cluster: &str, cause: &str) -
 }
 
 /// One unmasked (server-to-client) WebSocket frame with FIN set.
-fn push_frame(out: &mut Vec<u8>, opcode: u8, payload: &[u8]) {
+pub(crate) fn push_frame(out: &mut Vec<u8>, opcode: u8, payload: &[u8]) {
     out.push(0x80 | opcode);
     match payload.len() {
         n @ 0..=125 => out.push(n as u8),

@@ -21,6 +21,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use crate::api_error::ApiError;
 use crate::body::{Body, BoxError};
 use crate::ends;
+use crate::spdy;
 
 /// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1, plus the legacy proxy ones).
 const HOP_BY_HOP: [HeaderName; 8] = [
@@ -192,48 +193,104 @@ fn explain_body_error(cluster: &str, e: &BoxError) -> String {
     }
 }
 
+/// How long the relay waits, after telling a port-forward's user why its connections ended, for the user to
+/// close (kubectl prints the message, then closes): closing first could make it exit before it prints.
+const FAREWELL_WAIT: Duration = Duration::from_secs(2);
+
 /// Copies both ways until both directions end, half-close included. When the agent's side breaks (the tunnel
 /// is lost, the agent is gone or resets the stream) rather than ending, the user is told why where the
-/// protocol allows it ([`ends::websocket_break`]) before its side is closed.
+/// protocol allows it before its side is closed: [`ends::websocket_break`] for WebSocket exec and attach, and
+/// for port-forwards over SPDY (plain or in a WebSocket) a message on the error stream of every forwarded
+/// connection still open ([`spdy::PortForward`], which watches the bytes as they pass).
 async fn pipe<U, A>(user: U, agent: A, headers: &HeaderMap, cluster: &str)
 where
     U: AsyncRead + AsyncWrite + Unpin,
     A: AsyncRead + AsyncWrite + Unpin,
 {
     use tokio::io::AsyncWriteExt as _;
-    let (mut user_read, mut user_write) = tokio::io::split(user);
-    let (mut agent_read, mut agent_write) = tokio::io::split(agent);
-    let up = async {
-        let result = tokio::io::copy(&mut user_read, &mut agent_write).await;
-        let _ = agent_write.shutdown().await;
-        result
+    let port_forward = spdy::PortForward::for_upgrade(headers).map(std::sync::Mutex::new);
+    let watch = |f: &dyn Fn(&mut spdy::PortForward)| {
+        if let Some(pf) = &port_forward {
+            f(&mut pf.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        }
     };
-    let down = async {
-        let result = tokio::io::copy(&mut agent_read, &mut user_write).await;
-        if let Err(e) = &result {
+    let (user_read, mut user_write) = tokio::io::split(user);
+    let (agent_read, mut agent_write) = tokio::io::split(agent);
+    let mut user_read = Observed::new(user_read, |b: &[u8]| watch(&|pf| pf.handle_user_bytes(b)));
+    let mut agent_read =
+        Observed::new(agent_read, |b: &[u8]| watch(&|pf| pf.handle_agent_bytes(b)));
+    // The cause, once a port-forward's user was told it on each connection.
+    let mut told: Option<String> = None;
+    let (up, down) = {
+        let up = async {
+            let result = tokio::io::copy(&mut user_read, &mut agent_write).await;
+            let _ = agent_write.shutdown().await;
+            result
+        };
+        let down = async {
+            let result = tokio::io::copy(&mut agent_read, &mut user_write).await;
+            let Err(e) = &result else {
+                let _ = user_write.shutdown().await;
+                return result;
+            };
             let boxed: BoxError = match find_tunnel_error(e) {
                 Some(te) => Box::new(te.clone()),
                 None => Box::new(std::io::Error::new(e.kind(), e.to_string())),
             };
             let cause = explain_body_error(cluster, &boxed);
+            let message = format!("cluster {cluster}: {cause}");
+            let farewell = port_forward.as_ref().and_then(|pf| {
+                pf.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .farewell(&message)
+            });
+            if let Some(bytes) = farewell {
+                tracing::info!(cluster = %cluster, %cause, "port-forward broke; told the user why on each connection");
+                if user_write.write_all(&bytes).await.is_ok() {
+                    told = Some(cause);
+                }
+                // The close waits until the user has read it (below).
+                return result;
+            }
             if let Some(bytes) = ends::websocket_break(headers, cluster, &cause) {
                 tracing::info!(cluster = %cluster, %cause, "upgraded stream broke; told the user why");
                 let _ = user_write.write_all(&bytes).await;
             }
+            let _ = user_write.shutdown().await;
+            result
+        };
+        tokio::pin!(up, down);
+        // A broken agent side ends the pipe (the user's side is told and closed); a clean end of either
+        // direction waits for the other (half-close).
+        tokio::select! {
+            down_result = &mut down => match down_result {
+                Err(e) => (None, Err(e)),
+                Ok(n) => (Some(up.await), Ok(n)),
+            },
+            up_result = &mut up => (Some(up_result), down.await),
+        }
+    };
+    if let Some(cause) = told {
+        // kubectl prints each connection's message, then closes the session; wait (bounded) for that, then
+        // close our side the way a WebSocket closes.
+        let drained = tokio::time::timeout(FAREWELL_WAIT, async {
+            let mut sink = [0u8; 4096];
+            while let Ok(n) = tokio::io::AsyncReadExt::read(&mut user_read, &mut sink).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        })
+        .await;
+        if drained.is_err() {
+            tracing::debug!(cluster = %cluster, "the port-forward's user did not close after being told");
+        }
+        // Port-forward's WebSocket gets only its close frame here (no exec error channel).
+        if let Some(bytes) = ends::websocket_break(headers, cluster, &cause) {
+            let _ = user_write.write_all(&bytes).await;
         }
         let _ = user_write.shutdown().await;
-        result
-    };
-    tokio::pin!(up, down);
-    // A broken agent side ends the pipe (the user's side is told and closed); a clean end of either
-    // direction waits for the other (half-close).
-    let (up, down) = tokio::select! {
-        down_result = &mut down => match down_result {
-            Err(e) => (None, Err(e)),
-            Ok(n) => (Some(up.await), Ok(n)),
-        },
-        up_result = &mut up => (Some(up_result), down.await),
-    };
+    }
     match (up, down) {
         (Some(Ok(up)), Ok(down)) => {
             tracing::debug!(cluster = %cluster, up, down, "upgraded stream finished")
@@ -244,6 +301,36 @@ where
             down = ?down.err(),
             "upgraded stream ended with an error"
         ),
+    }
+}
+
+/// A reader that shows every byte it reads to `observe` (the bytes are not changed).
+struct Observed<R, F> {
+    inner: R,
+    observe: F,
+}
+
+impl<R, F> Observed<R, F> {
+    fn new(inner: R, observe: F) -> Self {
+        Self { inner, observe }
+    }
+}
+
+impl<R: AsyncRead + Unpin, F: FnMut(&[u8]) + Unpin> AsyncRead for Observed<R, F> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let this = &mut *self;
+        let result = std::pin::Pin::new(&mut this.inner).poll_read(cx, buf);
+        if let std::task::Poll::Ready(Ok(())) = &result
+            && buf.filled().len() > before
+        {
+            (this.observe)(&buf.filled()[before..]);
+        }
+        result
     }
 }
 

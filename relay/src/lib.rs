@@ -51,6 +51,7 @@ mod rbac;
 mod registry;
 mod respond;
 mod router;
+mod spdy;
 mod state;
 mod status;
 pub mod store;

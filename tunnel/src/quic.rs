@@ -828,8 +828,11 @@ struct Shared {
     conn: quinn::Connection,
     config: SessionConfig,
     state: Mutex<State>,
-    /// Wakes `accept()` and `closed()` waiters.
+    /// Wakes `accept()` waiters (a stream arrived, the connection is going away or closed).
     notify: Notify,
+    /// Wakes `closed()` waiters, once the connection has closed: every stream's task may wait there, so it is
+    /// not woken at each new stream (see the WebSocket transport's `Shared`).
+    closed_notify: Notify,
 }
 
 impl Shared {
@@ -979,6 +982,7 @@ impl QuicConnection {
                 session: Some(session_send),
             }),
             notify: Notify::new(),
+            closed_notify: Notify::new(),
         });
         tokio::spawn(accept_streams(shared.clone()));
         tokio::spawn(watch_session(shared.clone(), session_recv));
@@ -1075,7 +1079,7 @@ impl QuicConnection {
     pub(crate) async fn closed(&self) -> CloseInfo {
         let shared = self.shared();
         loop {
-            let notified = shared.notify.notified();
+            let notified = shared.closed_notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             if let Some(info) = shared.lock().closed.clone() {
@@ -1218,6 +1222,7 @@ async fn watch_closed(shared: Arc<Shared>) {
     st.incoming.clear();
     drop(st);
     shared.notify.notify_waiters();
+    shared.closed_notify.notify_waiters();
 }
 
 // ---------------------------------------------------------------------------------------------------------

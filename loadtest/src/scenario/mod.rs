@@ -25,6 +25,7 @@ pub mod hol;
 pub mod reconnect;
 pub mod requests;
 pub mod tunnels;
+pub mod watches;
 
 /// What every scenario needs: options, a working directory, progress bars.
 #[derive(Debug)]
@@ -126,6 +127,7 @@ impl Env {
             wrapper: self.common.relay_wrapper.clone(),
             log_level: self.common.log_level.clone(),
             heartbeat_interval: heartbeat,
+            ..RelayOptions::default()
         }
     }
 
