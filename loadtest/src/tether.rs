@@ -72,6 +72,8 @@ pub struct RelayOptions {
     pub log_level: String,
     /// Heartbeat interval to ask for, when the relay has a `--heartbeat-interval` flag.
     pub heartbeat_interval: Option<Duration>,
+    /// More arguments (`--FLAG=VALUE`); a per-client bound given here is not lifted.
+    pub extra_args: Vec<String>,
 }
 
 /// A running `tether-relay`.
@@ -99,6 +101,15 @@ pub fn relay_supports(binary: &Path, flag: &str) -> bool {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).contains(flag))
         .unwrap_or(false)
+}
+
+impl RelayOptions {
+    /// Whether `flag` is among the extra arguments (`--flag=…` or `--flag`).
+    fn names(&self, flag: &str) -> bool {
+        self.extra_args
+            .iter()
+            .any(|a| a == flag || a.strip_prefix(flag).is_some_and(|r| r.starts_with('=')))
+    }
 }
 
 impl RelayProcess {
@@ -143,8 +154,10 @@ impl RelayProcess {
                     "--ip-request-rate",
                     "--ip-request-burst",
                 ] {
-                    args.push(flag.to_owned());
-                    args.push("1000000".to_owned());
+                    if !options.names(flag) {
+                        args.push(flag.to_owned());
+                        args.push("1000000".to_owned());
+                    }
                 }
             }
             if relay_supports(binary, "--max-connections-per-principal") {
@@ -157,10 +170,13 @@ impl RelayProcess {
                     "--ip-early-cancel-rate",
                     "--ip-early-cancel-burst",
                 ] {
-                    args.push(flag.to_owned());
-                    args.push("1000000".to_owned());
+                    if !options.names(flag) {
+                        args.push(flag.to_owned());
+                        args.push("1000000".to_owned());
+                    }
                 }
             }
+            args.extend(options.extra_args.iter().cloned());
             let log = data_dir.join("relay.log");
             let proc = Proc::spawn(
                 "tether-relay",
@@ -452,5 +468,25 @@ impl AgentProcess {
     /// Stops the agent (SIGTERM, then kill after `grace`).
     pub async fn stop(self, grace: Duration) {
         self.proc.stop(grace).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bound_given_as_a_relay_argument_is_not_lifted() {
+        let options = RelayOptions {
+            extra_args: vec![
+                "--principal-early-cancel-rate=10".into(),
+                "--max-handshakes-per-ip".into(),
+            ],
+            ..RelayOptions::default()
+        };
+        assert!(options.names("--principal-early-cancel-rate"));
+        assert!(options.names("--max-handshakes-per-ip"));
+        assert!(!options.names("--principal-early-cancel-burst"));
+        assert!(!options.names("--principal-early-cancel"));
     }
 }
