@@ -10,7 +10,8 @@
 //! Matching is ASCII case-insensitive and `*` matches any run of characters, as in Azure.
 //!
 //! A namespace-scoped deny also covers requests across all namespaces (`list secrets -A`), and a [`Protection`]
-//! keeps the agent's namespace to cluster administrators whatever the snapshot says.
+//! keeps the agent's namespace to cluster administrators whatever the snapshot says and keeps the agent's own
+//! identity from impersonating `system:` users and groups or service accounts ([`agent_impersonation`]).
 //!
 //! Guard only has opinions on Entra identities: `system:` users and users without an `oid` extra get "no
 //! opinion", so Kubernetes RBAC still applies to them. Not granted is `allowed=false, denied=false` (other
@@ -883,6 +884,43 @@ pub struct Protection {
     pub agent_namespace: Option<String>,
 }
 
+/// Whether `req` is one of the agent namespace's service accounts (the agent's identity) impersonating what the
+/// agent never needs to: a user or group whose name starts with `system:` (any case: `system:masters`,
+/// `system:admin`, `system:node:…`) or any service account. The agent impersonates only the Entra users and groups
+/// it validated itself (and those refuse `system:` names), but its service account is allowed `impersonate` on
+/// every user and group (Kubernetes RBAC cannot say "any but `system:*`"), so a stolen agent token would otherwise
+/// be `system:masters`. `Some(denied)` for such a request; `None` (guard has no opinion, RBAC decides) for
+/// everything else and without an agent namespace. Pure.
+///
+/// kube-apiserver asks guard about the agent's service account only with the second webhook authorizer of the
+/// shipped `deploy/guard/authorization-config.yaml`, which matches that namespace's service accounts.
+pub fn agent_impersonation(req: &AccessRequest, protection: &Protection) -> Option<Decision> {
+    let ns = protection
+        .agent_namespace
+        .as_deref()
+        .filter(|n| !n.is_empty())?;
+    let rest = req.user.strip_prefix("system:serviceaccount:")?;
+    if rest.split_once(':').map(|(n, _)| n) != Some(ns) {
+        return None;
+    }
+    let r = req.resource.as_ref().filter(|r| r.verb == "impersonate")?;
+    let reserved = r.name.to_ascii_lowercase().starts_with("system:");
+    let what = match (r.group.as_str(), r.resource.as_str()) {
+        ("", "users") if reserved => format!("the user {:?}", truncate(&r.name, 80)),
+        ("", "groups") if reserved => format!("the group {:?}", truncate(&r.name, 80)),
+        ("", "serviceaccounts") => format!(
+            "the service account {:?} in namespace {:?}",
+            truncate(&r.name, 80),
+            truncate(&r.namespace, 80)
+        ),
+        _ => return None,
+    };
+    Some(Decision::deny(format!(
+        "tether guard: the agent's identity ({}) may impersonate Entra users and groups only, not {what}",
+        truncate(&req.user, 120)
+    )))
+}
+
 /// [`evaluate`] under a [`Protection`]: a protected request by a principal that is not a cluster administrator
 /// is denied before the snapshot is consulted (pure).
 pub fn evaluate_protected(
@@ -1568,6 +1606,73 @@ mod tests {
         }
         assert!(decide(&snap, &alice(res("get", "", "pods", "log", "dev"))).allowed);
         assert!(!decide(&snap, &bob(res("get", "", "nodes", "proxy", ""))).allowed);
+    }
+
+    #[test]
+    fn the_agents_identity_cannot_impersonate_reserved_names_or_service_accounts() {
+        let protection = Protection {
+            agent_namespace: Some("tether-system".to_owned()),
+        };
+        let imp = |user: &str, group: &str, resource: &str, name: &str, ns: &str| AccessRequest {
+            user: user.to_owned(),
+            resource: Some(ResourceAttributes {
+                name: name.to_owned(),
+                ..res("impersonate", group, resource, "", ns)
+            }),
+            ..Default::default()
+        };
+        let agent = "system:serviceaccount:tether-system:tether-agent";
+        for (group, resource, name, ns) in [
+            ("", "users", "system:admin", ""),
+            ("", "users", "System:Kube-Controller-Manager", ""),
+            ("", "groups", "system:masters", ""),
+            ("", "groups", "system:nodes", ""),
+            ("", "serviceaccounts", "default", "kube-system"),
+        ] {
+            let d = agent_impersonation(&imp(agent, group, resource, name, ns), &protection);
+            assert!(
+                d.as_ref().is_some_and(|d| d.denied && !d.allowed),
+                "{resource} {name}: {d:?}"
+            );
+        }
+        // What the agent does impersonate, and everyone else, is left to Kubernetes RBAC.
+        for (user, group, resource, name) in [
+            (agent, "", "users", "alice@contoso.com"),
+            (agent, "", "groups", "5e000000-0000-4000-8000-000000000001"),
+            (agent, "authentication.k8s.io", "userextras/oid", "0000"),
+            (agent, "authentication.k8s.io", "uids", "0000"),
+            (
+                "system:serviceaccount:other:tether-agent",
+                "",
+                "groups",
+                "system:masters",
+            ),
+            (
+                "system:serviceaccount:tether-system-2:x",
+                "",
+                "groups",
+                "system:masters",
+            ),
+            ("admin", "", "groups", "system:masters"),
+        ] {
+            assert_eq!(
+                agent_impersonation(&imp(user, group, resource, name, ""), &protection),
+                None,
+                "{user} {resource} {name}"
+            );
+        }
+        let mut get = imp(agent, "", "groups", "system:masters", "");
+        if let Some(r) = &mut get.resource {
+            r.verb = "get".to_owned();
+        }
+        assert_eq!(agent_impersonation(&get, &protection), None);
+        assert_eq!(
+            agent_impersonation(
+                &imp(agent, "", "groups", "system:masters", ""),
+                &Protection::default()
+            ),
+            None
+        );
     }
 
     #[test]

@@ -225,6 +225,10 @@ struct GuardRuntime {
     running: Option<Running<tether_guard::server::ServeError>>,
 }
 
+/// The subject of the agent's snapshot push certificate (guard's `--snapshot-client-cn`), as the Helm chart's.
+#[cfg(feature = "quickstart")]
+const PUSH_SUBJECT: &str = "tether-agent";
+
 #[cfg(feature = "quickstart")]
 impl GuardRuntime {
     /// Makes guard's certificate and the apiserver's client certificate, opens the snapshot file, binds, serves.
@@ -251,6 +255,15 @@ impl GuardRuntime {
         write("tls.crt", &serving.cert_pem)?;
         write("tls.key", &serving.key_pem)?;
         write("client-ca.pem", client_ca.cert_pem())?;
+        // The agent's push certificate, from a CA of its own (as the Helm chart makes one): guard takes
+        // snapshot pushes only with it and the token, and it opens nothing else.
+        let push_ca =
+            certs::Ca::new("tether-agent snapshot push CA (tether up)").map_err(|e| err(&e))?;
+        let push_cert = push_ca
+            .issue_client(PUSH_SUBJECT, &[])
+            .map_err(|e| err(&e))?;
+        write("push.crt", &push_cert.cert_pem)?;
+        write("push.key", &push_cert.key_pem)?;
         let push_token = {
             let path = dir.join("push-token");
             match std::fs::read_to_string(&path) {
@@ -262,15 +275,24 @@ impl GuardRuntime {
                 }
             }
         };
-        let tls = tether_guard::server_tls(
+        let callers = tether_guard::Callers {
+            snapshot_subjects: vec![PUSH_SUBJECT.to_owned()],
+            snapshot_cas: vec![push_ca.certified().cert_der()],
+            ..tether_guard::Callers::default()
+        };
+        let tls = tether_guard::server_tls_for(
             serving.cert_pem.as_bytes(),
             serving.key_pem.as_bytes(),
             client_ca.cert_pem().as_bytes(),
+            &callers,
         )
         .map_err(|e| err(&e))?;
         let server = tether_guard::ServerConfig {
             tls,
-            limits: tether_guard::Limits::default(),
+            limits: tether_guard::Limits {
+                callers,
+                ..tether_guard::Limits::default()
+            },
             snapshot_push_token: Some(tether_runtime::Secret::new(push_token.clone())),
         };
         let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
@@ -645,6 +667,8 @@ impl Up {
                 guard.push_token.clone(),
             );
             push.ca = Some(guard.dir.join("ca.pem"));
+            push.client_cert = Some(guard.dir.join("push.crt"));
+            push.client_key = Some(guard.dir.join("push.key"));
             config.guard = Some(push);
         }
         config

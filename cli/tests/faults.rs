@@ -529,7 +529,7 @@ struct Stack {
 }
 
 /// Relay flags that lift the per-client bounds: the tests are one principal from one address by design.
-const UNBOUNDED_CLIENT: [&str; 12] = [
+const UNBOUNDED_CLIENT: [&str; 26] = [
     "--max-streams-per-principal",
     "1000000",
     "--max-streams-per-ip",
@@ -541,6 +541,22 @@ const UNBOUNDED_CLIENT: [&str; 12] = [
     "--ip-request-rate",
     "1000000",
     "--ip-request-burst",
+    "1000000",
+    // The churn drops one watch in ten right after its head: early cancellations, bounded per principal and
+    // per address by default (relay/tests/limits.rs tests those bounds).
+    "--principal-early-cancel-rate",
+    "1000000",
+    "--principal-early-cancel-burst",
+    "1000000",
+    "--ip-early-cancel-rate",
+    "1000000",
+    "--ip-early-cancel-burst",
+    "1000000",
+    "--max-connections-per-principal",
+    "1000000",
+    "--max-connections-per-ip",
+    "1000000",
+    "--max-handshakes-per-ip",
     "1000000",
 ];
 
@@ -876,28 +892,36 @@ async fn network_partition_is_detected_users_get_503_and_the_agent_reconnects_af
             (r, Instant::now())
         }
     });
-    wait_for(
-        "the relay declares the tunnel dead",
-        WAIT,
-        || {
-            let relay = &relay;
-            async move { Ok(relay.connected().await) }
+    // Each measured on its own: when the relay stops calling the cluster connected, and when the watch ends.
+    let (detected, watch_end) = tokio::join!(
+        async {
+            wait_for(
+                "the relay declares the tunnel dead",
+                WAIT,
+                || {
+                    let relay = &relay;
+                    async move { Ok(relay.connected().await) }
+                },
+                |c| !*c,
+            )
+            .await
+            .map(|_| cut.elapsed().as_secs_f64())
         },
-        |c| !*c,
-    )
-    .await?;
-    let detected_secs = cut.elapsed().as_secs_f64();
-    wait_for(
-        "the watch across the partition ended",
-        WAIT,
-        || {
-            let ended = ended.clone();
-            async move { Ok(ended.load(Ordering::SeqCst)) }
+        async {
+            wait_for(
+                "the watch across the partition ended",
+                WAIT,
+                || {
+                    let ended = ended.clone();
+                    async move { Ok(ended.load(Ordering::SeqCst)) }
+                },
+                |n| *n == 1,
+            )
+            .await
+            .map(|_| cut.elapsed().as_secs_f64())
         },
-        |n| *n == 1,
-    )
-    .await?;
-    let watch_end_secs = cut.elapsed().as_secs_f64();
+    );
+    let (detected_secs, watch_end_secs) = (detected?, watch_end?);
     let (during, during_at) = tokio::time::timeout(WAIT, during).await??;
     let (during_status, during_body) = during?;
     assert!(
@@ -1047,6 +1071,203 @@ async fn slow_consumers_do_not_hold_others_back_and_relay_memory_stays_bounded()
         latencies[latencies.len() - 1],
         mib(relay_rss_before),
         mib(relay_rss_peak),
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// 4b. Responses nobody reads (issue 10: "~64 unread large responses freeze the tunnel").
+
+/// Responses one client asks for and never reads, on one HTTP/2 connection: as many as the issue found enough
+/// to freeze a tunnel (64 × the 256 KiB stream window = the 16 MiB connection window).
+const UNREAD: usize = 64;
+/// ConfigMaps of about 900 KiB in their own namespace: their list (≈ 3.6 MB) is larger than any window on the
+/// path (the tunnel stream's 256 KiB; the agent's upstream stream window, 2 MiB per stream and 5 MiB per
+/// connection with hyper's defaults), so unread lists fill them.
+const UNREAD_CONFIGMAPS: usize = 4;
+/// Other requests, one after another, while the unread responses are held.
+const OTHER_REQUESTS: usize = 100;
+
+/// A TLS stream that counts the bytes it reads.
+struct Counting<T> {
+    inner: T,
+    read: Arc<AtomicUsize>,
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counting<T> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        let n = buf.filled().len() - before;
+        self.read.fetch_add(n, Ordering::SeqCst);
+        polled
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Counting<T> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// `UNREAD` large lists asked for on one HTTP/2 connection and never read: they fill the user's own windows, then
+/// the relay's stream buffers, the tunnel streams and the agent's upstream streams — and nothing else. Another
+/// client's requests (small GETs and a list, each on a new connection) keep being answered, and once the
+/// unread responses are dropped both sides' tables are back to where they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_nobody_reads_do_not_freeze_the_tunnel_or_the_apiserver_connection()
+-> anyhow::Result<()> {
+    let s = Stack::start(&UNBOUNDED_CLIENT, &[]).await?;
+    let relay_baseline = s.relay.open_streams().await?;
+    let ns =
+        serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "big"}});
+    let resp = s
+        .user
+        .send(
+            Method::POST,
+            "/api/v1/namespaces",
+            Bytes::from(ns.to_string()),
+        )
+        .await?;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let filler = "x".repeat(900 * 1024);
+    for i in 0..UNREAD_CONFIGMAPS {
+        let body = serde_json::json!({
+            "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": format!("big-{i}")},
+            "data": {"filler": filler},
+        });
+        let resp = s
+            .user
+            .send(
+                Method::POST,
+                "/api/v1/namespaces/big/configmaps",
+                Bytes::from(body.to_string()),
+            )
+            .await?;
+        assert_eq!(resp.status(), StatusCode::CREATED);
+    }
+    let big_list = "/api/v1/namespaces/big/configmaps";
+    let (status, full) = s.user.get(big_list).await?;
+    assert_eq!(status, StatusCode::OK);
+    let response_bytes = full.len();
+    drop(full);
+
+    // Baseline: the other client's small GETs on an idle tunnel.
+    let mut idle = Vec::new();
+    for _ in 0..OTHER_REQUESTS / 4 {
+        let started = Instant::now();
+        let (status, _) = s.user.get("/api/v1/namespaces/default").await?;
+        assert_eq!(status, StatusCode::OK);
+        idle.push(started.elapsed().as_secs_f64());
+    }
+
+    // The unread responses: one HTTP/2 connection, every head read, no body.
+    let tls = tether_runtime::tls::client_config(Some(s.relay.ca_pem.as_bytes()), &[b"h2"])?;
+    let tcp = tokio::net::TcpStream::connect(s.relay.addr).await?;
+    let name = rustls::pki_types::ServerName::IpAddress(s.relay.addr.ip().into());
+    let tls = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await?;
+    let received = Arc::new(AtomicUsize::new(0));
+    let io = Counting {
+        inner: tls,
+        read: received.clone(),
+    };
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(io),
+    )
+    .await?;
+    let h2_conn = tokio::spawn(conn);
+    let mut held = Vec::new();
+    for _ in 0..UNREAD {
+        let req = s.user.request(Method::GET, big_list, Bytes::new())?;
+        let resp = tokio::time::timeout(WAIT, h2.send_request(req))
+            .await
+            .context("no head for an unread response")??;
+        assert_eq!(resp.status(), StatusCode::OK);
+        held.push(resp);
+    }
+    // The relay has filled the connection's window (hyper's client: 5 MiB) and can send no more to it: from
+    // here on the unread responses back up through the relay, the tunnel and the agent.
+    wait_for(
+        "the unread connection's window filled",
+        WAIT,
+        || {
+            let received = received.clone();
+            async move { Ok(received.load(Ordering::SeqCst)) }
+        },
+        |n| *n >= 5 << 20,
+    )
+    .await?;
+
+    // Another client meanwhile: small GETs and a list, each on a new connection, all answered.
+    let mut busy = Vec::new();
+    for i in 0..OTHER_REQUESTS {
+        let path = if i % 10 == 9 {
+            "/api/v1/namespaces/default/configmaps"
+        } else {
+            "/api/v1/namespaces/default"
+        };
+        let started = Instant::now();
+        let (status, _) = s
+            .user
+            .get(path)
+            .await
+            .with_context(|| format!("request {i} beside {UNREAD} unread responses"))?;
+        assert_eq!(status, StatusCode::OK, "request {i}");
+        busy.push(started.elapsed().as_secs_f64());
+    }
+    let unread_received = received.load(Ordering::SeqCst);
+    assert!(
+        unread_received < UNREAD * response_bytes / 2,
+        "the unread responses were delivered ({unread_received} bytes): nothing was held back"
+    );
+    let relay_streams = s.relay.open_streams().await?;
+    assert!(
+        relay_streams >= relay_baseline + UNREAD as u64,
+        "relay streams {relay_streams}"
+    );
+
+    drop(held);
+    drop(h2);
+    h2_conn.abort();
+    s.wait_tables_empty(relay_baseline).await?;
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (idle_p50, busy_p50) = (median(&mut idle), median(&mut busy));
+    println!(
+        "FAULTS unread: {UNREAD} responses of {:.1} MiB asked for on one HTTP/2 connection and never read \
+         ({:.1} MiB reached that connection); {OTHER_REQUESTS} other requests answered, median {:.1} ms \
+         (idle tunnel {:.1} ms, {:.2}x), max {:.1} ms; tables back to baseline once they were dropped",
+        mib(response_bytes as u64),
+        mib(unread_received as u64),
+        busy_p50 * 1e3,
+        idle_p50 * 1e3,
+        busy_p50 / idle_p50,
+        busy.last().copied().unwrap_or_default() * 1e3,
     );
     Ok(())
 }

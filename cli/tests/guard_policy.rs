@@ -1,8 +1,8 @@
 //! Guard policy end to end (issue 10): the real kubectl through the relay, the tunnel and the agent to the sample
 //! apiserver, which asks tether-guard. A namespace-scoped deny assignment also refuses the same request across all
 //! namespaces (`kubectl get … -A`), and a token claiming a `system:` group is refused rather than becoming
-//! `system:masters`. (Secrets, attach and port-forward are not served by the sample apiserver yet; the same
-//! decisions are covered in tether-auth's and tether-guard's tests.)
+//! `system:masters`; a Viewer cannot attach, port-forward or exec. (sample_cluster_guard.rs has the Viewer and
+//! Writer tour, proxy included.)
 
 mod common;
 
@@ -107,6 +107,87 @@ async fn a_namespace_deny_refuses_the_all_namespaces_list() -> anyhow::Result<()
         );
         assert!(
             out.stderr.contains("Forbidden") && out.stderr.contains("all namespaces"),
+            "kubectl {}: {out}",
+            args.join(" ")
+        );
+    }
+    Ok(())
+}
+
+/// The finding as reported: a deny of `prod`'s Secrets, and `kubectl get secrets -A` returned them anyway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_deny_refuses_get_secrets_across_all_namespaces() -> anyhow::Result<()> {
+    let env = Env::start().await?;
+    // The cluster's own administrator (not an Entra identity: guard has no say) makes the Secrets.
+    let admin = Kubectl::new(&env.sample()?.kubeconfig_path())?;
+    for ns in ["dev", "prod"] {
+        for args in [
+            &["create", "namespace", ns][..],
+            &[
+                "-n",
+                ns,
+                "create",
+                "secret",
+                "generic",
+                &format!("{ns}-db"),
+                "--from-literal=password=hunter2",
+            ][..],
+        ] {
+            let out = run(&admin, args).await?;
+            assert!(
+                out.success() || out.stderr.contains("AlreadyExists"),
+                "{out}"
+            );
+        }
+    }
+    let cluster = env.up.cluster().to_string();
+    env.role(&[
+        "assign",
+        "--role",
+        "Writer",
+        "--principal",
+        &object_id(CAROL),
+        "--cluster",
+        &cluster,
+    ])
+    .await?;
+    env.role(&[
+        "deny",
+        "add",
+        "--name",
+        "nothing of prod's secrets",
+        "--action",
+        "Microsoft.Kubernetes/connectedClusters/secrets/*",
+        "--principal",
+        EVERYONE,
+        "--cluster",
+        &cluster,
+        "--namespace",
+        "prod",
+    ])
+    .await?;
+    env.wait_snapshot(WAIT, 1, 1).await?;
+
+    let carol = kubectl_as(&env, "carol", &dev_token(&env, CAROL, &[]).await?).await?;
+    let out = run(&carol, &["get", "secrets", "-n", "dev", "-o", "name"]).await?;
+    assert!(
+        out.success() && out.stdout.contains("secret/dev-db"),
+        "{out}"
+    );
+    let out = run(&carol, &["get", "secrets", "-n", "prod"]).await?;
+    assert!(!out.success() && out.stderr.contains("Forbidden"), "{out}");
+    for args in [
+        &["get", "secrets", "-A"][..],
+        &["get", "secrets", "--all-namespaces", "-o", "yaml"][..],
+    ] {
+        let out = run(&carol, args).await?;
+        assert!(
+            !out.success() && !out.stdout.contains("prod-db") && !out.stdout.contains("aHVudGVyMg"),
+            "kubectl {}: {out}",
+            args.join(" ")
+        );
+        assert!(
+            out.stderr.contains("Forbidden"),
             "kubectl {}: {out}",
             args.join(" ")
         );

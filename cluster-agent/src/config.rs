@@ -197,7 +197,8 @@ impl EntraConfig {
 /// How long one push to guard may take, flags or not.
 const GUARD_PUSH_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Where and how the agent pushes guard snapshots (`--guard-url`, `--guard-push-token-file`, `--guard-ca`).
+/// Where and how the agent pushes guard snapshots (`--guard-url`, `--guard-push-token-file`, `--guard-ca`,
+/// `--guard-client-cert`, `--guard-client-key`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct GuardConfig {
     /// Guard's snapshot endpoint, https://HOST:PORT/snapshot: RBAC snapshots from the relay are pushed there
@@ -228,6 +229,24 @@ pub struct GuardConfig {
         requires = "url"
     )]
     pub ca: Option<PathBuf>,
+    /// The push certificate (PEM) presented to guard on every push, besides the token (with
+    /// --guard-client-key): guard requires one with --snapshot-client-ca/--snapshot-client-cn. Read at start.
+    #[arg(
+        long = "guard-client-cert",
+        env = "TETHER_GUARD_CLIENT_CERT",
+        value_name = "FILE",
+        requires = "url",
+        requires = "client_key"
+    )]
+    pub client_cert: Option<PathBuf>,
+    /// The private key (PEM) of --guard-client-cert.
+    #[arg(
+        long = "guard-client-key",
+        env = "TETHER_GUARD_CLIENT_KEY",
+        value_name = "FILE",
+        requires = "client_cert"
+    )]
+    pub client_key: Option<PathBuf>,
     /// Pacing of retries while guard is unreachable or refuses (not a flag; default 500 ms..30 s).
     #[arg(skip)]
     pub backoff: Backoff,
@@ -243,6 +262,8 @@ impl GuardConfig {
             url: url.into(),
             push_token,
             ca: None,
+            client_cert: None,
+            client_key: None,
             backoff: Backoff::default(),
             timeout: GUARD_PUSH_TIMEOUT,
         }
@@ -554,13 +575,22 @@ impl GuardConfig {
         if self.push_token.expose().trim().is_empty() {
             return invalid("the snapshot push token is empty".to_owned());
         }
-        if let Some(path) = &self.ca
-            && !path.is_file()
-        {
-            return Err(ConfigError::MissingFile {
-                what: "guard CA file",
-                path: path.display().to_string(),
-            });
+        for (what, path) in [
+            ("guard CA file", &self.ca),
+            ("guard client certificate file", &self.client_cert),
+            ("guard client key file", &self.client_key),
+        ] {
+            if let Some(path) = path
+                && !path.is_file()
+            {
+                return Err(ConfigError::MissingFile {
+                    what,
+                    path: path.display().to_string(),
+                });
+            }
+        }
+        if self.client_cert.is_some() != self.client_key.is_some() {
+            return invalid("--guard-client-cert and --guard-client-key go together".to_owned());
         }
         if self.backoff.base.is_zero() || self.backoff.cap < self.backoff.base {
             return Err(ConfigError::InvalidDuration(
@@ -839,12 +869,34 @@ mod tests {
         let mut c = valid(tmp.path());
         c.guard = Some(GuardConfig {
             ca: Some(tmp.path().join("nope.pem")),
-            ..guard
+            ..guard.clone()
         });
         assert!(matches!(
             c.validate(),
             Err(ConfigError::MissingFile {
                 what: "guard CA file",
+                ..
+            })
+        ));
+        // The push certificate and its key go together, and both must exist.
+        let cert = tmp.path().join("push.crt");
+        std::fs::write(&cert, "pem").unwrap();
+        let mut c = valid(tmp.path());
+        c.guard = Some(GuardConfig {
+            client_cert: Some(cert.clone()),
+            ..guard.clone()
+        });
+        assert!(matches!(c.validate(), Err(ConfigError::InvalidGuard(_))));
+        let mut c = valid(tmp.path());
+        c.guard = Some(GuardConfig {
+            client_cert: Some(cert),
+            client_key: Some(tmp.path().join("push.key")),
+            ..guard
+        });
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::MissingFile {
+                what: "guard client key file",
                 ..
             })
         ));

@@ -1,6 +1,7 @@
 //! Passing guard RBAC snapshots on: the relay sends `guardSnapshot` over the control channel (at each `hello`
 //! and after every change to the cluster's assignments), and the agent PUTs it to guard's `/snapshot` with the
-//! push token, retrying with backoff until guard accepts it.
+//! push token — and its push certificate as the TLS client certificate, when configured (guard's
+//! `--snapshot-client-ca`) — retrying with backoff until guard accepts it.
 //!
 //! Only the newest snapshot is kept pending: a newer one replaces one not yet delivered (and is tried at once),
 //! an older one is dropped. Guard itself accepts only strictly newer versions (an equal one is answered as
@@ -87,17 +88,25 @@ impl Drop for SnapshotPusher {
 }
 
 /// Starts the pusher task for `config`; returns the sink the control channel offers snapshots to. Fails when
-/// the guard CA cannot be read or used.
+/// the guard CA or the push certificate cannot be read or used (a key that does not match its certificate
+/// included).
 pub(crate) fn spawn(
     config: &GuardConfig,
 ) -> Result<(SnapshotSink, SnapshotPusher), tether_runtime::tls::TlsError> {
-    let ca = config
-        .ca
-        .as_deref()
-        .map(tether_runtime::tls::read_file)
-        .transpose()?;
+    use tether_runtime::tls::{ClientIdentity, ClientOptions, read_file};
+    let ca = config.ca.as_deref().map(read_file).transpose()?;
+    let cert = config.client_cert.as_deref().map(read_file).transpose()?;
+    let key = config.client_key.as_deref().map(read_file).transpose()?;
+    let identity = match (&cert, &key) {
+        (Some(cert_pem), Some(key_pem)) => Some(ClientIdentity { cert_pem, key_pem }),
+        _ => None,
+    };
     // hyper-rustls sets ALPN itself.
-    let tls = tether_runtime::tls::client_config(ca.as_deref(), &[])?;
+    let tls = tether_runtime::tls::client_config_with(&ClientOptions {
+        ca_pem: ca.as_deref(),
+        identity,
+        ..ClientOptions::default()
+    })?;
     let connector = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(Arc::unwrap_or_clone(tls))
         .https_only()
@@ -259,7 +268,8 @@ impl Target {
                 Outcome::Rejected(format!("HTTP {status}: {message}"))
             }
             StatusCode::UNAUTHORIZED => Outcome::Failed(format!(
-                "guard refused the push token (HTTP {status}): check --guard-push-token-file"
+                "guard refused the push credentials (HTTP {status}: {message}): check --guard-push-token-file and \
+                 --guard-client-cert against guard's --snapshot-client-ca/--snapshot-client-cn"
             )),
             StatusCode::NOT_FOUND => Outcome::Failed(format!(
                 "HTTP {status}: is snapshot pushing enabled on guard (--snapshot-push-token-file), and is the URL its /snapshot?"

@@ -183,6 +183,19 @@ fn bad_entra_and_guard_settings_exit_64() -> Result<()> {
         all.contains("--guard-push-token-file: cannot read"),
         "{all}"
     );
+    // The push certificate needs its key.
+    let all = run(
+        &[
+            "--guard-url",
+            "https://guard.example/snapshot",
+            "--guard-push-token-file",
+            token,
+            "--guard-client-cert",
+            token,
+        ],
+        &[],
+    )?;
+    assert!(all.contains("--guard-client-key"), "{all}");
     Ok(())
 }
 

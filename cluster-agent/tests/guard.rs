@@ -5,8 +5,10 @@
 //!   impersonation headers (the user's `Authorization` and `Impersonate-*` gone), invalid ones get 401 and
 //!   never reach the apiserver, group overage is resolved through the relay's directory, and a
 //!   service-account token passes through unchanged;
-//! - guard snapshots from the relay reaching a real `tether_guard` server (in process) through `PUT /snapshot`,
-//!   including a guard that is down when the first snapshot arrives.
+//! - guard snapshots from the relay reaching a real `tether_guard` server (in process) through `PUT /snapshot`
+//!   with the push token and the agent's push certificate (guard's `--snapshot-client-ca`), including a guard
+//!   that is down when the first snapshot arrives; an agent without the push certificate, or with another,
+//!   gets nothing applied.
 
 mod common;
 
@@ -27,6 +29,7 @@ use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tether_agent::{Backoff, GuardConfig, Secret};
 use tether_guard::{Guard, GuardOptions, SnapshotStore};
+use tether_testkit::certs::{Ca, CertifiedPem};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -399,7 +402,11 @@ async fn group_overage_is_resolved_through_the_relays_directory() -> Result<()> 
     Ok(())
 }
 
-/// Guard in process, serving `PUT /snapshot` with `push_token` on `listener`.
+/// The subject guard pins for the push certificate (the Helm chart's).
+const PUSH_SUBJECT: &str = "tether-agent";
+
+/// Guard in process, serving `PUT /snapshot` with `push_token` on `listener`; with `push_ca`, pushes also need a
+/// certificate of that CA named [`PUSH_SUBJECT`].
 struct TestGuard {
     store: Arc<SnapshotStore>,
     stop: Option<oneshot::Sender<()>>,
@@ -412,17 +419,32 @@ impl TestGuard {
         ca: &common::TestCa,
         store: Arc<SnapshotStore>,
         push_token: &str,
+        push_ca: Option<&Ca>,
     ) -> Result<Self> {
         let server = ca.issue(&["localhost", "127.0.0.1"])?;
-        let tls = tether_guard::server_tls(
+        let callers = tether_guard::Callers {
+            snapshot_subjects: push_ca
+                .map(|_| vec![PUSH_SUBJECT.to_owned()])
+                .unwrap_or_default(),
+            snapshot_cas: push_ca
+                .map(|c| c.certified().cert_der())
+                .into_iter()
+                .collect(),
+            ..tether_guard::Callers::default()
+        };
+        let tls = tether_guard::server_tls_for(
             server.cert_pem.as_bytes(),
             server.key_pem.as_bytes(),
             ca.pem().as_bytes(),
+            &callers,
         )?;
         let guard = Arc::new(Guard::new(None, store.clone(), GuardOptions::default()));
         let config = tether_guard::ServerConfig {
             tls,
-            limits: tether_guard::Limits::default(),
+            limits: tether_guard::Limits {
+                callers,
+                ..tether_guard::Limits::default()
+            },
             snapshot_push_token: Some(Secret::new(push_token)),
         };
         let (stop, stopped) = oneshot::channel::<()>();
@@ -474,8 +496,13 @@ fn snapshot(version: u64, principal: &str) -> Value {
     })
 }
 
-/// Settings pushing to guard at `addr`, trusting `ca`, retrying quickly.
-fn guard_config(env: &Env, addr: std::net::SocketAddr, ca: &common::TestCa) -> Result<GuardConfig> {
+/// Settings pushing to guard at `addr`, trusting `ca`, retrying quickly; presenting `push_cert` when given.
+fn guard_config(
+    env: &Env,
+    addr: std::net::SocketAddr,
+    ca: &common::TestCa,
+    push_cert: Option<&CertifiedPem>,
+) -> Result<GuardConfig> {
     let ca_path = env.dir.path().join("guard-ca.pem");
     std::fs::write(&ca_path, ca.pem())?;
     let mut guard = GuardConfig::new(
@@ -483,6 +510,16 @@ fn guard_config(env: &Env, addr: std::net::SocketAddr, ca: &common::TestCa) -> R
         Secret::new("push-secret"),
     );
     guard.ca = Some(ca_path);
+    if let Some(cert) = push_cert {
+        let (cert_path, key_path) = (
+            env.dir.path().join("push.crt"),
+            env.dir.path().join("push.key"),
+        );
+        std::fs::write(&cert_path, &cert.cert_pem)?;
+        std::fs::write(&key_path, &cert.key_pem)?;
+        guard.client_cert = Some(cert_path);
+        guard.client_key = Some(key_path);
+    }
     guard.backoff = Backoff {
         base: Duration::from_millis(20),
         cap: Duration::from_millis(200),
@@ -500,12 +537,15 @@ async fn snapshots_from_the_relay_reach_guard() -> Result<()> {
     let addr = listener.local_addr()?;
     let snapshot_file = env.dir.path().join("guard-snapshot.json");
     let store = Arc::new(SnapshotStore::open(&snapshot_file)?);
-    let guard = TestGuard::start(listener, &ca, store.clone(), "push-secret")?;
+    // As the Helm chart runs it: pushes need the token and the agent's push certificate.
+    let push_ca = Ca::new("tether-agent snapshot push CA")?;
+    let push_cert = push_ca.issue_client(PUSH_SUBJECT, &[])?;
+    let guard = TestGuard::start(listener, &ca, store.clone(), "push-secret", Some(&push_ca))?;
 
     // The relay sends the cluster's snapshot right after hello.
     env.relay.set_guard_snapshot(snapshot(1, "user-1"));
     let mut config = env.config(Some("onb-1"));
-    config.guard = Some(guard_config(&env, addr, &ca)?);
+    config.guard = Some(guard_config(&env, addr, &ca, Some(&push_cert))?);
     let mut agent = Running::start(config);
     let _conn = env.next_tunnel().await?;
     guard.wait_version(1).await?;
@@ -569,7 +609,7 @@ async fn a_guard_that_is_down_at_first_gets_the_snapshot_once_it_comes_up() -> R
 
     env.relay.set_guard_snapshot(snapshot(7, "user-7"));
     let mut config = env.config(Some("onb-1"));
-    config.guard = Some(guard_config(&env, addr, &ca)?);
+    config.guard = Some(guard_config(&env, addr, &ca, None)?);
     let mut agent = Running::start(config);
     let _conn = env.next_tunnel().await?;
     // The agent tried, failed, and retried.
@@ -581,10 +621,96 @@ async fn a_guard_that_is_down_at_first_gets_the_snapshot_once_it_comes_up() -> R
     let _ = come_up.send(());
     let listener = down.await?;
     let store = Arc::new(SnapshotStore::in_memory(Default::default()));
-    let guard = TestGuard::start(listener, &ca, store.clone(), "push-secret")?;
+    let guard = TestGuard::start(listener, &ca, store.clone(), "push-secret", None)?;
     guard.wait_version(7).await?;
     assert_eq!(store.current().assignments[0].principal_id, "user-7");
 
+    agent.shutdown();
+    agent.finished().await??;
+    Ok(())
+}
+
+/// Forwards connections from a fresh loopback port to `to`, counting the bytes the client sent: evidence that the
+/// agent kept trying.
+async fn counting_forwarder(
+    to: std::net::SocketAddr,
+) -> Result<(std::net::SocketAddr, Arc<AtomicUsize>)> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let sent = Arc::new(AtomicUsize::new(0));
+    let counter = sent.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(to).await else {
+                    return;
+                };
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                let upstream = async {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        match client_read.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => {
+                                counter.fetch_add(n, Ordering::SeqCst);
+                                if server_write.write_all(&buf[..n]).await.is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    let _ = server_write.shutdown().await;
+                };
+                let downstream = async {
+                    let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+                    let _ = client_write.shutdown().await;
+                };
+                tokio::join!(upstream, downstream);
+            });
+        }
+    });
+    Ok((addr, sent))
+}
+
+/// Guard requires the push certificate: an agent without one, or with a certificate of another CA under the
+/// pinned name, keeps trying and gets nothing applied; the agent with the push certificate gets it applied.
+#[tokio::test]
+async fn guard_refuses_pushes_without_the_agents_push_certificate() -> Result<()> {
+    let mut env = env(Some("onb-1")).await?;
+    let ca = common::TestCa::new()?;
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let guard_addr = listener.local_addr()?;
+    let store = Arc::new(SnapshotStore::in_memory(Default::default()));
+    let push_ca = Ca::new("tether-agent snapshot push CA")?;
+    let guard = TestGuard::start(listener, &ca, store.clone(), "push-secret", Some(&push_ca))?;
+    env.relay.set_guard_snapshot(snapshot(9, "user-9"));
+
+    let impostor = Ca::new("another CA")?.issue_client(PUSH_SUBJECT, &[])?;
+    for push_cert in [None, Some(&impostor)] {
+        let (addr, sent) = counting_forwarder(guard_addr).await?;
+        let mut config = env.config(Some("onb-1"));
+        config.guard = Some(guard_config(&env, addr, &ca, push_cert)?);
+        let mut agent = Running::start(config);
+        let _conn = env.next_tunnel().await?;
+        // Several pushes went out (a handshake and a request are well under 4 KiB; the agent retries every
+        // ≤ 200 ms), and none was applied.
+        eventually(DEADLINE, || {
+            (sent.load(Ordering::SeqCst) > 16 * 1024).then_some(())
+        })
+        .await?;
+        assert_eq!(store.version(), 0, "applied without the push certificate");
+        agent.shutdown();
+        agent.finished().await??;
+    }
+
+    let push_cert = push_ca.issue_client(PUSH_SUBJECT, &[])?;
+    let mut config = env.config(Some("onb-1"));
+    config.guard = Some(guard_config(&env, guard_addr, &ca, Some(&push_cert))?);
+    let mut agent = Running::start(config);
+    let _conn = env.next_tunnel().await?;
+    guard.wait_version(9).await?;
     agent.shutdown();
     agent.finished().await??;
     Ok(())

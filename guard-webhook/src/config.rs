@@ -14,7 +14,7 @@ use tether_runtime::{Secret, parse_duration};
 
 use crate::audit::AuditSink;
 use crate::engine::{Guard, GuardOptions};
-use crate::server::{Callers, Limits, ServeError, ServerConfig, server_tls};
+use crate::server::{Callers, Limits, ServeError, ServerConfig, pem_certs, server_tls_for};
 use crate::snapshot::SnapshotStore;
 use tether_auth::jwks::HttpsFetcher;
 use tether_auth::token::{
@@ -35,7 +35,7 @@ pub struct Config {
     #[arg(long, env = "TETHER_GUARD_TLS_KEY")]
     pub tls_key: PathBuf,
     /// CA that issued the apiserver's client certificate (PEM); required on the webhook paths. May hold several
-    /// CAs (e.g. also the one of the agent's certificate, for --snapshot-client-cn).
+    /// CAs. The agent's push certificate has its own CA: --snapshot-client-ca.
     #[arg(long, env = "TETHER_GUARD_CLIENT_CA")]
     pub client_ca: PathBuf,
     /// Subject common names allowed to call /authenticate and /authorize (repeat or comma-separate); the
@@ -47,14 +47,23 @@ pub struct Config {
         default_value = crate::server::DEFAULT_WEBHOOK_SUBJECT
     )]
     pub client_cn: Vec<String>,
-    /// When set, PUT/GET /snapshot also needs a client certificate (from --client-ca) with one of these subject
-    /// common names, besides the push token: the agent's (its tunnel certificate's CN is the cluster name).
+    /// When set, PUT/GET /snapshot also needs a client certificate with one of these subject common names,
+    /// besides the push token: the agent's push certificate (the Helm chart's is `tether-agent`).
     #[arg(
         long = "snapshot-client-cn",
         env = "TETHER_GUARD_SNAPSHOT_CLIENT_CN",
         value_delimiter = ','
     )]
     pub snapshot_client_cn: Vec<String>,
+    /// CA certificate(s) (PEM) of the agent's push certificate, used for nothing else: PUT/GET /snapshot then
+    /// needs a certificate issued directly by one of them (with a --snapshot-client-cn subject, required with
+    /// this flag), and their certificates open no other path. Must not be a --client-ca certificate.
+    #[arg(
+        long,
+        env = "TETHER_GUARD_SNAPSHOT_CLIENT_CA",
+        requires = "snapshot_client_cn"
+    )]
+    pub snapshot_client_ca: Option<PathBuf>,
     /// Extra subject common names allowed to read /metrics on the webhook port (e.g. a Prometheus certificate).
     #[arg(
         long = "metrics-client-cn",
@@ -193,10 +202,30 @@ impl Config {
     /// Reads every file and checks every setting; binds nothing.
     pub fn load(&self) -> Result<Loaded, ConfigError> {
         let invalid = |e: &dyn std::fmt::Display| ConfigError::Invalid(e.to_string());
-        let tls = server_tls(
+        let snapshot_cas = match &self.snapshot_client_ca {
+            Some(path) => {
+                if names(&self.snapshot_client_cn).is_empty() {
+                    return Err(ConfigError::Invalid(
+                        "--snapshot-client-ca needs --snapshot-client-cn (the push certificate's subject)"
+                            .to_owned(),
+                    ));
+                }
+                pem_certs(&read(path)?, "snapshot client CA").map_err(|e| invalid(&e))?
+            }
+            None => Vec::new(),
+        };
+        let callers = Callers {
+            webhook_subjects: names(&self.client_cn),
+            snapshot_subjects: names(&self.snapshot_client_cn),
+            snapshot_cas,
+            metrics_subjects: names(&self.metrics_client_cn),
+            public_metrics: self.danger_public_metrics,
+        };
+        let tls = server_tls_for(
             &read(&self.tls_cert)?,
             &read(&self.tls_key)?,
             &read(&self.client_ca)?,
+            &callers,
         )
         .map_err(|e| invalid(&e))?;
         if names(&self.client_cn).is_empty() {
@@ -278,12 +307,7 @@ impl Config {
             server: ServerConfig {
                 tls,
                 limits: Limits {
-                    callers: Callers {
-                        webhook_subjects: names(&self.client_cn),
-                        snapshot_subjects: names(&self.snapshot_client_cn),
-                        metrics_subjects: names(&self.metrics_client_cn),
-                        public_metrics: self.danger_public_metrics,
-                    },
+                    callers,
                     ..Limits::default()
                 },
                 snapshot_push_token: push_token,

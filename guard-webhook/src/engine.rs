@@ -174,21 +174,25 @@ impl Guard {
         self.metrics
             .snapshot_version
             .set(i64::try_from(snapshot.version).unwrap_or(i64::MAX));
-        let (decision, source, prepared) =
-            match rbac::prepare_with_prefix(request, &self.groups_prefix) {
-                Err(d) => (d, "evaluation", None),
-                Ok(p) => {
-                    let key = CacheKey::new(&p);
-                    match self.cache.get(snapshot.version, &key) {
-                        Some(d) => (d, "cache", Some(p)),
-                        None => {
-                            let d = rbac::evaluate_protected(&snapshot, &p, &self.protection);
-                            self.cache.insert(snapshot.version, key, d.clone());
-                            (d, "evaluation", Some(p))
-                        }
+        // The agent's own identity impersonating a system: name or a service account is denied first.
+        let prepared = match rbac::agent_impersonation(request, &self.protection) {
+            Some(denied) => Err(denied),
+            None => rbac::prepare_with_prefix(request, &self.groups_prefix),
+        };
+        let (decision, source, prepared) = match prepared {
+            Err(d) => (d, "evaluation", None),
+            Ok(p) => {
+                let key = CacheKey::new(&p);
+                match self.cache.get(snapshot.version, &key) {
+                    Some(d) => (d, "cache", Some(p)),
+                    None => {
+                        let d = rbac::evaluate_protected(&snapshot, &p, &self.protection);
+                        self.cache.insert(snapshot.version, key, d.clone());
+                        (d, "evaluation", Some(p))
                     }
                 }
-            };
+            }
+        };
         let elapsed = started.elapsed();
         self.metrics.source(source);
         self.metrics.decision("authorize", decision.label());

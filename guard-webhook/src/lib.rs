@@ -25,5 +25,5 @@ pub mod server;
 pub mod snapshot;
 
 pub use engine::{Guard, GuardOptions};
-pub use server::{Limits, ServerConfig, run, server_tls};
+pub use server::{Callers, Limits, ServerConfig, run, server_tls, server_tls_for};
 pub use snapshot::SnapshotStore;

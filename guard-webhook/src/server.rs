@@ -4,14 +4,15 @@
 //! |---|---|---|
 //! | `POST /authenticate` | apiserver (client certificate with a pinned subject) | TokenReview v1 / v1beta1 |
 //! | `POST /authorize` | apiserver (client certificate with a pinned subject) | SubjectAccessReview v1 / v1beta1 |
-//! | `PUT /snapshot`, `GET /snapshot` | snapshot pusher (bearer push token, and a client certificate with a pinned subject when configured; 404 when no token is configured) | replace / show the RBAC snapshot |
+//! | `PUT /snapshot`, `GET /snapshot` | snapshot pusher (bearer push token, and when configured a client certificate with a pinned subject, issued by the snapshot CA; 404 when no token is configured) | replace / show the RBAC snapshot |
 //! | `GET /metrics` | a client certificate with a webhook or metrics subject (or anyone, if made public); or anyone on the separate [`run_metrics`] listener (`--metrics-listen`, off by default, meant for loopback) | Prometheus text |
 //! | `GET /healthz` | anyone | `ok` |
 //!
 //! The client certificate is verified against the configured client CA during the handshake, and its subject
 //! common name is then checked against the [`Callers`] lists for the path: a certificate from the same CA for
-//! another purpose does not open the webhooks. Connections without one are accepted (for probes) but get 401 on
-//! every path but `/healthz`. Bodies are size-bounded, every request has a deadline, and errors are Kubernetes
+//! another purpose does not open the webhooks. A certificate issued by one of the [`Callers::snapshot_cas`] (the
+//! agent's push certificate) opens `/snapshot` and nothing else, whatever its subject. Connections without a
+//! certificate are accepted (for probes) but get 401 on every path but `/healthz`. Bodies are size-bounded, every request has a deadline, and errors are Kubernetes
 //! `Status` JSON.
 
 use std::convert::Infallible;
@@ -27,7 +28,9 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use rustls::pki_types::{CertificateDer, UnixTime};
 use rustls::server::WebPkiClientVerifier;
+use rustls::server::danger::ClientCertVerifier;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq as _;
@@ -55,6 +58,10 @@ pub struct Callers {
     /// When not empty, `PUT`/`GET /snapshot` also needs a client certificate with one of these subjects (besides
     /// the push token): the agent's. Default empty (token only).
     pub snapshot_subjects: Vec<String>,
+    /// When not empty, `PUT`/`GET /snapshot` also needs a client certificate issued directly by one of these CA
+    /// certificates (DER), and a certificate they issued opens nothing else (not the webhooks, not `/metrics`).
+    /// They must also be trusted at the handshake: build the TLS config with [`server_tls_for`]. Default empty.
+    pub snapshot_cas: Vec<CertificateDer<'static>>,
     /// May read `/metrics` (besides the webhook subjects), e.g. a Prometheus client certificate.
     pub metrics_subjects: Vec<String>,
     /// `/metrics` on the webhook port without any certificate (default `false`).
@@ -66,6 +73,7 @@ impl Default for Callers {
         Self {
             webhook_subjects: vec![DEFAULT_WEBHOOK_SUBJECT.to_owned()],
             snapshot_subjects: Vec::new(),
+            snapshot_cas: Vec::new(),
             metrics_subjects: Vec::new(),
             public_metrics: false,
         }
@@ -148,6 +156,9 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
+    /// The snapshot client CAs cannot be used.
+    #[error("snapshot client CA: {0}")]
+    SnapshotCa(#[source] TlsError),
 }
 
 /// A TLS server config from PEM certificate chain and key, verifying client certificates against `client_ca_pem`
@@ -157,21 +168,37 @@ pub fn server_tls(
     key_pem: &[u8],
     client_ca_pem: &[u8],
 ) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    server_tls_for(cert_pem, key_pem, client_ca_pem, &Callers::default())
+}
+
+/// As [`server_tls`], also trusting `callers`' [`Callers::snapshot_cas`] at the handshake (which path a
+/// certificate of theirs may call is decided per request). A CA certificate in both `client_ca_pem` and the
+/// snapshot CAs is refused: its certificates would then open nothing but `/snapshot`.
+pub fn server_tls_for(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    client_ca_pem: &[u8],
+    callers: &Callers,
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut roots = rustls::RootCertStore::empty();
-    let cas = rustls_pemfile::certs(&mut BufReader::new(client_ca_pem))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| TlsError::Invalid(format!("malformed client CA PEM: {e}")))?;
-    if cas.is_empty() {
-        return Err(TlsError::Invalid(
-            "no client CA certificate found (expected a PEM block \"BEGIN CERTIFICATE\")"
-                .to_owned(),
-        ));
-    }
-    for ca in cas {
+    let cas = pem_certs(client_ca_pem, "client CA")?;
+    for ca in cas.iter().cloned() {
         roots
             .add(ca)
             .map_err(|e| TlsError::Invalid(format!("unusable client CA certificate: {e}")))?;
+    }
+    for ca in &callers.snapshot_cas {
+        if cas.contains(ca) {
+            return Err(TlsError::Invalid(
+                "the snapshot client CA is also a client CA of the webhooks: give the agent's push certificate \
+                 a CA of its own (or leave the snapshot CA out and pin --snapshot-client-cn alone)"
+                    .to_owned(),
+            ));
+        }
+        roots.add(ca.clone()).map_err(|e| {
+            TlsError::Invalid(format!("unusable snapshot client CA certificate: {e}"))
+        })?;
     }
     let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
         .allow_unauthenticated()
@@ -200,6 +227,40 @@ pub fn server_tls(
     Ok(Arc::new(config))
 }
 
+/// The certificates of a PEM bundle (at least one); `what` names it in errors.
+pub(crate) fn pem_certs(pem: &[u8], what: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = rustls_pemfile::certs(&mut BufReader::new(pem))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::Invalid(format!("malformed {what} PEM: {e}")))?;
+    if certs.is_empty() {
+        return Err(TlsError::Invalid(format!(
+            "no {what} certificate found (expected a PEM block \"BEGIN CERTIFICATE\")"
+        )));
+    }
+    Ok(certs)
+}
+
+/// Verifies that a client certificate was issued by one of the snapshot CAs (rustls's own verifier, with only
+/// those CAs as roots).
+fn snapshot_verifier(
+    cas: &[CertificateDer<'static>],
+) -> Result<Option<Arc<dyn ClientCertVerifier>>, TlsError> {
+    if cas.is_empty() {
+        return Ok(None);
+    }
+    let mut roots = rustls::RootCertStore::empty();
+    for ca in cas {
+        roots.add(ca.clone()).map_err(|e| {
+            TlsError::Invalid(format!("unusable snapshot client CA certificate: {e}"))
+        })?;
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+        .build()
+        .map_err(|e| TlsError::Invalid(format!("snapshot client certificate verifier: {e}")))?;
+    Ok(Some(verifier))
+}
+
 type Body = Full<Bytes>;
 
 struct Shared {
@@ -213,16 +274,33 @@ struct ConnCtx {
     peer: SocketAddr,
     /// The verified client certificate's subject common name (`Some("")` when it has none or several).
     client_cn: Option<Arc<str>>,
+    /// The certificate was issued by a snapshot CA: it may push snapshots and do nothing else.
+    snapshot_issued: bool,
 }
 
 impl ConnCtx {
+    /// The caller's certificate has one of the `allowed` subjects (any, when empty) and is not a snapshot
+    /// pusher's: for the webhooks and `/metrics`.
     fn subject_in(&self, allowed: &[String]) -> bool {
+        !self.snapshot_issued && self.cn_in(allowed)
+    }
+
+    fn cn_in(&self, allowed: &[String]) -> bool {
         match &self.client_cn {
             None => false,
             Some(cn) => {
                 allowed.is_empty() || (!cn.is_empty() && allowed.iter().any(|a| **a == **cn))
             }
         }
+    }
+
+    /// The caller may push snapshots as far as its certificate goes: issued by a snapshot CA when those are
+    /// configured, with a pinned subject when those are.
+    fn may_push(&self, callers: &Callers) -> bool {
+        if !callers.snapshot_cas.is_empty() && !self.snapshot_issued {
+            return false;
+        }
+        callers.snapshot_subjects.is_empty() || self.cn_in(&callers.snapshot_subjects)
     }
 }
 
@@ -266,17 +344,26 @@ pub async fn run(
             .as_ref()
             .map(|t| Sha256::digest(t.expose().as_bytes()).into()),
     });
+    let snapshot_issuers =
+        snapshot_verifier(&config.limits.callers.snapshot_cas).map_err(ServeError::SnapshotCa)?;
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "guard listening");
     }
     let make_service = move |conn: serve::Conn| {
         let shared = shared.clone();
+        let snapshot_issued = match (&snapshot_issuers, &conn.client_cert) {
+            (Some(verifier), Some(cert)) => verifier
+                .verify_client_cert(cert, &[], UnixTime::now())
+                .is_ok(),
+            _ => false,
+        };
         let ctx = ConnCtx {
             peer: conn.peer,
             client_cn: conn
                 .client_cert
                 .as_ref()
                 .map(|c| Arc::from(common_name(c.as_ref()))),
+            snapshot_issued,
         };
         service_fn(move |req: Request<Incoming>| {
             let shared = shared.clone();
@@ -502,6 +589,10 @@ fn unauthenticated_caller(
             "caller presented no client certificate",
             "a client certificate issued by the configured client CA is required",
         ),
+        Some(_) if ctx.snapshot_issued => (
+            "caller presented a snapshot push certificate",
+            "a snapshot push certificate may push snapshots only",
+        ),
         Some(_) => (
             "caller's client certificate subject is not allowed",
             "the client certificate's subject is not allowed to call this webhook",
@@ -591,13 +682,12 @@ async fn snapshot(shared: &Shared, ctx: &ConnCtx, req: Request<Incoming>) -> Res
             "snapshot pushes are not enabled on this guard",
         );
     };
-    let pinned = &shared.limits.callers.snapshot_subjects;
-    if !pinned.is_empty() && !ctx.subject_in(pinned) {
-        tracing::warn!(peer = %ctx.peer, subject = ?ctx.client_cn, "refused a snapshot caller");
+    if !ctx.may_push(&shared.limits.callers) {
+        tracing::warn!(peer = %ctx.peer, subject = ?ctx.client_cn, snapshot_ca = ctx.snapshot_issued, "refused a snapshot caller");
         return status(
             StatusCode::UNAUTHORIZED,
             "Unauthorized",
-            "snapshot pushes need the agent's client certificate (an allowed subject) besides the push token",
+            "snapshot pushes need the agent's push certificate (issued by the snapshot client CA, with an allowed subject) besides the push token",
         );
     }
     if !bearer_matches(req.headers(), expected) {

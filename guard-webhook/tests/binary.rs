@@ -86,6 +86,49 @@ fn bad_configuration_exits_64_with_a_reason() -> anyhow::Result<()> {
         assert!(err.contains(mentions), "{err}");
     }
 
+    // The agent's push certificate needs a CA of its own, and a pinned subject.
+    let push_ca = Ca::new("push ca")?;
+    write_pem(dir.path().join("push-ca.pem").as_path(), push_ca.cert_pem())?;
+    for (extra, mentions) in [
+        (
+            vec![
+                "--snapshot-client-ca",
+                "ca.pem",
+                "--snapshot-client-cn",
+                "tether-agent",
+            ],
+            "also a client CA",
+        ),
+        (
+            vec!["--snapshot-client-ca", "push-ca.pem"],
+            "snapshot-client-cn",
+        ),
+        (
+            vec![
+                "--snapshot-client-ca",
+                "nope.pem",
+                "--snapshot-client-cn",
+                "tether-agent",
+            ],
+            "nope.pem",
+        ),
+    ] {
+        let extra: Vec<String> = extra
+            .iter()
+            .map(|a| {
+                if a.ends_with(".pem") {
+                    p(a)
+                } else {
+                    (*a).to_owned()
+                }
+            })
+            .collect();
+        let args = with(&extra.iter().map(String::as_str).collect::<Vec<_>>());
+        let (code, err) = run(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
+        assert_eq!(code, Some(64), "{extra:?}: {err}");
+        assert!(err.contains(mentions), "{extra:?}: {err}");
+    }
+
     let mut args = with(&[]);
     args[3] = p("missing.pem");
     let (code, err) = run(&args.iter().map(String::as_str).collect::<Vec<_>>())?;

@@ -48,8 +48,20 @@ fn authorization_config_uses_guard_with_short_ttls() -> anyhow::Result<()> {
         .iter()
         .filter_map(|a| a["type"].as_str())
         .collect();
-    assert_eq!(types, ["Node", "Webhook", "RBAC"]);
-    let webhook = &authorizers[1]["webhook"];
+    assert_eq!(types, ["Node", "Webhook", "Webhook", "RBAC"]);
+    // The first webhook is asked about the agent's service accounts only (guard denies their impersonating
+    // system: names), the second about Entra identities.
+    assert_eq!(
+        authorizers[1]["webhook"]["matchConditions"][0]["expression"],
+        "request.user.startsWith('system:serviceaccount:tether-system:')"
+    );
+    for webhook in [&authorizers[1]["webhook"], &authorizers[2]["webhook"]] {
+        check_webhook(webhook);
+    }
+    Ok(())
+}
+
+fn check_webhook(webhook: &Value) {
     for version in [
         "subjectAccessReviewVersion",
         "matchConditionSubjectAccessReviewVersion",
@@ -77,5 +89,5 @@ fn authorization_config_uses_guard_with_short_ttls() -> anyhow::Result<()> {
             .as_str()
             .is_some_and(|p| p.ends_with("authz-webhook.kubeconfig"))
     );
-    Ok(())
+    assert_eq!(webhook["failurePolicy"], "NoOpinion");
 }

@@ -10,7 +10,7 @@ use support::{AUDIENCE, Idp, TENANT};
 use tether_auth::Authenticator;
 use tether_auth::jwks::HttpsFetcher;
 use tether_guard::audit::AuditSink;
-use tether_guard::server::{Callers, Limits, ServerConfig, server_tls};
+use tether_guard::server::{Callers, Limits, ServerConfig, server_tls_for};
 use tether_guard::{Guard, GuardOptions, SnapshotStore};
 use tether_runtime::Secret;
 use tether_testkit::certs::{Ca, CertifiedPem};
@@ -45,10 +45,11 @@ impl Harness {
         let ca = Ca::new("guard test ca")?;
         let server = ca.issue_server(&["127.0.0.1".to_owned()])?;
         let apiserver = ca.issue_client("kube-apiserver", &[])?;
-        let tls = server_tls(
+        let tls = server_tls_for(
             server.cert_pem.as_bytes(),
             server.key_pem.as_bytes(),
             ca.cert_pem().as_bytes(),
+            &callers,
         )?;
         let dir = tempfile::tempdir()?;
         let snapshot_path = dir.path().join("snapshot.json");
@@ -706,5 +707,77 @@ async fn snapshot_pushes_are_bounded_and_can_require_the_agents_certificate() ->
         "{body}"
     );
     assert_eq!(h.guard.store().version(), now_ms);
+    h.stop().await
+}
+
+/// The agent's push certificate comes from a CA of its own (the Helm chart makes one and keeps no key of it):
+/// guard takes pushes only with a certificate of that CA carrying the pinned subject, besides the token, and such
+/// a certificate opens nothing else, whatever its name.
+#[tokio::test]
+async fn snapshot_pushes_need_the_push_certificate_of_its_own_ca() -> anyhow::Result<()> {
+    let push_ca = Ca::new("tether-agent snapshot push CA")?;
+    let h = Harness::start_with(
+        None,
+        Callers {
+            snapshot_subjects: vec!["tether-agent".to_owned()],
+            snapshot_cas: vec![push_ca.certified().cert_der()],
+            ..Callers::default()
+        },
+    )
+    .await?;
+    let agent = push_ca.issue_client("tether-agent", &[])?;
+    let now_ms = u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis(),
+    )?;
+    let snapshot = viewer_snapshot(now_ms, ALICE_OID, "dev");
+    // Refused: the token alone; the apiserver's certificate; a certificate of guard's client CA with the pinned
+    // subject (another CA than the push CA); another certificate of the push CA; the push certificate with a
+    // wrong token.
+    let same_name_other_ca = h.ca.issue_client("tether-agent", &[])?;
+    let other_of_push_ca = push_ca.issue_client("tether-agent-2", &[])?;
+    for (cert, token, what) in [
+        (None, PUSH_TOKEN, "the token alone"),
+        (
+            Some(&h.apiserver),
+            PUSH_TOKEN,
+            "the apiserver's certificate",
+        ),
+        (
+            Some(&same_name_other_ca),
+            PUSH_TOKEN,
+            "the pinned subject from the webhooks' client CA",
+        ),
+        (
+            Some(&other_of_push_ca),
+            PUSH_TOKEN,
+            "another certificate of the push CA",
+        ),
+        (Some(&agent), "wrong-token-0123456789", "a wrong token"),
+    ] {
+        let (status, body) = h.push_as(&snapshot, token, cert).await?;
+        assert_eq!(status, 401, "{what}: {body}");
+        assert_eq!(h.guard.store().version(), 0, "{what}");
+    }
+    let (status, body) = h.push_as(&snapshot, PUSH_TOKEN, Some(&agent)).await?;
+    assert_eq!(
+        (status, body["applied"].clone()),
+        (200, json!(true)),
+        "{body}"
+    );
+    assert_eq!(h.guard.store().version(), now_ms);
+
+    // A certificate of the push CA opens nothing else, even one named like the apiserver.
+    let posing = push_ca.issue_client(tether_guard::server::DEFAULT_WEBHOOK_SUBJECT, &[])?;
+    let review = sar("v1", Some(ALICE_OID), &[], "get", "pods", "dev");
+    for cert in [&agent, &posing] {
+        assert_eq!(post_as(&h, "/authorize", &review, cert).await?.0, 401);
+        assert_eq!(h.get_text_as("/metrics", Some(cert)).await?.0, 401);
+    }
+    assert_eq!(
+        post_as(&h, "/authorize", &review, &h.apiserver).await?.0,
+        200
+    );
     h.stop().await
 }

@@ -50,6 +50,10 @@ pub struct CommonArgs {
     /// A command line to run the relay under, e.g. "valgrind --tool=callgrind --callgrind-out-file=relay.%p".
     #[arg(long, global = true)]
     pub relay_wrapper: Option<String>,
+    /// An extra argument for the relay, as `--relay-arg=--FLAG=VALUE` (repeatable). A per-client bound named
+    /// here keeps this value instead of being lifted, e.g. `--relay-arg=--principal-early-cancel-rate=10`.
+    #[arg(long = "relay-arg", global = true, allow_hyphen_values = true)]
+    pub relay_args: Vec<String>,
     /// A command line to run the agent under.
     #[arg(long, global = true)]
     pub agent_wrapper: Option<String>,

@@ -81,7 +81,7 @@ pub struct RelayOptions {
     /// Keep the relay's own per-client bounds (streams, rates, connections per principal and per address)
     /// instead of lifting them; for scenarios whose clients are many principals, as in production.
     pub product_bounds: bool,
-    /// More flags for the relay (e.g. `--entra-*`).
+    /// More arguments (`--FLAG=VALUE`, e.g. `--entra-*`); a per-client bound given here is not lifted.
     pub extra_args: Vec<String>,
 }
 
@@ -110,6 +110,15 @@ pub fn relay_supports(binary: &Path, flag: &str) -> bool {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).contains(flag))
         .unwrap_or(false)
+}
+
+impl RelayOptions {
+    /// Whether `flag` is among the extra arguments (`--flag=…` or `--flag`).
+    fn names(&self, flag: &str) -> bool {
+        self.extra_args
+            .iter()
+            .any(|a| a == flag || a.strip_prefix(flag).is_some_and(|r| r.starts_with('=')))
+    }
 }
 
 impl RelayProcess {
@@ -154,8 +163,10 @@ impl RelayProcess {
                     "--ip-request-rate",
                     "--ip-request-burst",
                 ] {
-                    args.push(flag.to_owned());
-                    args.push("1000000".to_owned());
+                    if !options.names(flag) {
+                        args.push(flag.to_owned());
+                        args.push("1000000".to_owned());
+                    }
                 }
             }
             if !options.product_bounds && relay_supports(binary, "--max-connections-per-principal")
@@ -169,8 +180,10 @@ impl RelayProcess {
                     "--ip-early-cancel-rate",
                     "--ip-early-cancel-burst",
                 ] {
-                    args.push(flag.to_owned());
-                    args.push("1000000".to_owned());
+                    if !options.names(flag) {
+                        args.push(flag.to_owned());
+                        args.push("1000000".to_owned());
+                    }
                 }
             }
             args.extend(options.extra_args.iter().cloned());
@@ -489,5 +502,25 @@ impl AgentProcess {
     /// Kills the agent (SIGKILL), as a crash or an OOM kill would: no drain, its sockets just close.
     pub async fn kill(self) {
         self.proc.kill().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bound_given_as_a_relay_argument_is_not_lifted() {
+        let options = RelayOptions {
+            extra_args: vec![
+                "--principal-early-cancel-rate=10".into(),
+                "--max-handshakes-per-ip".into(),
+            ],
+            ..RelayOptions::default()
+        };
+        assert!(options.names("--principal-early-cancel-rate"));
+        assert!(options.names("--max-handshakes-per-ip"));
+        assert!(!options.names("--principal-early-cancel-burst"));
+        assert!(!options.names("--principal-early-cancel"));
     }
 }

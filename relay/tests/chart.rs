@@ -78,6 +78,8 @@ fn the_values_schema_refuses_unknown_and_malformed_values() -> Result<()> {
         ("relay.urls[0]", "http://relay.example.com"), // not HTTPS
         ("clusterName", "Prod_EU"),                    // not a DNS label
         ("logFormat", "xml"),
+        ("entra.groupsPrefix", "System:"), // Kubernetes' reserved names
+        ("guard.pushClientCert.commonName", ""),
     ] {
         let out = Command::new(&helm)
             .args(["lint", "--strict"])
@@ -94,7 +96,7 @@ fn the_values_schema_refuses_unknown_and_malformed_values() -> Result<()> {
 #[test]
 fn values_that_cannot_work_are_refused_with_a_message() -> Result<()> {
     let Some(helm) = helm()? else { return Ok(()) };
-    let cases: [(&str, &str, &[&str], &str); 5] = [
+    let cases: [(&str, &str, &[&str], &str); 6] = [
         (
             "tether-agent",
             "ci/default-values.yaml",
@@ -112,6 +114,12 @@ fn values_that_cannot_work_are_refused_with_a_message() -> Result<()> {
             "ci/default-values.yaml",
             &["guard.enabled=true"],
             "guard.enabled needs guard.tls",
+        ),
+        (
+            "tether-agent",
+            "ci/default-values.yaml",
+            &["entra.usernamePrefix=entra:"],
+            "they need entra.tenants",
         ),
         (
             "tether-relay",

@@ -53,10 +53,17 @@ impl Fixture {
         token.v2_authority = issuer.authority().to_string();
         let fetch = tether_auth::jwks::HttpsFetcher::new(Some(issuer.ca_pem().as_bytes()))?;
         let authenticator = tether_auth::Authenticator::new(token, Arc::new(fetch))?;
+        // As `tether-guard` runs by default: the agent's namespace is tether-system (the sample's agent identity
+        // is a service account there).
         let guard = Arc::new(Guard::new(
             Some(Arc::new(authenticator)),
             Arc::new(SnapshotStore::in_memory(Snapshot::default())),
-            GuardOptions::default(),
+            GuardOptions {
+                protection: tether_auth::rbac::Protection {
+                    agent_namespace: Some("tether-system".to_owned()),
+                },
+                ..GuardOptions::default()
+            },
         ));
         let tls = tether_guard::server_tls(
             serving.cert_pem.as_bytes(),
@@ -391,5 +398,88 @@ async fn impersonation_is_checked_against_the_real_user() -> anyhow::Result<()> 
         )
         .await?;
     assert_eq!(reply.status, StatusCode::FORBIDDEN, "{}", reply.text());
+    Ok(())
+}
+
+/// The finding: the agent's identity could impersonate anyone, `system:masters` included — the Helm chart's
+/// ClusterRole grants `impersonate` on every user and group, as Kubernetes RBAC cannot say "any but `system:*`"
+/// (the sample's agent identity is allowed everything). The shipped configuration's first webhook asks guard
+/// about the agent namespace's service accounts, and guard denies their impersonating `system:` users and groups
+/// or service accounts; what the agent really does (an Entra user with her oid) still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_identity_cannot_impersonate_system_masters_or_service_accounts()
+-> anyhow::Result<()> {
+    let fx = Fixture::start().await?;
+    fx.assign(1)?;
+    let agent_token = std::fs::read_to_string(fx.sample.agent_kubeconfig_path())?;
+    let agent_token = agent_token
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("token: "))
+        .context("no token in the agent kubeconfig")?
+        .trim()
+        .to_string();
+    let mut client = Client::new(&fx.sample, false)?;
+    client.token = Some(agent_token);
+    for headers in [
+        &[("impersonate-user", "system:admin")][..],
+        &[
+            ("impersonate-user", "alice@contoso.com"),
+            ("impersonate-group", "system:masters"),
+        ][..],
+        &[(
+            "impersonate-user",
+            "system:serviceaccount:kube-system:default",
+        )][..],
+    ] {
+        let reply = client
+            .request_with(Method::GET, "/api/v1/namespaces/prod/secrets", headers)
+            .await?;
+        assert_eq!(
+            reply.status,
+            StatusCode::FORBIDDEN,
+            "{headers:?}: {}",
+            reply.text()
+        );
+        assert!(
+            reply
+                .text()
+                .contains("may impersonate Entra users and groups only"),
+            "{headers:?}: {}",
+            reply.text()
+        );
+    }
+    // The real kubectl with the agent's kubeconfig, as someone holding its token would.
+    let kubectl = Kubectl::new(&fx.sample.agent_kubeconfig_path())?;
+    let out = kubectl
+        .run(&[
+            "get",
+            "secrets",
+            "-A",
+            "--as",
+            "alice@contoso.com",
+            "--as-group",
+            "system:masters",
+        ])
+        .await?;
+    assert!(!out.success(), "{out}");
+    assert!(
+        out.stderr.contains("Forbidden") || out.stderr.contains("forbidden"),
+        "{out}"
+    );
+    // What the agent does: alice, with her oid, is impersonated and guard decides for her.
+    let alice_oid = tether_testkit::dev_issuer::object_id("alice@contoso.com");
+    let reply = client
+        .request_with(
+            Method::GET,
+            "/api/v1/namespaces/dev/configmaps",
+            &[
+                ("impersonate-user", "alice@contoso.com"),
+                ("impersonate-uid", alice_oid.as_str()),
+                ("impersonate-extra-oid", alice_oid.as_str()),
+                ("impersonate-extra-tid", DEV_TENANT),
+            ],
+        )
+        .await?;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     Ok(())
 }

@@ -1079,10 +1079,27 @@ impl<T: Transport> Driver<T> {
             st.handle_event(event, &self.shared.notify);
             progress = true;
         }
-        if st.session.is_closed() && self.pending.is_none() {
+        if st.session.is_closed() {
+            // A peer that went silent for the idle timeout (a partition, a dead host) will not answer a polite
+            // close either: the tunnel is over now, not after CLOSE_LINGER — so `closed()` callers (the relay's
+            // registry, the agent's reconnect loop) learn it within the timeout, as users already did.
+            let silent = matches!(
+                &st.closed,
+                Some(CloseInfo {
+                    error: Some(ConnectionError::TimedOut(_))
+                })
+            );
             drop(st);
-            self.start_closing();
-            return true;
+            if silent {
+                self.pending = None;
+                self.finish();
+                return true;
+            }
+            if self.pending.is_none() {
+                self.start_closing();
+                return true;
+            }
+            st = self.shared.lock();
         }
         let deadline = st.session.poll_timeout();
         drop(st);

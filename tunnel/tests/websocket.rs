@@ -114,3 +114,69 @@ async fn server_that_ignores_the_subprotocol_is_refused() -> anyhow::Result<()> 
     );
     Ok(())
 }
+
+/// A network partition: the pipes stay open but nothing crosses them any more. Both ends learn the tunnel is
+/// over — `closed()` resolves with `TimedOut` — once the idle timeout passes, not a close-linger later: a silent
+/// peer will not answer a polite close either, and the relay's registry and the agent's reconnect loop wait on
+/// `closed()` (virtual time).
+#[tokio::test(start_paused = true)]
+async fn a_partitioned_peer_is_given_up_at_the_idle_timeout() -> anyhow::Result<()> {
+    let keepalive = std::time::Duration::from_secs(1);
+    let idle = std::time::Duration::from_secs(2);
+    let config = |role| {
+        let mut c = SessionConfig::new(role);
+        c.keepalive_interval = keepalive;
+        c.idle_timeout = idle;
+        c
+    };
+    let (client_io, mut link_a) = tokio::io::duplex(64 * 1024);
+    let (mut link_b, server_io) = tokio::io::duplex(64 * 1024);
+    let (cut, cut_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = tokio::io::copy_bidirectional(&mut link_a, &mut link_b) => {}
+            _ = cut_rx => {
+                // Partitioned: both pipes stay open, nothing is read or written.
+                std::future::pending::<()>().await;
+            }
+        }
+    });
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    tokio::spawn(serve_upgrade(
+        server_io,
+        ServerOptions {
+            config: config(Role::Server),
+            require_auth: None,
+        },
+        tx,
+    ));
+    let client = ws::connect_over(
+        client_io,
+        "ws://relay.test/agent/v1/tunnel",
+        HeaderMap::new(),
+        config(Role::Client),
+    )
+    .await?;
+    let server = within("server connection", rx.recv())
+        .await?
+        .context("no server connection")?;
+    // Up through a few keepalives, then cut.
+    tokio::time::sleep(idle * 3).await;
+    assert!(!client.is_closed() && !server.is_closed());
+    let _ = cut.send(());
+    let cut_at = tokio::time::Instant::now();
+    for (side, conn) in [("relay", &server), ("agent", &client)] {
+        let end = within("the silent peer given up", conn.closed()).await?;
+        assert!(
+            matches!(end.error, Some(tether_tunnel::ConnectionError::TimedOut(d)) if d == idle),
+            "{side}: {:?}",
+            end.error
+        );
+        let after = cut_at.elapsed();
+        assert!(
+            after <= idle + keepalive,
+            "{side} reported the tunnel closed {after:?} after the cut (idle timeout {idle:?})"
+        );
+    }
+    Ok(())
+}

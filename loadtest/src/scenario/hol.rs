@@ -4,6 +4,10 @@
 //! (`--burst-clients` clients opening watches over HTTP/1.1 and dropping each within 10–50 ms). A tunnel
 //! without per-stream flow control would stall every stream behind the unread ones, and one whose agent closes
 //! the tunnel on early resets would fail every GET during the burst; Tether's should do neither.
+//!
+//! The load generator lifts the relay's per-client bounds; `--relay-arg=--principal-early-cancel-rate=10`
+//! (and `…-burst=100`) keeps the relay's default early-cancellation bound for the burst's principal, and the
+//! report says how many of the burst's watches the relay refused (429) and how many reached the cluster.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -137,6 +141,8 @@ pub async fn run(env: &Env, args: &HolArgs) -> anyhow::Result<Report> {
         // Another principal's open/cancel burst, for the whole measured phase.
         let stop = Arc::new(AtomicBool::new(false));
         let opened = Arc::new(AtomicU64::new(0));
+        let refused = Arc::new(AtomicU64::new(0));
+        let reached = Arc::new(AtomicU64::new(0));
         let watch: Uri = format!("{}{}", target.base, paths::WATCH).parse()?;
         let mut burst = Vec::new();
         for seed in 0..args.burst_clients {
@@ -146,7 +152,11 @@ pub async fn run(env: &Env, args: &HolArgs) -> anyhow::Result<Report> {
                 watch.clone(),
                 seed,
                 stop.clone(),
-                opened.clone(),
+                BurstCounts {
+                    opened: opened.clone(),
+                    refused: refused.clone(),
+                    reached: reached.clone(),
+                },
             )));
         }
         let started = tokio::time::Instant::now();
@@ -166,6 +176,18 @@ pub async fn run(env: &Env, args: &HolArgs) -> anyhow::Result<Report> {
         report.figures.push(Figure::new(
             "burst rate (watches opened and dropped per second)",
             opened as f64 / elapsed.max(0.001),
+            "/s",
+        ));
+        let refused = refused.load(Ordering::Relaxed);
+        let reached = reached.load(Ordering::Relaxed);
+        report.figures.push(Figure::new(
+            "burst watches refused with 429 (by the relay's bounds or the agent's shedding)",
+            refused as f64,
+            "",
+        ));
+        report.figures.push(Figure::new(
+            "burst watches that reached the cluster (200 head) per second",
+            reached as f64 / elapsed.max(0.001),
             "/s",
         ));
     }
@@ -254,13 +276,24 @@ async fn stall(
     }
 }
 
-/// One client of the open/cancel burst: opens a watch and drops it within 10–50 ms, until `stop`.
+/// What the burst's clients saw.
+struct BurstCounts {
+    /// Watches asked for.
+    opened: Arc<AtomicU64>,
+    /// Answered 429 (the relay's per-client bounds, or the agent shedding).
+    refused: Arc<AtomicU64>,
+    /// Answered with a 2xx head (the watch reached the cluster) before it was dropped.
+    reached: Arc<AtomicU64>,
+}
+
+/// One client of the open/cancel burst: opens a watch and drops it within 10–50 ms, until `stop`; a 429 does
+/// not slow it down (an attacker ignores `Retry-After`).
 async fn open_and_cancel(
     client: crate::client::HttpClient,
     uri: Uri,
     seed: usize,
     stop: Arc<AtomicBool>,
-    opened: Arc<AtomicU64>,
+    counts: BurstCounts,
 ) {
     let mut i = 0usize;
     while !stop.load(Ordering::Relaxed) {
@@ -271,9 +304,14 @@ async fn open_and_cancel(
             return;
         };
         let linger = Duration::from_millis(10 + ((seed * 31 + i * 17) % 41) as u64);
-        opened.fetch_add(1, Ordering::Relaxed);
+        counts.opened.fetch_add(1, Ordering::Relaxed);
         // Dropping the request (or the response) closes its HTTP/1.1 connection: the relay resets the stream.
         if let Ok(Ok(resp)) = tokio::time::timeout(linger, client.request(req)).await {
+            if resp.status() == http::StatusCode::TOO_MANY_REQUESTS {
+                counts.refused.fetch_add(1, Ordering::Relaxed);
+            } else if resp.status().is_success() {
+                counts.reached.fetch_add(1, Ordering::Relaxed);
+            }
             let mut body = resp.into_body();
             let _ = tokio::time::timeout(linger, body.frame()).await;
         }

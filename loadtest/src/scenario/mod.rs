@@ -127,6 +127,7 @@ impl Env {
             wrapper: self.common.relay_wrapper.clone(),
             log_level: self.common.log_level.clone(),
             heartbeat_interval: heartbeat,
+            extra_args: self.common.relay_args.clone(),
             ..RelayOptions::default()
         }
     }

@@ -45,6 +45,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "%s-push-token" (include "tether-agent.guardName" .)) .Values.guard.pushTokenSecret -}}
 {{- end -}}
 
+{{- define "tether-agent.pushClientSecretName" -}}
+{{- default (printf "%s-push-client" (include "tether-agent.guardName" .)) .Values.guard.pushClientCert.existingSecret -}}
+{{- end -}}
+
 {{- define "tether-agent.image" -}}
 {{- printf "%s:%s" .image.repository (default .chart.AppVersion .image.tag) -}}
 {{- end -}}
@@ -99,6 +103,9 @@ seccompProfile:
 {{- end -}}
 {{- if and .Values.entra.audiences (not .Values.entra.tenants) -}}
 {{- fail "entra.audiences needs entra.tenants" -}}
+{{- end -}}
+{{- if and (or .Values.entra.usernamePrefix .Values.entra.groupsPrefix) (not .Values.entra.tenants) -}}
+{{- fail "entra.usernamePrefix and entra.groupsPrefix apply to Entra tokens: they need entra.tenants" -}}
 {{- end -}}
 {{- if .Values.guard.enabled -}}
 {{- if not .Values.guard.tls.existingSecret -}}
