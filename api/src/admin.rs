@@ -119,6 +119,13 @@ pub struct Cluster {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Tunnel {
+    /// The agent's address as the relay replica holding the tunnel sees it.
+    #[serde(default)]
+    pub agent_address: Option<String>,
+    /// The agent process holding the tunnel (its `hello.instance`), when the agent says: tells the tunnels of
+    /// two agent replicas sharing one identity apart.
+    #[serde(default)]
+    pub agent_instance: Option<String>,
     /// Since when this tunnel is up.
     pub connected_since: Option<String>,
     /// Smoothed round trip of the tunnel seen from the relay: QUIC's own estimate, or the WebSocket

@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::identity::IssueError;
 use crate::rbac;
+use crate::registry::TunnelInfo;
 use crate::state::Shared;
 use crate::store::{AgentHealth, ClusterMetadata, NewIdentity};
 
@@ -42,6 +43,8 @@ pub(crate) struct Channel {
     pub(crate) valid_until: watch::Sender<OffsetDateTime>,
     /// Cancelled when the tunnel gets GOAWAY (relay shutdown, a newer tunnel): the channel ends at once.
     pub(crate) draining: CancellationToken,
+    /// The tunnel's shared facts: what `hello` says, the certificate held after a renewal.
+    pub(crate) tunnel: Arc<TunnelInfo>,
 }
 
 /// Why a control channel was cut.
@@ -268,7 +271,9 @@ where
     match message {
         Message::Hello(hello) => {
             let version = clean(&hello.agent_version);
-            tracing::info!(cluster, agent_version = %version, "control channel open");
+            let instance = clean(&hello.instance);
+            channel.tunnel.hello(&instance, hello.tunnels);
+            tracing::info!(cluster, agent_version = %version, %instance, tunnels = channel.tunnel.agent_tunnels(), "control channel open");
             shared.activity.agent_version(&cluster, version, now);
             let welcome = Message::Welcome(Welcome {
                 heartbeat_interval_seconds: shared.config.heartbeat_interval.as_secs(),
@@ -430,6 +435,7 @@ async fn renew_identity(channel: &mut Channel, csr: &str, now: OffsetDateTime) -
         Err(e) => return error(format!("cannot format the expiry: {e}")),
     };
     tracing::info!(cluster, not_after, fingerprint = %issued.fingerprint, "identity renewed");
+    channel.tunnel.renewed(&issued.fingerprint);
     channel.held_fingerprint = issued.fingerprint;
     channel.valid_until.send_replace(issued.not_after);
     Message::Certificate(Certificate {

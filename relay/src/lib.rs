@@ -85,10 +85,11 @@ pub struct Relay {
 pub struct TunnelStats(Arc<registry::Registry>);
 
 impl TunnelStats {
-    /// How many streams are open on `cluster`'s current tunnel, its control stream included; `None` when
-    /// the cluster has no tunnel.
+    /// How many streams are open on `cluster`'s tunnels at this relay, control streams included; `None` when
+    /// the cluster has no tunnel here.
     pub fn open_streams(&self, cluster: &str) -> Option<usize> {
-        self.0.get(cluster).map(|t| t.conn.open_streams())
+        let tunnels = self.0.tunnels(cluster);
+        (!tunnels.is_empty()).then(|| tunnels.iter().map(|t| t.conn.open_streams()).sum())
     }
 }
 
@@ -131,13 +132,15 @@ impl Relay {
             None => None,
         };
         Ok(Relay {
+            registry: Arc::new(registry::Registry::new(
+                config.limits.max_tunnels_per_cluster,
+            )),
             config,
             store,
             admin_token,
             tls,
             agent_ca,
             entra,
-            registry: Arc::default(),
         })
     }
 

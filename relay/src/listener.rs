@@ -90,7 +90,7 @@ pub(crate) async fn serve(
     let window = reconnect_window(tunnels.len(), limits.reconnect_rate);
     tracing::info!(tunnels = tunnels.len(), reconnect_within = ?window, "telling agents to reconnect");
     shared.start_shutdown(window);
-    for tunnel in tunnels {
+    for (_, tunnel) in tunnels {
         tunnel.go_away(code::SHUTDOWN, "relay shutting down");
     }
     connections.begin();
@@ -106,7 +106,7 @@ pub(crate) async fn serve(
             ?grace,
             "requests or tunnels still open after the shutdown grace period; closing them"
         );
-        for tunnel in shared.registry.all() {
+        for (_, tunnel) in shared.registry.all() {
             tunnel
                 .conn
                 .close(code::CANCEL, "relay shutting down: grace period over");

@@ -556,13 +556,6 @@ async fn renewal_over_the_control_channel_keeps_the_tunnel_and_its_streams() -> 
     let again = dial(&relay, &old)
         .await
         .context("the previous certificate")?;
-    // The replaced tunnel goes away gracefully, its control channel ended by the relay.
-    assert!(matches!(
-        within("the old control channel to end", agent.reader.recv()).await?,
-        Err(ControlError::Io(_))
-    ));
-    let info = within("the first tunnel to be replaced", agent.conn.closed()).await?;
-    assert!(info.error.is_none(), "{info:?}");
     again.close(code::NO_ERROR, "done");
     // ... and once it has, the old one is refused.
     let _new = dial(&relay, &renewed)

@@ -284,7 +284,7 @@ async fn delete(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
     }
     shared.activity.forget(name);
     shared.guard.forget(name);
-    if let Some(tunnel) = shared.registry.remove(name) {
+    for tunnel in shared.registry.remove(name) {
         // Not SHUTDOWN: the agent would take that as a graceful GOAWAY and keep its streams open.
         tunnel
             .conn
@@ -313,7 +313,7 @@ fn connectivity(shared: &Shared, c: &ClusterRecord, now: OffsetDateTime) -> Conn
 /// not yet written to the store are applied first.
 fn cluster_view(shared: &Shared, mut c: ClusterRecord, now: OffsetDateTime) -> admin::Cluster {
     shared.activity.overlay(&mut c);
-    let live = shared.registry.get(&c.name);
+    let live = shared.registry.tunnels(&c.name);
     let latest = &shared.config.latest_agent_version;
     let metadata = c.metadata.as_ref();
     admin::Cluster {
@@ -327,11 +327,13 @@ fn cluster_view(shared: &Shared, mut c: ClusterRecord, now: OffsetDateTime) -> a
         }),
         upgrade_available: status::upgrade_available(c.agent_version.as_deref(), latest),
         agent_version: c.agent_version.clone(),
-        connected: live.is_some(),
-        connected_since: rfc3339(live.as_ref().map(|t| t.since)),
+        connected: !live.is_empty(),
+        connected_since: rfc3339(live.iter().map(|t| t.since).min()),
         tunnels: live
             .iter()
             .map(|t| admin::Tunnel {
+                agent_address: Some(t.info.peer.to_string()),
+                agent_instance: Some(t.info.instance()).filter(|i| !i.is_empty()),
                 connected_since: rfc3339(Some(t.since)),
                 rtt_millis: t.conn.rtt().map(|rtt| rtt.as_secs_f64() * 1000.0),
                 transport: t.conn.transport().as_str().to_owned(),
@@ -352,7 +354,8 @@ fn cluster_view(shared: &Shared, mut c: ClusterRecord, now: OffsetDateTime) -> a
         metadata_reported_at: rfc3339(metadata.map(|m| m.reported_at)),
         node_count: metadata.map(|m| m.node_count),
         onboarded: c.onboarded,
-        open_streams: live.as_ref().map(|t| t.conn.open_streams() as u64),
+        open_streams: (!live.is_empty())
+            .then(|| live.iter().map(|t| t.conn.open_streams() as u64).sum()),
         total_cpu_millis: metadata.map(|m| m.total_cpu_millis),
         total_memory_bytes: metadata.map(|m| m.total_memory_bytes),
         name: c.name,

@@ -10,12 +10,13 @@ use http::{Request, Response};
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use tether_tunnel::{OpenOptions, Priority, kind};
+use tether_tunnel::{OpenOptions, Priority, TunnelError, kind};
 
 use crate::api_error::ApiError;
 use crate::body::{Body, BoxError};
 use crate::forward::{self, Target};
 use crate::quota::{Principal, Refusal, StreamSlot};
+use crate::registry::Tunnel;
 use crate::state::{ConnCtx, Shared};
 use crate::{auth, entra, user_headers};
 
@@ -63,12 +64,13 @@ pub(crate) async fn handle(
     }
     // The registry answers for connected clusters without touching the store on the hot path; deleting a
     // cluster removes its tunnel, so a registered tunnel implies the cluster exists.
-    let Some(tunnel) = shared.registry.get(name) else {
+    let tunnels = shared.registry.usable(name);
+    if tunnels.is_empty() {
         return match shared.store.cluster(name).await? {
             Some(_) => Err(ApiError::not_connected(name)),
             None => Err(ApiError::cluster_not_found(name)),
         };
-    };
+    }
     if shared.is_shutting_down() {
         return Err(ApiError::shutting_down());
     }
@@ -90,15 +92,7 @@ pub(crate) async fn handle(
             tracing::debug!(cluster = name, peer = %ctx.peer, bound = r.what, "client over its bound");
             ApiError::client_over_bound(r.what, name, r.retry_after)
         })?;
-    let stream = tunnel
-        .conn
-        .open(OpenOptions {
-            kind: kind::HTTP,
-            priority: Priority::Normal,
-            deadline: Some(shared.config.open_timeout),
-            metadata: Bytes::new(),
-        })
-        .map_err(|e| forward::tunnel_error(e, target))?;
+    let stream = open_stream(shared, &tunnels, target)?;
     let control = stream.control();
     tracing::debug!(cluster = name, method = %req.method(), path = req.uri().path(), stream = ?stream.id(), "forwarding");
     // From here on, the user dropping the request before it completes is a cancellation.
@@ -121,6 +115,34 @@ pub(crate) async fn handle(
         }
     };
     Ok(resp.map(|body| Holding { body, slot }.boxed()))
+}
+
+/// Opens a stream on the first of `tunnels` (least loaded first) that takes one: a tunnel that went away
+/// since it was picked is skipped.
+fn open_stream(
+    shared: &Shared,
+    tunnels: &[Tunnel],
+    target: Target<'_>,
+) -> Result<tether_tunnel::Stream, ApiError> {
+    let mut last = None;
+    for tunnel in tunnels {
+        let opened = tunnel.conn.open(OpenOptions {
+            kind: kind::HTTP,
+            priority: Priority::Normal,
+            deadline: Some(shared.config.open_timeout),
+            metadata: Bytes::new(),
+        });
+        match opened {
+            Ok(stream) => return Ok(stream),
+            // Going away, closed, or full: the next tunnel may take it.
+            Err(e @ (TunnelError::Closed(_) | TunnelError::TooManyStreams)) => last = Some(e),
+            Err(e) => return Err(forward::tunnel_error(e, target)),
+        }
+    }
+    match last {
+        Some(e) => Err(forward::tunnel_error(e, target)),
+        None => Err(ApiError::not_connected(target.cluster)),
+    }
 }
 
 /// Counts the connection for `principal` if it counts for nobody yet.
