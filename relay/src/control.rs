@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 use crate::identity::IssueError;
 use crate::rbac;
 use crate::registry::TunnelInfo;
+use crate::revocation;
 use crate::state::Shared;
 use crate::store::{AgentHealth, ClusterMetadata, NewIdentity};
 
@@ -436,6 +437,9 @@ async fn renew_identity(channel: &mut Channel, csr: &str, now: OffsetDateTime) -
     };
     tracing::info!(cluster, not_after, fingerprint = %issued.fingerprint, "identity renewed");
     channel.tunnel.renewed(&issued.fingerprint);
+    // The agent's other tunnels here still hold the replaced certificate (replicas elsewhere learn of the
+    // renewal from the store's change feed).
+    revocation::close_replaced(shared, cluster, &issued.fingerprint);
     channel.held_fingerprint = issued.fingerprint;
     channel.valid_until.send_replace(issued.not_after);
     Message::Certificate(Certificate {

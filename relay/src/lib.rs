@@ -50,6 +50,7 @@ mod quota;
 mod rbac;
 mod registry;
 mod respond;
+mod revocation;
 mod router;
 mod state;
 mod status;

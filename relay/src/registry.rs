@@ -29,6 +29,8 @@ pub(crate) struct TunnelInfo {
     /// The certificate the agent holds on this tunnel: the one it was authenticated with, then the one a
     /// renewal on its control channel issued.
     fingerprint: Mutex<String>,
+    /// Set once a close after a renewal elsewhere is scheduled (so it is scheduled once).
+    replaced: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -45,6 +47,7 @@ impl TunnelInfo {
             instance: Mutex::new(instance.to_owned()),
             agent_tunnels: AtomicU32::new(0),
             fingerprint: Mutex::new(fingerprint.to_owned()),
+            replaced: AtomicBool::new(false),
         }
     }
 
@@ -79,6 +82,11 @@ impl TunnelInfo {
     /// Marks the tunnel as going away; true if it was not already.
     pub(crate) fn mark_going_away(&self) -> bool {
         !self.going_away.swap(true, Ordering::AcqRel)
+    }
+
+    /// Marks the tunnel as holding a replaced certificate; true the first time.
+    pub(crate) fn mark_replaced(&self) -> bool {
+        !self.replaced.swap(true, Ordering::AcqRel)
     }
 
     /// True once GOAWAY was sent or received.

@@ -81,7 +81,7 @@ macro_rules! suite {
 suite!(
     create_get_list_delete,
     onboarding_token_redeems_once,
-    renewal_keeps_the_presented_certificate_until_confirmed,
+    renewal_replaces_the_certificate_at_once_and_is_logged,
     connection_facts,
     role_definitions_are_unique_and_builtins_are_reserved,
     assignments_raise_versions_reference_roles_and_go_with_their_cluster,
@@ -190,7 +190,7 @@ async fn onboarding_token_redeems_once(db: &Db) {
     );
 }
 
-async fn renewal_keeps_the_presented_certificate_until_confirmed(db: &Db) {
+async fn renewal_replaces_the_certificate_at_once_and_is_logged(db: &Db) {
     let store = db.open().await;
     store
         .create_cluster(&new_cluster("c", "token"))
@@ -201,12 +201,13 @@ async fn renewal_keeps_the_presented_certificate_until_confirmed(db: &Db) {
         .redeem_onboarding_token("c", &TokenHash::of("token"), &identity("a"), now)
         .await
         .expect("redeem");
+    let head = store.changes_since(u64::MAX, 0).await.expect("head").head;
     assert!(
         !store
             .renew_identity("c", "unknown", &identity("x"))
             .await
             .expect("renew"),
-        "only the current or previous certificate may renew"
+        "only the current certificate may renew"
     );
     assert!(
         store
@@ -221,13 +222,26 @@ async fn renewal_keeps_the_presented_certificate_until_confirmed(db: &Db) {
         .expect("c")
         .identity
         .expect("identity");
-    assert!(id.accepts("a") && id.accepts("b") && !id.accepts("x"));
-    // The agent lost "b" and renews again with "a": "a" stays accepted, "b" is gone.
+    // The replaced certificate is refused from now on; the store remembers it only to say why.
+    assert!(id.accepts("b") && !id.accepts("a") && !id.accepts("x"));
+    assert!(id.was_replaced("a") && !id.was_replaced("b"));
+    // A stolen replaced certificate cannot renew either (and so cannot take the identity back).
     assert!(
-        store
-            .renew_identity("c", "a", &identity("c"))
+        !store
+            .renew_identity("c", "a", &identity("evil"))
             .await
             .expect("renew")
+    );
+    // Every replica learns of the renewal from the change log.
+    let page = store.changes_since(head, 10).await.expect("changes");
+    let kinds: Vec<ChangeKind> = page.changes.iter().map(|c| c.kind).collect();
+    assert_eq!(kinds, [ChangeKind::Identity], "{page:?}");
+    assert_eq!(page.changes[0].cluster, "c");
+    assert!(
+        store
+            .renew_identity("c", "b", &identity("d"))
+            .await
+            .expect("renew again")
     );
     let id = store
         .cluster("c")
@@ -236,29 +250,10 @@ async fn renewal_keeps_the_presented_certificate_until_confirmed(db: &Db) {
         .expect("c")
         .identity
         .expect("identity");
-    assert!(id.accepts("a") && id.accepts("c") && !id.accepts("b"));
-    // Confirming with the previous certificate changes nothing; with the current one forgets the previous.
-    store.confirm_identity("c", "a").await.expect("confirm");
-    let id = store
-        .cluster("c")
-        .await
-        .expect("q")
-        .expect("c")
-        .identity
-        .expect("identity");
-    assert_eq!(id.previous_fingerprint.as_deref(), Some("a"));
-    store.confirm_identity("c", "c").await.expect("confirm");
-    let id = store
-        .cluster("c")
-        .await
-        .expect("q")
-        .expect("c")
-        .identity
-        .expect("identity");
-    assert!(!id.accepts("a") && id.accepts("c"));
+    assert!(id.accepts("d") && !id.accepts("b") && id.was_replaced("b"));
     assert!(
         !store
-            .renew_identity("gone", "c", &identity("d"))
+            .renew_identity("gone", "d", &identity("e"))
             .await
             .expect("renew")
     );

@@ -32,6 +32,9 @@ const NO_CLIENT_CERT: &str = "no client certificate: the agent must present its 
 const BAD_IDENTITY: &str = "the client certificate is not a valid identity of this cluster: it was deleted, \
      its identity revoked or replaced (delete the cluster and connect it again)";
 
+const REPLACED_IDENTITY: &str = "the client certificate was replaced by a renewal and is no longer accepted: \
+     the agent must use the certificate the renewal issued (if it lost it, delete the cluster and connect it again)";
+
 #[derive(Deserialize)]
 struct Onboard {
     cluster: String,
@@ -117,8 +120,9 @@ fn agent_version(headers: &HeaderMap) -> String {
     }
 }
 
-/// Checks the client certificate of a tunnel request for `cluster`: it names the cluster, is its current (or
-/// just-replaced) identity, and has not expired. Returns what it read from it.
+/// Checks the client certificate of a tunnel request for `cluster`: it names the cluster, is its current
+/// identity (a certificate a renewal replaced is refused at once), and has not expired. Returns what it read
+/// from it.
 async fn authenticate(
     shared: &Shared,
     client_cert: Option<&[u8]>,
@@ -143,18 +147,15 @@ async fn authenticate(
         .cluster(cluster)
         .await?
         .and_then(|record| record.identity);
-    let Some(identity) = identity.filter(|id| id.accepts(&peer.fingerprint)) else {
-        return Err(ApiError::unauthorized(BAD_IDENTITY));
-    };
+    match identity {
+        Some(id) if id.accepts(&peer.fingerprint) => {}
+        Some(id) if id.was_replaced(&peer.fingerprint) => {
+            return Err(ApiError::unauthorized(REPLACED_IDENTITY));
+        }
+        _ => return Err(ApiError::unauthorized(BAD_IDENTITY)),
+    }
     if peer.not_after <= OffsetDateTime::now_utc() {
         return Err(ApiError::identity_expired(cluster, peer.not_after));
-    }
-    if identity.fingerprint == peer.fingerprint && identity.previous_fingerprint.is_some() {
-        // The agent uses its renewed certificate: the one it replaced is no longer needed.
-        shared
-            .store
-            .confirm_identity(cluster, &peer.fingerprint)
-            .await?;
     }
     Ok(peer)
 }

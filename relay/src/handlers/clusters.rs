@@ -7,7 +7,6 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::Value;
 use tether_api::admin::{self, EXPORT_API_VERSION, EXPORT_KIND};
-use tether_tunnel::code;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
@@ -18,6 +17,7 @@ use crate::auth;
 use crate::body::Body;
 use crate::rbac::{ImportRequest, Imported, NewDeny};
 use crate::respond;
+use crate::revocation;
 use crate::state::Shared;
 use crate::status::{self, ConnectivityStatus};
 use crate::store::{ClusterRecord, NewCluster, TokenHash};
@@ -282,14 +282,7 @@ async fn delete(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
     if !shared.store.delete_cluster(name).await? {
         return Err(ApiError::cluster_not_found(name));
     }
-    shared.activity.forget(name);
-    shared.guard.forget(name);
-    for tunnel in shared.registry.remove(name) {
-        // Not SHUTDOWN: the agent would take that as a graceful GOAWAY and keep its streams open.
-        tunnel
-            .conn
-            .close(code::REFUSED, "cluster deleted at the relay");
-    }
+    revocation::close_deleted(shared, name);
     tracing::info!(cluster = %name, "cluster deleted");
     Ok(respond::no_content())
 }

@@ -198,14 +198,20 @@ pub struct ClusterIdentity {
     pub fingerprint: String,
     /// The current certificate's expiry.
     pub not_after: OffsetDateTime,
-    /// The certificate it replaced at the last renewal, accepted until the agent connects with the current one.
+    /// The certificate the last renewal replaced: refused from that moment on, kept only to tell its holder
+    /// why.
     pub previous_fingerprint: Option<String>,
 }
 
 impl ClusterIdentity {
-    /// True when `fingerprint` is the current or the just-replaced certificate.
+    /// True when `fingerprint` is the current certificate (the only one accepted).
     pub fn accepts(&self, fingerprint: &str) -> bool {
-        self.fingerprint == fingerprint || self.previous_fingerprint.as_deref() == Some(fingerprint)
+        self.fingerprint == fingerprint
+    }
+
+    /// True when `fingerprint` is the certificate the last renewal replaced.
+    pub fn was_replaced(&self, fingerprint: &str) -> bool {
+        self.previous_fingerprint.as_deref() == Some(fingerprint)
     }
 }
 
@@ -370,6 +376,8 @@ pub enum ChangeKind {
     Tags,
     /// Its guard snapshot changed (a role or deny assignment was made or removed); the new version.
     Guard(u64),
+    /// A renewal replaced its certificate: tunnels still up with the replaced one must close.
+    Identity,
 }
 
 impl ChangeKind {
@@ -380,6 +388,7 @@ impl ChangeKind {
             ChangeKind::Deleted => "deleted",
             ChangeKind::Tags => "tags",
             ChangeKind::Guard(_) => "guard",
+            ChangeKind::Identity => "identity",
         }
     }
 
@@ -398,6 +407,7 @@ impl ChangeKind {
             ("deleted", _) => Ok(ChangeKind::Deleted),
             ("tags", _) => Ok(ChangeKind::Tags),
             ("guard", Some(v)) => Ok(ChangeKind::Guard(v)),
+            ("identity", _) => Ok(ChangeKind::Identity),
             (other, v) => Err(StoreError::Corrupt(format!(
                 "change kind {other:?} ({v:?})"
             ))),
@@ -463,17 +473,15 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreFuture<'a, bool>;
 
     /// A renewal: `identity` becomes current and `presented` (the certificate the renewing agent is using)
-    /// becomes the previous one, only if the cluster exists and `presented` is its current or previous
-    /// fingerprint. True when this call renewed it.
+    /// becomes the replaced one, refused from now on, only if the cluster exists and `presented` is its current
+    /// fingerprint; logs a [`ChangeKind::Identity`] change in the same transaction, so every replica closes the
+    /// tunnels still up with the replaced certificate. True when this call renewed it.
     fn renew_identity<'a>(
         &'a self,
         name: &'a str,
         presented: &'a str,
         identity: &'a NewIdentity,
     ) -> StoreFuture<'a, bool>;
-
-    /// The agent connected with its current certificate: forget the previous one.
-    fn confirm_identity<'a>(&'a self, name: &'a str, fingerprint: &'a str) -> StoreFuture<'a, ()>;
 
     /// Records that the cluster's agent connected (sets connected-since, last-seen and agent version).
     fn record_connected<'a>(

@@ -240,6 +240,24 @@ impl Store for PostgresStore {
         .boxed()
     }
 
+    fn renew_identity<'a>(
+        &'a self,
+        name: &'a str,
+        presented: &'a str,
+        identity: &'a NewIdentity,
+    ) -> StoreFuture<'a, bool> {
+        retry(move || {
+            async move {
+                let mut tx = self.pool.begin().await?;
+                let renewed = write_renewal(&mut tx, name, presented, identity).await?;
+                tx.commit().await?;
+                Ok(renewed)
+            }
+            .boxed()
+        })
+        .boxed()
+    }
+
     fn record_activity<'a>(&'a self, batch: &'a [Activity]) -> StoreFuture<'a, ()> {
         async move {
             if batch.is_empty() {

@@ -95,43 +95,6 @@ macro_rules! pool_statements {
             .boxed()
         }
 
-        fn renew_identity<'a>(
-            &'a self,
-            name: &'a str,
-            presented: &'a str,
-            identity: &'a NewIdentity,
-        ) -> StoreFuture<'a, bool> {
-            async move {
-                let done = sqlx::query(RENEW_IDENTITY)
-                    .bind(presented)
-                    .bind(&identity.fingerprint)
-                    .bind(ts(identity.not_after))
-                    .bind(name)
-                    .bind(presented)
-                    .bind(presented)
-                    .execute(&self.pool)
-                    .await?;
-                Ok(done.rows_affected() == 1)
-            }
-            .boxed()
-        }
-
-        fn confirm_identity<'a>(
-            &'a self,
-            name: &'a str,
-            fingerprint: &'a str,
-        ) -> StoreFuture<'a, ()> {
-            async move {
-                sqlx::query(CONFIRM_IDENTITY)
-                    .bind(name)
-                    .bind(fingerprint)
-                    .execute(&self.pool)
-                    .await?;
-                Ok(())
-            }
-            .boxed()
-        }
-
         fn record_connected<'a>(
             &'a self,
             name: &'a str,
@@ -495,6 +458,35 @@ macro_rules! connection_statements {
             Ok(())
         }
 
+        /// A renewal with its change log entry, inside the caller's write transaction (`record_change` is the
+        /// backend's); true when the presented certificate was current and is now replaced.
+        async fn write_renewal(
+            conn: &mut $conn,
+            name: &str,
+            presented: &str,
+            identity: &NewIdentity,
+        ) -> Result<bool, StoreError> {
+            let done = sqlx::query(RENEW_IDENTITY)
+                .bind(presented)
+                .bind(&identity.fingerprint)
+                .bind(ts(identity.not_after))
+                .bind(name)
+                .bind(presented)
+                .execute(&mut *conn)
+                .await?;
+            if done.rows_affected() != 1 {
+                return Ok(false);
+            }
+            record_change(
+                &mut *conn,
+                name,
+                ChangeKind::Identity,
+                OffsetDateTime::now_utc(),
+            )
+            .await?;
+            Ok(true)
+        }
+
         /// Raises the cluster's snapshot version, inserts `a` and logs the change, inside the caller's write
         /// transaction; the new version.
         async fn add_role_assignment(
@@ -598,13 +590,10 @@ pub(super) const REDEEM_TOKEN: &str = "UPDATE clusters SET onboarding_used = $1,
      previous_fingerprint = NULL, onboarded_at = $4 \
      WHERE name = $5 AND onboarding_token_hash = $6 AND onboarding_used = $7";
 
-/// A renewal (binds: presented, fingerprint, not after, name, presented, presented).
+/// A renewal: only the current certificate may renew (binds: presented, fingerprint, not after, name,
+/// presented).
 pub(super) const RENEW_IDENTITY: &str = "UPDATE clusters SET previous_fingerprint = $1, identity_fingerprint = $2, identity_not_after = $3 \
-     WHERE name = $4 AND (identity_fingerprint = $5 OR previous_fingerprint = $6)";
-
-/// Forgets the previous certificate (binds: name, fingerprint).
-pub(super) const CONFIRM_IDENTITY: &str = "UPDATE clusters SET previous_fingerprint = NULL \
-     WHERE name = $1 AND identity_fingerprint = $2 AND previous_fingerprint IS NOT NULL";
+     WHERE name = $4 AND identity_fingerprint = $5";
 
 /// An agent connected (binds: at, at, agent version, name).
 pub(super) const RECORD_CONNECTED: &str =

@@ -173,6 +173,24 @@ impl Store for SqliteStore {
         .boxed()
     }
 
+    fn renew_identity<'a>(
+        &'a self,
+        name: &'a str,
+        presented: &'a str,
+        identity: &'a NewIdentity,
+    ) -> StoreFuture<'a, bool> {
+        async move {
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
+            let renewed = write_renewal(&mut tx, name, presented, identity).await?;
+            tx.commit().await?;
+            if renewed {
+                self.signal_change();
+            }
+            Ok(renewed)
+        }
+        .boxed()
+    }
+
     fn record_activity<'a>(&'a self, batch: &'a [Activity]) -> StoreFuture<'a, ()> {
         async move {
             if batch.is_empty() {
