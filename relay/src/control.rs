@@ -25,7 +25,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::identity::IssueError;
 use crate::rbac;
-use crate::registry::TunnelInfo;
+use crate::registry::Tunnel;
+use crate::replicas;
 use crate::revocation;
 use crate::state::Shared;
 use crate::store::{AgentHealth, ClusterMetadata, NewIdentity};
@@ -44,8 +45,8 @@ pub(crate) struct Channel {
     pub(crate) valid_until: watch::Sender<OffsetDateTime>,
     /// Cancelled when the tunnel gets GOAWAY (relay shutdown, a newer tunnel): the channel ends at once.
     pub(crate) draining: CancellationToken,
-    /// The tunnel's shared facts: what `hello` says, the certificate held after a renewal.
-    pub(crate) tunnel: Arc<TunnelInfo>,
+    /// The tunnel: what `hello` says and the certificate held after a renewal go to its shared facts.
+    pub(crate) tunnel: Tunnel,
 }
 
 /// Why a control channel was cut.
@@ -273,13 +274,21 @@ where
         Message::Hello(hello) => {
             let version = clean(&hello.agent_version);
             let instance = clean(&hello.instance);
-            channel.tunnel.hello(&instance, hello.tunnels);
-            tracing::info!(cluster, agent_version = %version, %instance, tunnels = channel.tunnel.agent_tunnels(), "control channel open");
+            channel.tunnel.info.hello(&instance, hello.tunnels);
+            tracing::info!(cluster, agent_version = %version, %instance, tunnels = channel.tunnel.info.agent_tunnels(), "control channel open");
+            // The other replicas show the agent's instance and count its tunnels.
+            if replicas::publish(&shared, &cluster, &channel.tunnel)
+                .await
+                .is_err()
+            {
+                return Err(ChannelError::Protocol("the cluster was deleted"));
+            }
             shared.activity.agent_version(&cluster, version, now);
             let welcome = Message::Welcome(Welcome {
                 heartbeat_interval_seconds: shared.config.heartbeat_interval.as_secs(),
                 latest_agent_version: Some(shared.config.latest_agent_version.clone()),
-                ..Welcome::default()
+                replica: shared.fleet.replica_id.clone(),
+                replicas: shared.fleet.live_replicas(),
             });
             wire::send(wr, &welcome).await?;
             state.welcomed = true;
@@ -436,7 +445,7 @@ async fn renew_identity(channel: &mut Channel, csr: &str, now: OffsetDateTime) -
         Err(e) => return error(format!("cannot format the expiry: {e}")),
     };
     tracing::info!(cluster, not_after, fingerprint = %issued.fingerprint, "identity renewed");
-    channel.tunnel.renewed(&issued.fingerprint);
+    channel.tunnel.info.renewed(&issued.fingerprint);
     // The agent's other tunnels here still hold the replaced certificate (replicas elsewhere learn of the
     // renewal from the store's change feed).
     revocation::close_replaced(shared, cluster, &issued.fingerprint);

@@ -40,6 +40,7 @@ mod control;
 mod ends;
 mod entra;
 mod error;
+mod fleet;
 mod forward;
 mod guard_hub;
 mod handlers;
@@ -49,6 +50,7 @@ mod quic_listener;
 mod quota;
 mod rbac;
 mod registry;
+mod replicas;
 mod respond;
 mod revocation;
 mod router;
@@ -79,6 +81,7 @@ pub struct Relay {
     agent_ca: identity::AgentCa,
     entra: Option<Arc<tether_auth::Authenticator>>,
     registry: Arc<registry::Registry>,
+    fleet: fleet::Fleet,
 }
 
 /// A read-only view of a relay's live tunnels (from [`Relay::tunnel_stats`]; stays valid while it serves).
@@ -132,7 +135,12 @@ impl Relay {
             Some(entra) => Some(entra::authenticator(entra, store.clone())?),
             None => None,
         };
+        let replica_id = config
+            .replica_id
+            .clone()
+            .unwrap_or_else(fleet::Fleet::random_id);
         Ok(Relay {
+            fleet: fleet::Fleet::new(replica_id, config.effective_peer_address()),
             registry: Arc::new(registry::Registry::new(
                 config.limits.max_tunnels_per_cluster,
             )),
@@ -148,6 +156,11 @@ impl Relay {
     /// A view of the live tunnels (open streams per cluster), valid while this relay serves.
     pub fn tunnel_stats(&self) -> TunnelStats {
         TunnelStats(self.registry.clone())
+    }
+
+    /// This replica's id in the fleet (`--replica-id`, or the random one it took).
+    pub fn replica_id(&self) -> &str {
+        &self.fleet.replica_id
     }
 
     /// The token the admin API requires.
@@ -180,6 +193,7 @@ impl Relay {
             self.agent_ca,
             self.entra,
             self.registry,
+            self.fleet,
         ));
         let quic = quic_listener::bind(
             &shared.config,

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::RelayError;
 use crate::quic_listener;
+use crate::replicas;
 use crate::router;
 use crate::state::{ConnCtx, Shared};
 
@@ -69,8 +70,12 @@ pub(crate) async fn serve(
         ));
         (quic, task)
     });
+    replicas::register(&shared)
+        .await
+        .map_err(RelayError::Store)?;
     let stop_flusher = CancellationToken::new();
     let flusher = tokio::spawn(flush_activity(shared.clone(), stop_flusher.clone()));
+    let lease = tokio::spawn(replicas::lease_loop(shared.clone(), stop_flusher.clone()));
     let svc_shared = shared.clone();
     let make_service = move |conn: serve::Conn| {
         let ctx = ConnCtx::new(conn);
@@ -129,6 +134,10 @@ pub(crate) async fn serve(
     if flusher.await.is_err() {
         tracing::warn!("the activity writer panicked");
     }
+    if lease.await.is_err() {
+        tracing::warn!("the lease loop panicked");
+    }
+    replicas::leave(&shared).await;
     if let Err(e) = shared.store.close().await {
         tracing::warn!(error = %e, "closing the store failed");
     }

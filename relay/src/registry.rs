@@ -61,6 +61,11 @@ impl TunnelInfo {
         self.agent_tunnels.load(Ordering::Relaxed).max(1)
     }
 
+    /// `hello.tunnels` as the agent said it (0 until hello, or from older agents).
+    pub(crate) fn said_tunnels(&self) -> u32 {
+        self.agent_tunnels.load(Ordering::Relaxed)
+    }
+
     /// What the agent said in `hello`.
     pub(crate) fn hello(&self, instance: &str, tunnels: u32) {
         if !instance.is_empty() {

@@ -12,6 +12,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::activity::ActivityLog;
 use crate::config::Config;
+use crate::fleet::Fleet;
 use crate::guard_hub::GuardHub;
 use crate::identity::AgentCa;
 use crate::quota::{ConnectionSlot, Quotas};
@@ -36,6 +37,8 @@ pub(crate) struct Shared {
     pub(crate) entra: Option<Arc<tether_auth::Authenticator>>,
     /// Per-principal and per-address bounds of the user endpoint.
     pub(crate) quotas: Arc<Quotas>,
+    /// This replica in the fleet.
+    pub(crate) fleet: Fleet,
     shutting_down: AtomicBool,
     /// Set on shutdown: the window, in milliseconds, within which agents are told to come back (0: none).
     reconnect_window_ms: AtomicU64,
@@ -49,8 +52,10 @@ impl Shared {
         agent_ca: AgentCa,
         entra: Option<Arc<tether_auth::Authenticator>>,
         registry: Arc<Registry>,
+        fleet: Fleet,
     ) -> Self {
         Self {
+            fleet,
             quotas: Quotas::new(config.limits.client_limits()),
             config,
             store,

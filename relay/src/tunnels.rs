@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use crate::control;
 use crate::identity::PeerCert;
 use crate::registry::{Reservation, Tunnel, TunnelInfo};
+use crate::replicas;
 use crate::state::Shared;
 
 /// An authenticated tunnel about to start.
@@ -63,7 +64,7 @@ async fn accept_streams(
                     held_fingerprint: tunnel.info.fingerprint(),
                     valid_until,
                     draining: tunnel.draining.clone(),
-                    tunnel: tunnel.info.clone(),
+                    tunnel: tunnel.clone(),
                 };
                 control_task = Some(tokio::spawn(control::serve(channel, stream)));
             }
@@ -106,6 +107,12 @@ pub(crate) async fn run(shared: &Arc<Shared>, new: NewTunnel, conn: Connection) 
     let id = tunnel.id;
     // A delete that ran between authentication and registration must still win.
     if !matches!(shared.store.cluster(cluster).await, Ok(Some(_))) {
+        shared.registry.remove_if(cluster, id);
+        conn.close(code::REFUSED, "cluster deleted at the relay");
+        return;
+    }
+    // The other replicas route to it from now on.
+    if replicas::publish(shared, cluster, &tunnel).await.is_err() {
         shared.registry.remove_if(cluster, id);
         conn.close(code::REFUSED, "cluster deleted at the relay");
         return;
@@ -157,8 +164,10 @@ pub(crate) async fn run(shared: &Arc<Shared>, new: NewTunnel, conn: Connection) 
                 control = done.ok().flatten();
                 // The tunnel takes no new streams: the agent sent GOAWAY (it is moving the tunnel, or stopping)
                 // or the relay did. Its streams in flight go on.
-                if tunnel.info.mark_going_away() && !conn.is_closed() {
-                    tracing::info!(cluster, tunnel = id, open_streams = conn.open_streams(), "the agent sent GOAWAY: the tunnel takes no new requests");
+                tunnel.info.mark_going_away();
+                if !conn.is_closed() {
+                    tracing::info!(cluster, tunnel = id, open_streams = conn.open_streams(), "the tunnel takes no new requests (GOAWAY)");
+                    let _ = replicas::publish(shared, cluster, &tunnel).await;
                 }
             }
         }
@@ -169,6 +178,7 @@ pub(crate) async fn run(shared: &Arc<Shared>, new: NewTunnel, conn: Connection) 
     end_control(control).await;
     let last =
         shared.registry.remove_if(cluster, id) && shared.registry.tunnels(cluster).is_empty();
+    replicas::unpublish(shared, cluster, id).await;
     match &close_info.error {
         None => tracing::info!(cluster, tunnel = id, "agent tunnel closed"),
         Some(e) => tracing::info!(cluster, tunnel = id, error = %e, "agent tunnel lost"),

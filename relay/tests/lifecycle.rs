@@ -308,7 +308,9 @@ async fn the_identity_is_issued_for_the_agents_key_and_verifies_with_openssl() -
 #[tokio::test]
 async fn status_goes_connecting_connected_offline_and_back() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let relay = TestRelay::start_with(short_config(dir.path())).await?;
+    let mut config = short_config(dir.path());
+    config.replica_id = Some("relay-test-0".into());
+    let relay = TestRelay::start_with(config).await?;
     let admin = relay.admin()?;
     admin.create_ok("quiet").await?;
     assert_eq!(
@@ -324,8 +326,12 @@ async fn status_goes_connecting_connected_offline_and_back() -> anyhow::Result<(
     );
     let mut agent = Agent::connect(&relay, &identity, "0.1.0").await?;
     assert_eq!(agent.welcome.heartbeat_interval_seconds, 1);
+    // One relay: the welcome names it and counts one live replica.
+    assert_eq!(agent.welcome.replica, "relay-test-0");
+    assert_eq!(agent.welcome.replicas, 1);
     let shown = agent.beat_until(&admin, "edge", "Connected").await?;
     assert_eq!(shown["connected"], true);
+    assert_eq!(shown["tunnels"][0]["replica"], "relay-test-0", "{shown}");
     assert!(shown["lastConnectivityTime"].is_string(), "{shown}");
 
     // Silence on the control channel (the tunnel itself stays up): Offline after the threshold.

@@ -14,6 +14,10 @@
 //! [`ChangeFeed`] follows that log, woken by PostgreSQL `LISTEN/NOTIFY` where available and by a periodic
 //! re-read in any case, so a lost notification only delays a change, never loses it.
 //!
+//! For a relay fleet it also holds each replica's lease and the tunnels each replica holds ([`ReplicaLease`],
+//! [`TunnelRecord`], [`TunnelRoute`]): lease times come from the database's clock, so replicas need not agree on
+//! the time, and a replica whose lease lapsed is ignored by every query at once.
+//!
 //! What it does not do: cache, or decide anything: callers check secrets and permissions.
 
 mod feed;
@@ -440,6 +444,68 @@ pub struct ChangePage {
     pub reset: bool,
 }
 
+/// A relay replica's lease, as it registers or renews it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaLease {
+    /// The replica's id (`--replica-id`).
+    pub id: String,
+    /// Where its peers reach its peer link (`--peer-address`), if it has one.
+    pub peer_address: Option<String>,
+    /// How long the lease lasts from now (by the database's clock).
+    pub ttl: std::time::Duration,
+    /// Whether the replica is draining (it takes no new tunnels; its agents are moving).
+    pub draining: bool,
+}
+
+/// A replica as the store holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaRecord {
+    /// Its id.
+    pub id: String,
+    /// Its peer link's address, if any.
+    pub peer_address: Option<String>,
+    /// When it registered (by the database's clock).
+    pub started_at: OffsetDateTime,
+    /// When its lease runs out unless renewed (by the database's clock).
+    pub lease_expires: OffsetDateTime,
+    /// Whether it is draining.
+    pub draining: bool,
+}
+
+/// A tunnel a replica holds, as the store holds it (so that every replica can route to it and show it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TunnelRecord {
+    /// The replica holding it.
+    pub replica: String,
+    /// Its id, unique within that replica's life.
+    pub tunnel_id: u64,
+    /// Its cluster.
+    pub cluster: String,
+    /// The agent process holding its other end (`hello.instance`; empty when not said).
+    pub agent_instance: String,
+    /// How many tunnels that agent process keeps (`hello.tunnels`; 0 when not said).
+    pub agent_tunnels: u32,
+    /// `wss` or `quic`.
+    pub transport: String,
+    /// The agent's address as the replica sees it.
+    pub agent_address: String,
+    /// Since when it is up.
+    pub connected_since: OffsetDateTime,
+    /// False once it got GOAWAY: it takes no new requests (its streams in flight go on).
+    pub usable: bool,
+}
+
+/// A tunnel of a live replica, with what a peer needs to forward a request to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TunnelRoute {
+    /// The tunnel.
+    pub tunnel: TunnelRecord,
+    /// The peer link address of the replica holding it, if it has one.
+    pub peer_address: Option<String>,
+    /// Whether that replica is draining.
+    pub replica_draining: bool,
+}
+
 /// Wake-ups from a backend that pushes change notifications: each item means "the log may have grown".
 /// Items carry no data; readers always re-read the log, so a lost or merged wake-up costs nothing but delay.
 pub type ChangeSignals = BoxStream<'static, ()>;
@@ -596,6 +662,33 @@ pub trait Store: Send + Sync + 'static {
     /// Push notifications of log growth, when the backend has them (PostgreSQL `LISTEN`; SQLite: changes made
     /// through this same handle). `None`: poll [`Store::changes_since`] only.
     fn change_signals(&self) -> StoreFuture<'_, Option<ChangeSignals>>;
+
+    /// Registers replica `lease.id` (again, after a restart with the same id: it then holds no tunnel) with a
+    /// lease of `lease.ttl` from now.
+    fn register_replica<'a>(&'a self, lease: &'a ReplicaLease) -> StoreFuture<'a, ()>;
+
+    /// Renews the replica's lease for `lease.ttl` from now and records whether it drains; false when its row is
+    /// gone (its lease lapsed and a peer removed it): register again and put its tunnels back.
+    fn renew_lease<'a>(&'a self, lease: &'a ReplicaLease) -> StoreFuture<'a, bool>;
+
+    /// Removes the replica and the tunnels it held (at exit).
+    fn remove_replica<'a>(&'a self, id: &'a str) -> StoreFuture<'a, ()>;
+
+    /// Removes the replicas whose lease ran out more than `expired_for` ago, with their tunnels; how many.
+    fn reap_replicas(&self, expired_for: std::time::Duration) -> StoreFuture<'_, u64>;
+
+    /// The replicas whose lease runs, by id.
+    fn live_replicas(&self) -> StoreFuture<'_, Vec<ReplicaRecord>>;
+
+    /// Records a tunnel its replica holds, or updates it (agent instance and K, usable). [`StoreError::NotFound`]
+    /// when its cluster or its replica is gone.
+    fn put_tunnel<'a>(&'a self, tunnel: &'a TunnelRecord) -> StoreFuture<'a, ()>;
+
+    /// Forgets a tunnel (it closed).
+    fn remove_tunnel<'a>(&'a self, replica: &'a str, tunnel_id: u64) -> StoreFuture<'a, ()>;
+
+    /// The tunnels of live replicas (lease running), of one cluster or all, by cluster, replica and tunnel id.
+    fn tunnel_routes<'a>(&'a self, cluster: Option<&'a str>) -> StoreFuture<'a, Vec<TunnelRoute>>;
 
     /// Flushes and closes the backend.
     fn close(&self) -> StoreFuture<'_, ()>;

@@ -34,7 +34,8 @@ use super::rows::*;
 use super::{
     Activity, ChangeKind, ChangePage, ChangeSignals, ClusterMetadata, ClusterRecord,
     ClusterSecrets, DenyAssignmentRecord, DirectoryEntry, GuardState, NewCluster, NewIdentity,
-    RoleAssignmentRecord, Store, StoreError, StoreFuture, TokenHash, next_guard_version,
+    ReplicaLease, ReplicaRecord, RoleAssignmentRecord, Store, StoreError, StoreFuture, TokenHash,
+    TunnelRecord, TunnelRoute, next_guard_version,
 };
 
 /// Starts a read transaction that sees one snapshot for all its statements.
@@ -200,6 +201,8 @@ impl PostgresStore {
 impl Store for PostgresStore {
     // The operations that are one statement on the pool, the same in both dialects.
     pool_statements!();
+    // Replica leases and the tunnels each replica holds, with this database's clock.
+    fleet_statements!("CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)");
 
     fn create_cluster<'a>(&'a self, new: &'a NewCluster) -> StoreFuture<'a, ClusterRecord> {
         retry(move || {

@@ -27,7 +27,8 @@ use super::rows::*;
 use super::{
     Activity, ChangeKind, ChangePage, ChangeSignals, ClusterMetadata, ClusterRecord,
     ClusterSecrets, DenyAssignmentRecord, DirectoryEntry, GuardState, NewCluster, NewIdentity,
-    RoleAssignmentRecord, Store, StoreError, StoreFuture, TokenHash, next_guard_version,
+    ReplicaLease, ReplicaRecord, RoleAssignmentRecord, Store, StoreError, StoreFuture, TokenHash,
+    TunnelRecord, TunnelRoute, next_guard_version,
 };
 
 /// Starts a write transaction holding the write lock.
@@ -137,6 +138,8 @@ impl SqliteStore {
 impl Store for SqliteStore {
     // The operations that are one statement on the pool, the same in both dialects.
     pool_statements!();
+    // Replica leases and the tunnels each replica holds, with this database's clock.
+    fleet_statements!("CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)");
 
     fn create_cluster<'a>(&'a self, new: &'a NewCluster) -> StoreFuture<'a, ClusterRecord> {
         async move {
