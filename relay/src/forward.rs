@@ -173,7 +173,7 @@ where
 }
 
 /// Why a response body stopped before its end, in the user's terms (for a watch's final ERROR event).
-fn explain_body_error(cluster: &str, e: &BoxError) -> String {
+pub(crate) fn explain_body_error(cluster: &str, e: &BoxError) -> String {
     let e: &(dyn StdError + 'static) = &**e;
     match find_tunnel_error(e) {
         Some(TunnelError::Closed(why)) => {
@@ -195,7 +195,7 @@ fn explain_body_error(cluster: &str, e: &BoxError) -> String {
 /// Copies both ways until both directions end, half-close included. When the agent's side breaks (the tunnel
 /// is lost, the agent is gone or resets the stream) rather than ending, the user is told why where the
 /// protocol allows it ([`ends::websocket_break`]) before its side is closed.
-async fn pipe<U, A>(user: U, agent: A, headers: &HeaderMap, cluster: &str)
+pub(crate) async fn pipe<U, A>(user: U, agent: A, headers: &HeaderMap, cluster: &str)
 where
     U: AsyncRead + AsyncWrite + Unpin,
     A: AsyncRead + AsyncWrite + Unpin,
@@ -248,7 +248,7 @@ where
 }
 
 /// HTTP/1.1 `Connection: upgrade` + `Upgrade: …` (kubectl exec/attach/port-forward, WebSocket, SPDY).
-fn is_upgrade_request<B>(req: &Request<B>) -> bool {
+pub(crate) fn is_upgrade_request<B>(req: &Request<B>) -> bool {
     req.version() <= Version::HTTP_11
         && req.headers().contains_key(header::UPGRADE)
         && connection_tokens(req.headers()).any(|t| t.eq_ignore_ascii_case("upgrade"))
@@ -266,7 +266,7 @@ fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &str> {
 
 /// Removes hop-by-hop headers, including those the `Connection` header names. For an upgrade request,
 /// `Upgrade` and `Connection: upgrade` stay (they are what asks the far end to switch).
-fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     let named: Vec<HeaderName> = connection_tokens(headers)
         .filter(|t| !(keep_upgrade && t.eq_ignore_ascii_case("upgrade")))
         .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())

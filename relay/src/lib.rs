@@ -46,6 +46,10 @@ mod guard_hub;
 mod handlers;
 mod identity;
 mod listener;
+mod peer_client;
+mod peer_forward;
+mod peer_listener;
+mod peer_tls;
 mod quic_listener;
 mod quota;
 mod rbac;
@@ -81,7 +85,7 @@ pub struct Relay {
     agent_ca: identity::AgentCa,
     entra: Option<Arc<tether_auth::Authenticator>>,
     registry: Arc<registry::Registry>,
-    fleet: fleet::Fleet,
+    replica_id: String,
 }
 
 /// A read-only view of a relay's live tunnels (from [`Relay::tunnel_stats`]; stays valid while it serves).
@@ -140,7 +144,7 @@ impl Relay {
             .clone()
             .unwrap_or_else(fleet::Fleet::random_id);
         Ok(Relay {
-            fleet: fleet::Fleet::new(replica_id, config.effective_peer_address()),
+            replica_id,
             registry: Arc::new(registry::Registry::new(
                 config.limits.max_tunnels_per_cluster,
             )),
@@ -160,7 +164,7 @@ impl Relay {
 
     /// This replica's id in the fleet (`--replica-id`, or the random one it took).
     pub fn replica_id(&self) -> &str {
-        &self.fleet.replica_id
+        &self.replica_id
     }
 
     /// The token the admin API requires.
@@ -186,6 +190,17 @@ impl Relay {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), RelayError> {
+        let peer_listener = peer_listener::bind(&self.config).await?;
+        let peer_address = peer_listener::advertised(
+            &self.config,
+            peer_listener.as_ref().and_then(|l| l.local_addr().ok()),
+        );
+        let identity = peer_tls::ReplicaIdentity::issue(&self.agent_ca, &self.replica_id)?;
+        let peers = peer_client::PeerClient::new(&identity, self.config.limits.max_header_bytes)?;
+        let peer = match peer_listener {
+            Some(listener) => Some((listener, identity.server_config()?)),
+            None => None,
+        };
         let shared = Arc::new(state::Shared::new(
             self.config,
             self.store,
@@ -193,14 +208,21 @@ impl Relay {
             self.agent_ca,
             self.entra,
             self.registry,
-            self.fleet,
+            fleet::Fleet::new(self.replica_id, peer_address),
+            peers,
         ));
         let quic = quic_listener::bind(
             &shared.config,
             listener.local_addr().ok(),
             self.tls.server_config.clone(),
         )?;
-        listener::serve(shared, self.tls.server_config, listener, quic, shutdown).await
+        let listeners = listener::Listeners {
+            https: listener,
+            tls: self.tls.server_config,
+            quic,
+            peer,
+        };
+        listener::serve(shared, listeners, shutdown).await
     }
 }
 

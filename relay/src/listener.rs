@@ -16,6 +16,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::RelayError;
+use crate::peer_listener;
 use crate::quic_listener;
 use crate::replicas;
 use crate::router;
@@ -48,14 +49,30 @@ fn serve_limits(limits: &crate::config::Limits) -> serve::Limits {
     }
 }
 
+/// What the relay listens on.
+pub(crate) struct Listeners {
+    /// Users, agents (WebSocket tunnels), operators.
+    pub(crate) https: TcpListener,
+    /// Its TLS.
+    pub(crate) tls: Arc<rustls::ServerConfig>,
+    /// QUIC tunnels, unless disabled.
+    pub(crate) quic: Option<tether_tunnel::quic::Listener>,
+    /// The peer link and its TLS, with `--peer-listen`.
+    pub(crate) peer: Option<(TcpListener, Arc<rustls::ServerConfig>)>,
+}
+
 /// Accepts connections until `shutdown` resolves, then shuts down gracefully.
 pub(crate) async fn serve(
     shared: Arc<Shared>,
-    tls: Arc<rustls::ServerConfig>,
-    listener: TcpListener,
-    quic: Option<tether_tunnel::quic::Listener>,
+    listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RelayError> {
+    let Listeners {
+        https: listener,
+        tls,
+        quic,
+        peer,
+    } = listeners;
     let limits = shared.config.limits.clone();
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "relay listening");
@@ -86,9 +103,23 @@ pub(crate) async fn serve(
             async move { Ok::<_, Infallible>(router::route(shared, ctx, req).await) }
         })
     };
+    let stop_peers = CancellationToken::new();
+    let peers = peer.map(|(listener, tls)| {
+        tokio::spawn(peer_listener::serve(
+            shared.clone(),
+            listener,
+            tls,
+            stop_peers.clone().cancelled_owned(),
+        ))
+    });
     let connections =
         serve::serve(listener, tls, serve_limits(&limits), make_service, shutdown).await;
     tracing::info!("relay shutting down");
+    stop_peers.cancel();
+    let peer_connections = match peers {
+        Some(task) => task.await.ok(),
+        None => None,
+    };
     stop_quic.cancel();
 
     let tunnels = shared.registry.all();
@@ -99,10 +130,16 @@ pub(crate) async fn serve(
         tunnel.go_away(code::SHUTDOWN, "relay shutting down");
     }
     connections.begin();
+    if let Some(peer) = &peer_connections {
+        peer.begin();
+    }
     shared.tasks.close();
     let grace = limits.shutdown_grace;
     let drained = tokio::time::timeout(grace, async {
         connections.wait().await;
+        if let Some(peer) = &peer_connections {
+            peer.wait().await;
+        }
         shared.tasks.wait().await;
     })
     .await;
@@ -117,8 +154,14 @@ pub(crate) async fn serve(
                 .close(code::CANCEL, "relay shutting down: grace period over");
         }
         connections.cut();
+        if let Some(peer) = &peer_connections {
+            peer.cut();
+        }
         let cut = tokio::time::timeout(grace, async {
             connections.wait().await;
+            if let Some(peer) = &peer_connections {
+                peer.wait().await;
+            }
             shared.tasks.wait().await;
         })
         .await;
