@@ -157,6 +157,8 @@ where
     let shared = channel.shared.clone();
     let cluster = channel.cluster.clone();
     let draining = channel.draining.clone();
+    let moving = channel.tunnel.info.moving.clone();
+    let mut asked_to_move = false;
     // Subscribed before hello, so no change between the first snapshot and the loop is missed.
     let mut changes = shared.guard.subscribe(&cluster);
     let mut hub_open = true;
@@ -182,6 +184,18 @@ where
                 Err(_) => hub_open = false,
             },
             () = sleep_until_some(retry_at), if retry_at.is_some() => state.retry_at = None,
+            // The relay drains with peers to move to: the agent opens its replacement tunnel elsewhere, then
+            // sends GOAWAY on this one; meanwhile this tunnel and its control channel carry on.
+            () = moving.cancelled(), if !asked_to_move && state.welcomed => {
+                asked_to_move = true;
+                let window = shared.reconnect_window().unwrap_or_default();
+                let message = Message::Draining(wire::Draining {
+                    reconnect_within_ms: u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
+                    make_before_break: true,
+                });
+                wire::send(wr, &message).await?;
+                tracing::info!(%cluster, tunnel = channel.tunnel.id, "asked the agent to move this tunnel (make before break)");
+            }
         }
     }
 }

@@ -10,7 +10,15 @@
 //! answers with a response or a 101: the response streams back (a JSON watch whose peer is lost ends with an
 //! ERROR event), the 101 becomes a byte pipe between the user and the peer, as for a tunnel.
 
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
@@ -38,17 +46,24 @@ pub(crate) struct Candidate {
     pub(crate) address: String,
 }
 
-/// The replicas to try for `cluster`, in order; empty when no other replica holds a usable tunnel of it.
+/// The replicas to try for `cluster`, in order; empty when no other replica holds a usable tunnel of it. The
+/// routes are read again when the cached ones give none (a tunnel may have just moved).
 pub(crate) async fn candidates(shared: &Shared, cluster: &str) -> Result<Vec<Candidate>, ApiError> {
-    let routes = match shared.fleet.cached_routes(cluster) {
-        Some(routes) => routes,
-        None => {
-            let routes = shared.store.tunnel_routes(Some(cluster)).await?;
-            shared.fleet.cache_routes(cluster, routes.clone());
-            routes
+    if let Some(routes) = shared.fleet.cached_routes(cluster) {
+        let cached = order(&routes, &shared.fleet.replica_id);
+        if !cached.is_empty() {
+            return Ok(cached);
         }
-    };
-    Ok(order(&routes, &shared.fleet.replica_id))
+    }
+    fresh_candidates(shared, cluster).await
+}
+
+/// [`candidates`] read from the store now.
+async fn fresh_candidates(shared: &Shared, cluster: &str) -> Result<Vec<Candidate>, ApiError> {
+    let routes = shared.store.tunnel_routes(Some(cluster)).await?;
+    let ordered = order(&routes, &shared.fleet.replica_id);
+    shared.fleet.cache_routes(cluster, routes);
+    Ok(ordered)
 }
 
 /// One candidate per replica holding a usable tunnel (never `me`): replicas not draining first, each group
@@ -129,7 +144,27 @@ where
         body.map_err(|e| Box::new(e) as BoxError).boxed(),
     )));
     let mut last: Option<ApiError> = None;
-    for candidate in candidates {
+    let mut tried: Vec<String> = Vec::new();
+    let mut queue: VecDeque<Candidate> = candidates.into();
+    let mut refreshed = false;
+    loop {
+        let Some(candidate) = queue.pop_front() else {
+            // Every route failed: the tunnel may have moved since the routes were read; read them once more.
+            if refreshed {
+                break;
+            }
+            refreshed = true;
+            queue = fresh_candidates(shared, cluster)
+                .await?
+                .into_iter()
+                .filter(|c| !tried.contains(&c.replica))
+                .collect();
+            if queue.is_empty() {
+                break;
+            }
+            continue;
+        };
+        tried.push(candidate.replica.clone());
         let sent_before = slot.lock().map(|s| s.is_none()).unwrap_or(true);
         if !bodyless && sent_before {
             // An earlier attempt sent (part of) the body: it cannot be sent again.
@@ -171,7 +206,7 @@ where
                 last = Some(ApiError::not_connected(cluster));
             }
             Ok(resp) => {
-                return answer_user(resp, user_upgrade, cluster, &target, guard);
+                return answer_user(shared, resp, user_upgrade, cluster, &target, guard);
             }
             Err(e) if e.is_connect() => {
                 tracing::info!(cluster, replica = %candidate.replica, address = %candidate.address, error = %e, "cannot reach the peer; trying the next route");
@@ -208,6 +243,7 @@ where
 /// The peer's answer, for the user: a 101 becomes a byte pipe (kept with `guard`), a JSON watch ends with an
 /// ERROR event if the peer is lost, anything else streams through.
 fn answer_user<G>(
+    shared: &Shared,
     mut resp: Response<Incoming>,
     user_upgrade: Option<hyper::upgrade::OnUpgrade>,
     cluster: &str,
@@ -228,11 +264,19 @@ where
         let peer_upgrade = hyper::upgrade::on(&mut resp);
         let headers = resp.headers().clone();
         let cluster = cluster.to_owned();
+        let cut = shared.cut.clone();
         tokio::spawn(async move {
             let _guard = guard;
             match tokio::join!(user_upgrade, peer_upgrade) {
                 (Ok(user), Ok(peer)) => {
-                    forward::pipe(TokioIo::new(user), TokioIo::new(peer), &headers, &cluster).await;
+                    let pipe =
+                        forward::pipe(TokioIo::new(user), TokioIo::new(peer), &headers, &cluster);
+                    tokio::select! {
+                        () = pipe => {}
+                        () = cut.cancelled() => {
+                            tracing::info!(cluster = %cluster, "upgraded stream through a peer cut: drain timeout reached");
+                        }
+                    }
                 }
                 (user, peer) => tracing::debug!(
                     cluster = %cluster,
@@ -249,13 +293,58 @@ where
         return Ok(Response::from_parts(parts, crate::body::empty()));
     }
     forward::strip_hop_by_hop(resp.headers_mut(), false);
+    let cut = shared.cut.clone();
+    let resp = resp.map(|body| Cuttable::new(body, cut));
     if resp.status().is_success()
         && ends::is_watch_request(target.path_and_query)
         && ends::is_json(resp.headers())
     {
         return Ok(resp.map(|b| ends::WatchBody::new(b, cluster, explain_peer_break).boxed()));
     }
-    Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
+    Ok(resp.map(BodyExt::boxed))
+}
+
+/// A response body from a peer that fails when this replica's drain timeout is reached, so a watch ends
+/// with an ERROR event rather than being dropped.
+struct Cuttable {
+    inner: Incoming,
+    cut: Pin<Box<WaitForCancellationFutureOwned>>,
+}
+
+impl Cuttable {
+    fn new(inner: Incoming, cut: CancellationToken) -> Self {
+        Self {
+            inner,
+            cut: Box::pin(cut.cancelled_owned()),
+        }
+    }
+}
+
+impl http_body::Body for Cuttable {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.cut.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Some(Err(
+                "this relay replica is shutting down (drain timeout reached)".into(),
+            )));
+        }
+        Pin::new(&mut self.inner)
+            .poll_frame(cx)
+            .map_err(|e| Box::new(e) as BoxError)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 #[cfg(test)]

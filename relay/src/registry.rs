@@ -31,6 +31,8 @@ pub(crate) struct TunnelInfo {
     fingerprint: Mutex<String>,
     /// Set once a close after a renewal elsewhere is scheduled (so it is scheduled once).
     replaced: AtomicBool,
+    /// Cancelled when the relay drains and asks the agent to move this tunnel (make before break).
+    pub(crate) moving: CancellationToken,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -48,6 +50,7 @@ impl TunnelInfo {
             agent_tunnels: AtomicU32::new(0),
             fingerprint: Mutex::new(fingerprint.to_owned()),
             replaced: AtomicBool::new(false),
+            moving: CancellationToken::new(),
         }
     }
 
@@ -149,6 +152,8 @@ pub(crate) struct Registry {
     turn: AtomicU64,
     max_per_cluster: usize,
     clusters: Mutex<HashMap<String, Entry>>,
+    /// How many tunnels are registered (for [`Registry::until_empty`]).
+    count: tokio::sync::watch::Sender<usize>,
 }
 
 impl Default for Registry {
@@ -188,6 +193,7 @@ impl Registry {
             turn: AtomicU64::new(0),
             max_per_cluster: max_per_cluster.max(1),
             clusters: Mutex::default(),
+            count: tokio::sync::watch::Sender::new(0),
         }
     }
 
@@ -232,7 +238,15 @@ impl Registry {
         entry.reserved = entry.reserved.saturating_sub(1);
         entry.tunnels.push(tunnel.clone());
         reservation.used = true;
+        self.count.send_modify(|n| *n += 1);
         tunnel
+    }
+
+    /// Resolves once no tunnel is registered.
+    pub(crate) async fn until_empty(&self) {
+        let mut count = self.count.subscribe();
+        // The sender lives as long as `self`.
+        let _ = count.wait_for(|n| *n == 0).await;
     }
 
     /// The cluster's usable tunnels, least loaded (fewest open streams) first.
@@ -281,6 +295,9 @@ impl Registry {
         if entry.tunnels.is_empty() && entry.reserved == 0 {
             map.remove(cluster);
         }
+        if removed {
+            self.count.send_modify(|n| *n = n.saturating_sub(1));
+        }
         removed
     }
 
@@ -293,10 +310,26 @@ impl Registry {
                 if entry.reserved == 0 {
                     map.remove(cluster);
                 }
+                self.count
+                    .send_modify(|n| *n = n.saturating_sub(tunnels.len()));
                 tunnels
             }
             None => Vec::new(),
         }
+    }
+
+    /// The clusters that have at least one tunnel here.
+    pub(crate) fn clusters(&self) -> Vec<String> {
+        self.lock()
+            .iter()
+            .filter(|(_, e)| !e.tunnels.is_empty())
+            .map(|(c, _)| c.clone())
+            .collect()
+    }
+
+    /// How many tunnels this replica holds.
+    pub(crate) fn len(&self) -> usize {
+        *self.count.borrow()
     }
 
     /// Every tunnel, with its cluster.

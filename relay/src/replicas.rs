@@ -1,7 +1,8 @@
 //! This replica's life in the fleet, through the store: its lease (registered at start, renewed every third
 //! of `--lease-ttl`, marked draining, removed at exit), the tunnels it holds as rows other replicas route by,
-//! and the reaping of replicas that died (their rows are ignored as soon as their lease lapses, and deleted
-//! one TTL later by any live replica). With SQLite the same code runs for the one replica.
+//! the reaping of replicas that died (their rows are ignored as soon as their lease lapses, and deleted one
+//! TTL later by any live replica), and the change feed: what was changed through any replica reaches the
+//! agents connected here ([`follow_changes`]). With SQLite the same code runs for the one replica.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,8 +10,18 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::registry::Tunnel;
+use crate::revocation;
 use crate::state::Shared;
-use crate::store::{ReplicaLease, StoreError, TunnelRecord};
+use crate::store::{
+    ChangeFeed, ChangeKind, ClusterChange, FeedEvent, ReplicaLease, StoreError, TunnelRecord,
+};
+
+/// How often the change feed re-reads the log even without a notification (a lost NOTIFY, or SQLite changes
+/// made by another process): the bound on how late a change reaches the agents here.
+const FEED_RESYNC: Duration = Duration::from_secs(1);
+
+/// How long to wait before trying the store again after the feed failed.
+const FEED_RETRY: Duration = Duration::from_secs(1);
 
 /// How often the change log is pruned, and how much of it is kept.
 const PRUNE_EVERY: Duration = Duration::from_secs(3600);
@@ -179,6 +190,82 @@ pub(crate) async fn leave(shared: &Shared) {
         }
         Err(e) => {
             tracing::warn!(error = %e, "cannot remove this replica from the store; its lease will lapse")
+        }
+    }
+}
+
+/// Follows the store's change feed until `stop`: role and deny assignment changes wake the control channels
+/// of the cluster's tunnels here (they read and push the new guard snapshot), a deletion closes its tunnels
+/// here, a renewal schedules the close of its tunnels here that hold the replaced certificate. Changes made
+/// through this replica come back too; acting on them again is harmless.
+pub(crate) async fn follow_changes(shared: Arc<Shared>, stop: CancellationToken) {
+    loop {
+        let subscribed = tokio::select! {
+            () = stop.cancelled() => return,
+            feed = ChangeFeed::subscribe(shared.store.clone(), FEED_RESYNC) => feed,
+        };
+        let mut feed = match subscribed {
+            Ok(feed) => feed,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot follow the store's changes; will retry");
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(FEED_RETRY) => continue,
+                }
+            }
+        };
+        // Whatever changed before the subscription: bring the tunnels here in line once.
+        resync(&shared).await;
+        loop {
+            let event = tokio::select! {
+                () = stop.cancelled() => return,
+                event = feed.next() => event,
+            };
+            match event {
+                Ok(FeedEvent::Changes(changes)) => {
+                    for change in changes {
+                        apply(&shared, &change).await;
+                    }
+                }
+                Ok(FeedEvent::Resync) => resync(&shared).await,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the store's changes; will retry");
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(FEED_RETRY) => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Acts on one change for the tunnels held here.
+async fn apply(shared: &Shared, change: &ClusterChange) {
+    let cluster = change.cluster.as_str();
+    tracing::debug!(cluster, kind = ?change.kind, seq = change.seq, "store change");
+    match change.kind {
+        ChangeKind::Guard(version) => shared.guard.changed(cluster, version),
+        ChangeKind::Deleted => revocation::close_deleted(shared, cluster),
+        ChangeKind::Identity | ChangeKind::Created => {
+            if !shared.registry.tunnels(cluster).is_empty() {
+                revocation::check_cluster(shared, cluster).await;
+            }
+        }
+        // Tags are read from the store whenever they are shown or filtered on: nothing here holds them.
+        ChangeKind::Tags => {}
+    }
+}
+
+/// Brings every cluster with tunnels here in line with the store: deleted ones closed, replaced
+/// certificates scheduled to close, guard snapshots re-sent if newer.
+async fn resync(shared: &Shared) {
+    for cluster in shared.registry.clusters() {
+        revocation::check_cluster(shared, &cluster).await;
+        match shared.store.guard_state(&cluster).await {
+            Ok(Some(state)) => shared.guard.changed(&cluster, state.version),
+            Ok(None) => {}
+            Err(e) => tracing::debug!(cluster, error = %e, "cannot read the guard snapshot"),
         }
     }
 }

@@ -67,3 +67,18 @@ async fn close_after(tunnel: Tunnel, cluster: String, current: String, grace: Du
         );
     }
 }
+
+/// Brings this replica's tunnels of `cluster` in line with the store: closed when the cluster is gone, the
+/// close of those holding a replaced certificate scheduled.
+pub(crate) async fn check_cluster(shared: &Shared, cluster: &str) {
+    match shared.store.cluster(cluster).await {
+        Ok(None) => close_deleted(shared, cluster),
+        Ok(Some(record)) => match record.identity {
+            Some(identity) => close_replaced(shared, cluster, &identity.fingerprint),
+            None => close_deleted(shared, cluster),
+        },
+        Err(e) => {
+            tracing::warn!(cluster, error = %e, "cannot read the cluster to check its tunnels; will retry")
+        }
+    }
+}

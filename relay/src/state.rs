@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use rustls::pki_types::CertificateDer;
 use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::activity::ActivityLog;
@@ -45,6 +46,9 @@ pub(crate) struct Shared {
     shutting_down: AtomicBool,
     /// Set on shutdown: the window, in milliseconds, within which agents are told to come back (0: none).
     reconnect_window_ms: AtomicU64,
+    /// Cancelled when the drain timeout is reached: what this replica forwards to its peers (watches, upgraded
+    /// pipes) is cut, as its tunnels are closed.
+    pub(crate) cut: CancellationToken,
 }
 
 impl Shared {
@@ -73,6 +77,7 @@ impl Shared {
             entra,
             shutting_down: AtomicBool::new(false),
             reconnect_window_ms: AtomicU64::new(0),
+            cut: CancellationToken::new(),
         }
     }
 
@@ -96,9 +101,13 @@ impl Shared {
         self.shutting_down.load(Ordering::Acquire)
     }
 
-    /// Marks the relay as shutting down, agents to come back within `window`.
-    pub(crate) fn start_shutdown(&self, window: Duration) {
+    /// Marks the relay as draining: `/readyz` answers 503 and new tunnels are refused from now on.
+    pub(crate) fn start_drain(&self) {
         self.shutting_down.store(true, Ordering::Release);
+    }
+
+    /// Agents are to come back (or move) within `window`.
+    pub(crate) fn set_reconnect_window(&self, window: Duration) {
         self.reconnect_window_ms.store(
             u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
             Ordering::Release,

@@ -22,11 +22,12 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
+use tether_api::control::{self as wire, Draining, Hello, Message, Reader, Welcome};
 use tether_relay::Config;
 use tether_relay::store::{self, ReplicaLease, Store, TunnelRecord};
 use tether_testkit::postgres::Postgres;
-use tether_tunnel::Connection;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tether_tunnel::{Connection, OpenOptions, Priority, Stream, code, kind};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::sync::mpsc;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -49,6 +50,15 @@ struct Fleet {
 
 impl Fleet {
     async fn start(url: &str, ids: &[&str]) -> anyhow::Result<Fleet> {
+        Self::start_with(url, ids, |_| {}).await
+    }
+
+    /// Relays whose configuration `adjust` changes.
+    async fn start_with(
+        url: &str,
+        ids: &[&str],
+        adjust: impl Fn(&mut Config),
+    ) -> anyhow::Result<Fleet> {
         let dir = tempfile::tempdir()?;
         let mut relays = Vec::new();
         for (i, id) in ids.iter().enumerate() {
@@ -64,6 +74,7 @@ impl Fleet {
             config.replica_id = Some((*id).to_owned());
             config.peer_listen = Some(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)));
             config.lease_ttl = Duration::from_secs(2);
+            adjust(&mut config);
             relays.push(TestRelay::start_with(config).await?);
         }
         Ok(Fleet {
@@ -100,6 +111,11 @@ impl Fleet {
 /// A fake agent answering each stream: `/watch` streams what `events` yields (JSON lines), `/exec` upgrades
 /// and echoes, anything else describes the request it got (method, path, body length, X-Forwarded-For).
 fn serve_agent(conn: Connection, events: mpsc::Receiver<Bytes>) {
+    serve_agent_as(conn, events, "agent");
+}
+
+/// [`serve_agent`], saying `tag` in its descriptions (which tunnel served a request).
+fn serve_agent_as(conn: Connection, events: mpsc::Receiver<Bytes>, tag: &'static str) {
     let events = Arc::new(tokio::sync::Mutex::new(Some(events)));
     tokio::spawn(async move {
         while let Some(incoming) = conn.accept().await {
@@ -110,7 +126,7 @@ fn serve_agent(conn: Connection, events: mpsc::Receiver<Bytes>) {
             tokio::spawn(async move {
                 let svc = service_fn(move |req: Request<Incoming>| {
                     let events = events.clone();
-                    async move { Ok::<_, Infallible>(answer(req, events).await) }
+                    async move { Ok::<_, Infallible>(answer(req, events, tag).await) }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), svc)
@@ -126,6 +142,7 @@ type AgentBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 async fn answer(
     mut req: Request<Incoming>,
     events: Arc<tokio::sync::Mutex<Option<mpsc::Receiver<Bytes>>>>,
+    tag: &'static str,
 ) -> Response<AgentBody> {
     let json = |v: serde_json::Value| {
         let mut resp = Response::new(
@@ -186,6 +203,7 @@ async fn answer(
                 "uri": parts.uri.to_string(),
                 "bodyLen": body.len(),
                 "xForwardedFor": forwarded,
+                "tunnel": tag,
             }))
         }
     }
@@ -318,6 +336,7 @@ async fn requests_through_b_reach_the_tunnel_on_a_over_the_peer_link() -> anyhow
     let reply = b.client()?.get("/clusters/edge/api", None).await?;
     reply.status_message(401)?;
     drop(watch);
+    conn.close(tether_tunnel::code::NO_ERROR, "done");
     fleet.stop().await?;
     pg.stop();
     Ok(())
@@ -333,7 +352,7 @@ async fn a_route_to_an_unreachable_replica_is_skipped() -> anyhow::Result<()> {
     let identity = a.admin()?.onboarded("edge").await?;
     let conn = common::dial(a, &identity).await?;
     let (_events, rx) = mpsc::channel::<Bytes>(1);
-    serve_agent(conn, rx);
+    serve_agent(conn.clone(), rx);
     // A replica whose lease runs but whose peer link is gone (a port nothing listens on) also claims a tunnel.
     let dead = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
     fleet
@@ -373,6 +392,7 @@ async fn a_route_to_an_unreachable_replica_is_skipped() -> anyhow::Result<()> {
         assert_eq!(reply.json()?["bodyLen"], 20);
     }
     fleet.store.remove_replica("relay-ghost").await?;
+    conn.close(tether_tunnel::code::NO_ERROR, "done");
     fleet.stop().await?;
     pg.stop();
     Ok(())
@@ -459,7 +479,7 @@ async fn the_peer_link_refuses_anything_but_a_replica_of_this_fleet() -> anyhow:
     let identity: AgentIdentity = a.admin()?.onboarded("edge").await?;
     let conn = common::dial(a, &identity).await?;
     let (_events, rx) = mpsc::channel::<Bytes>(1);
-    serve_agent(conn, rx);
+    serve_agent(conn.clone(), rx);
     a.admin()?.wait_connected("edge", true).await?;
     let peer_a = fleet.peer_address(0).await?;
     let ca = &a.agent_ca_pem;
@@ -524,6 +544,286 @@ async fn the_peer_link_refuses_anything_but_a_replica_of_this_fleet() -> anyhow:
     // A client checks the server too: A's certificate does not pass for B.
     let wrong = peer_request(peer_a, ca, b_name, me, path, Some("t")).await;
     assert!(wrong.is_err(), "replica A passed for replica B: {wrong:?}");
+    conn.close(tether_tunnel::code::NO_ERROR, "done");
+    fleet.stop().await?;
+    pg.stop();
+    Ok(())
+}
+
+/// A fake agent's tunnel with its control channel open and `hello` said.
+struct ControlAgent {
+    conn: Connection,
+    reader: Reader<ReadHalf<Stream>>,
+    writer: WriteHalf<Stream>,
+    welcome: Welcome,
+}
+
+impl ControlAgent {
+    /// Dials `relay` as `identity`, opens the control channel, says hello (this agent keeps two tunnels),
+    /// reads the welcome and the first guard snapshot; streams the relay opens are served by [`serve_agent_as`].
+    async fn connect(
+        relay: &TestRelay,
+        identity: &AgentIdentity,
+        tag: &'static str,
+        events: mpsc::Receiver<Bytes>,
+    ) -> anyhow::Result<ControlAgent> {
+        let conn = common::dial(relay, identity).await?;
+        serve_agent_as(conn.clone(), events, tag);
+        let stream = conn.open(OpenOptions {
+            kind: kind::CONTROL,
+            priority: Priority::Control,
+            deadline: Some(Duration::from_secs(10)),
+            metadata: Bytes::new(),
+        })?;
+        within("the control stream", stream.control().accepted()).await??;
+        let (rd, writer) = tokio::io::split(stream);
+        let mut agent = ControlAgent {
+            conn,
+            reader: Reader::new(rd),
+            writer,
+            welcome: Welcome::default(),
+        };
+        wire::send(
+            &mut agent.writer,
+            &Message::Hello(Hello {
+                agent_version: "0.1.0".into(),
+                instance: "agent-1".into(),
+                tunnels: 2,
+            }),
+        )
+        .await?;
+        match agent.recv().await? {
+            Message::Welcome(w) => agent.welcome = w,
+            other => anyhow::bail!("expected welcome, got {other:?}"),
+        }
+        match agent.recv().await? {
+            Message::GuardSnapshot(_) => {}
+            other => anyhow::bail!("expected guardSnapshot, got {other:?}"),
+        }
+        Ok(agent)
+    }
+
+    async fn recv(&mut self) -> anyhow::Result<Message> {
+        within("a control message", self.reader.recv())
+            .await??
+            .ok_or_else(|| anyhow!("the control channel ended"))
+    }
+}
+
+/// `relay`'s `/readyz`: status and text.
+async fn readyz(relay_client: &common::Client) -> anyhow::Result<(StatusCode, String)> {
+    let reply = relay_client.get("/readyz", None).await?;
+    Ok((
+        reply.status,
+        String::from_utf8_lossy(&reply.body).into_owned(),
+    ))
+}
+
+/// Which tunnel served a plain request through `client`.
+async fn served_by(client: &common::Client) -> anyhow::Result<String> {
+    let reply = client.get("/clusters/edge/api", Some("user-token")).await?;
+    anyhow::ensure!(reply.status == StatusCode::OK, "{reply:?}");
+    Ok(reply.json()?["tunnel"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_replica_has_its_agents_move_make_before_break() -> anyhow::Result<()> {
+    let Some(pg) = Postgres::start_or_skip("the relay fleet")? else {
+        return Ok(());
+    };
+    let mut fleet = Fleet::start(&pg.fresh_database()?, &["relay-a", "relay-b"]).await?;
+    let mut a = fleet.relays.remove(0);
+    let (a_client, a_admin) = (a.client()?, a.admin()?);
+    let b_client = fleet.relays[0].client()?;
+    let identity = a_admin.onboarded("edge").await?;
+    // A counts the live replicas at each lease renewal (every third of its TTL): wait until its welcome says
+    // two.
+    let mut events = None;
+    let mut first = None;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while first.is_none() {
+        let (tx, rx) = mpsc::channel::<Bytes>(4);
+        let agent = ControlAgent::connect(&a, &identity, "on-a", rx).await?;
+        assert_eq!(agent.welcome.replica, "relay-a");
+        if agent.welcome.replicas == 2 {
+            (events, first) = (Some(tx), Some(agent));
+        } else {
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "A never counted two replicas"
+            );
+            agent.conn.close(code::NO_ERROR, "again");
+            within("the tunnel to close", agent.conn.closed()).await?;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let (events, mut first) = (events.context("events")?, first.context("agent")?);
+    // A watch on the tunnel at A, open across the drain.
+    let io = TokioIo::new(a_client.raw_tls(b"h2").await?);
+    let (mut h2, h2conn) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io).await?;
+    tokio::spawn(h2conn);
+    let req = a_client
+        .request(true, Method::GET, "/clusters/edge/watch?watch=true")
+        .header(http::header::AUTHORIZATION, "Bearer user-token")
+        .body(Full::<Bytes>::default())?;
+    let resp = h2.send_request(req).await?;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut watch = resp.into_body();
+    assert_eq!(readyz(&a_client).await?.0, StatusCode::OK);
+
+    // SIGTERM at A: readiness goes at once, while A still serves.
+    a.begin_stop();
+    let (status, text) = readyz(&a_client).await?;
+    assert_eq!(
+        (status, text.as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "draining")
+    );
+    // The agent is asked to move; until it does, its tunnel at A keeps taking requests.
+    match first.recv().await? {
+        Message::Draining(Draining {
+            make_before_break: true,
+            ..
+        }) => {}
+        other => anyhow::bail!("expected draining with make before break, got {other:?}"),
+    }
+    assert_eq!(served_by(&a_client).await?, "on-a");
+    // New tunnels go elsewhere: A refuses them.
+    match common::dial(&a, &identity).await {
+        Err(tether_tunnel::ws::ConnectError::Rejected { status, .. }) => {
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        }
+        Err(other) => anyhow::bail!("expected a refusal, got {other}"),
+        Ok(_) => anyhow::bail!("a draining replica took a new tunnel"),
+    }
+    let (_b_events, b_rx) = mpsc::channel::<Bytes>(1);
+    let _second = ControlAgent::connect(&fleet.relays[0], &identity, "on-b", b_rx).await?;
+    // Make before break: the replacement is up, then GOAWAY on the old tunnel.
+    first
+        .conn
+        .go_away(code::SHUTDOWN, "moved to another replica");
+    // New requests for the cluster that reach A go to the replacement at B, over the peer link.
+    tether_testkit::wait::until(
+        "requests through A to reach the tunnel at B",
+        WAIT,
+        || async { served_by(&a_client).await.is_ok_and(|t| t == "on-b") },
+    )
+    .await?;
+    assert_eq!(served_by(&b_client).await?, "on-b");
+    // The watch on the old tunnel still runs.
+    let line = Bytes::from_static(b"{\"type\":\"ADDED\"}\n");
+    events.send(line.clone()).await?;
+    let frame = within("a watch event", watch.frame())
+        .await?
+        .ok_or_else(|| anyhow!("the watch ended"))??;
+    assert_eq!(frame.into_data().ok(), Some(line));
+    // It ends; the agent ends its old control channel; the old tunnel closes and A stops.
+    drop(events);
+    let end = within("the watch to end", watch.collect()).await?;
+    assert!(end.is_ok(), "the watch did not end cleanly");
+    first.writer.shutdown().await?;
+    within("A to stop", a.stop()).await??;
+    within("the old tunnel to close", first.conn.closed()).await?;
+    let live: Vec<String> = fleet
+        .store
+        .live_replicas()
+        .await?
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(live, ["relay-b"], "A left the store at exit");
+    let shown = fleet.relays[0].admin()?.show("edge").await?.json()?;
+    assert_eq!(
+        shown["tunnels"].as_array().map(Vec::len),
+        Some(1),
+        "{shown}"
+    );
+    assert_eq!(shown["tunnels"][0]["replica"], "relay-b", "{shown}");
+    fleet.stop().await?;
+    pg.stop();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_made_at_one_replica_reach_agents_at_another() -> anyhow::Result<()> {
+    let Some(pg) = Postgres::start_or_skip("the relay fleet")? else {
+        return Ok(());
+    };
+    let url = pg.fresh_database()?;
+    let fleet = Fleet::start_with(&url, &["relay-a", "relay-b"], |c| {
+        c.replaced_identity_grace = Duration::from_secs(1);
+    })
+    .await?;
+    let (a, b) = (&fleet.relays[0], &fleet.relays[1]);
+    let a_admin = a.admin()?;
+    let identity = a_admin.onboarded("edge").await?;
+    let (_events, rx) = mpsc::channel::<Bytes>(1);
+    let mut on_b = ControlAgent::connect(b, &identity, "on-b", rx).await?;
+
+    // A role assignment made at A: the agent at B gets the new guard snapshot (LISTEN/NOTIFY, else the
+    // feed's one-second re-read).
+    let started = std::time::Instant::now();
+    let body = serde_json::json!({
+        "cluster": "edge",
+        "principalId": "00000000-0000-0000-0000-0000000000aa",
+        "role": "Azure Arc Kubernetes Viewer",
+    });
+    let made = a_admin
+        .client
+        .post_json("/api/v1/roleassignments", Some(&a_admin.token), &body)
+        .await?;
+    assert_eq!(made.status, StatusCode::CREATED, "{made:?}");
+    // Bounded by the 2 s: messages are read until the one with the assignment, or the deadline.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    let snapshot = loop {
+        match tokio::time::timeout_at(deadline, on_b.reader.recv()).await {
+            Ok(Ok(Some(Message::GuardSnapshot(s)))) if !s.snapshot.assignments.is_empty() => {
+                break s;
+            }
+            Ok(Ok(Some(_))) => continue,
+            other => anyhow::bail!("the agent at B got no snapshot within 2 s: {other:?}"),
+        }
+    };
+    println!(
+        "FLEET role assignment at A reached the agent at B in {:.3} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(snapshot.snapshot.assignments.len(), 1);
+
+    // A renewal through B replaces the certificate everywhere: the agent's tunnel at A, with the old
+    // certificate, is closed after the grace (shortened here).
+    let on_a = common::dial(a, &identity).await?;
+    let (_key_pem, csr) = common::new_csr("edge")?;
+    wire::send(
+        &mut on_b.writer,
+        &Message::Renew(tether_api::control::Renew { csr }),
+    )
+    .await?;
+    loop {
+        match on_b.recv().await? {
+            Message::Certificate(_) => break,
+            Message::GuardSnapshot(_) => continue,
+            other => anyhow::bail!("expected certificate, got {other:?}"),
+        }
+    }
+    let closed = within(
+        "A to close the tunnel with the replaced certificate",
+        on_a.closed(),
+    )
+    .await?;
+    assert!(closed.error.is_some(), "{closed:?}");
+    assert!(!on_b.conn.is_closed(), "the renewing tunnel stays");
+
+    // A deletion at A closes the agent's tunnel at B.
+    assert_eq!(a_admin.delete("edge").await?.status, StatusCode::NO_CONTENT);
+    within(
+        "B to close the deleted cluster's tunnel",
+        on_b.conn.closed(),
+    )
+    .await?;
     fleet.stop().await?;
     pg.stop();
     Ok(())
