@@ -806,6 +806,100 @@ mod tests {
     }
 
     #[test]
+    fn fleet_settings_are_checked() {
+        let c = Config::new("/tmp/x".into());
+        assert_eq!(c.lease_ttl, Duration::from_secs(5));
+        assert_eq!(c.limits.shutdown_grace, Duration::from_secs(30));
+        assert_eq!(c.limits.max_tunnels_per_cluster, 8);
+        assert_eq!(c.replaced_identity_grace, Duration::from_secs(30));
+        assert!(c.replica_id.is_none() && c.effective_peer_address().is_none());
+        let parsed = <Config as clap::Parser>::try_parse_from([
+            "r",
+            "--replica-id",
+            "tether-relay-6d5f7b9c8-x2x9k",
+            "--peer-listen",
+            "0.0.0.0:9443",
+            "--peer-address",
+            "10.1.2.3:9443",
+            "--lease-ttl",
+            "2s",
+            "--drain-timeout",
+            "2m",
+            "--max-tunnels-per-cluster",
+            "4",
+        ])
+        .map_err(|e| e.to_string());
+        let parsed = parsed.unwrap_or_else(|e| panic!("{e}"));
+        assert!(parsed.validate().is_ok());
+        assert_eq!(parsed.limits.shutdown_grace, Duration::from_secs(120));
+        assert_eq!(parsed.limits.max_tunnels_per_cluster, 4);
+        assert_eq!(
+            parsed.effective_peer_address().as_deref(),
+            Some("10.1.2.3:9443")
+        );
+
+        for bad in [
+            "",
+            "Relay-A",
+            "relay_a",
+            "-a",
+            "a-",
+            "a..b",
+            &"x".repeat(129),
+        ] {
+            let mut c = Config::new("/tmp/x".into());
+            c.replica_id = Some(bad.to_owned());
+            assert!(
+                matches!(c.validate(), Err(ConfigError::InvalidReplicaId(_))),
+                "{bad:?}"
+            );
+        }
+        for good in ["relay-0", "r.example", "a"] {
+            let mut c = Config::new("/tmp/x".into());
+            c.replica_id = Some(good.to_owned());
+            assert!(c.validate().is_ok(), "{good:?}");
+        }
+        for bad in [
+            "10.0.0.1",
+            "host:",
+            "host:x",
+            "host:0",
+            "bad host:1",
+            "[::1]",
+        ] {
+            let mut c = Config::new("/tmp/x".into());
+            c.peer_address = Some(bad.to_owned());
+            assert!(
+                matches!(c.validate(), Err(ConfigError::InvalidPeerAddress(_))),
+                "{bad:?}"
+            );
+        }
+        for good in ["relay-0.relay:9443", "10.0.0.1:9443", "[::1]:9443"] {
+            let mut c = Config::new("/tmp/x".into());
+            c.peer_address = Some(good.to_owned());
+            assert!(c.validate().is_ok(), "{good:?}");
+        }
+        // Listening on every address needs to say which one peers reach.
+        let mut c = Config::new("/tmp/x".into());
+        c.peer_listen = Some("0.0.0.0:9443".parse().unwrap_or_else(|e| panic!("{e}")));
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::InvalidPeerAddress(_))
+        ));
+        c.peer_listen = Some("127.0.0.1:9443".parse().unwrap_or_else(|e| panic!("{e}")));
+        assert_eq!(
+            c.effective_peer_address().as_deref(),
+            Some("127.0.0.1:9443")
+        );
+        let mut c = Config::new("/tmp/x".into());
+        c.lease_ttl = Duration::from_millis(100);
+        assert!(c.validate().is_err());
+        let mut c = Config::new("/tmp/x".into());
+        c.limits.shutdown_grace = Duration::ZERO;
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
     fn limits_are_checked() {
         let mut c = Config::new("/tmp/x".into());
         c.limits.max_connections = 0;
