@@ -1,7 +1,7 @@
 //! This replica's place in a relay fleet, as state the handlers and services share: its id, the address its
-//! peers reach it at, how many replicas were live at the last lease renewal, and a short-lived cache of the
-//! routes (the tunnels other replicas hold) read from the store. It imports nothing but the store's types;
-//! the lease loop and the change feed live in `crate::replicas`, the peer link in `crate::peer`.
+//! peers reach it at, how many replicas were live at the last lease renewal, a short-lived cache of the routes
+//! (the tunnels other replicas hold) read from the store, and the peer link's clients. The lease loop and the
+//! change feed live in `crate::replicas`, forwarding in `crate::peer_forward`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::peer_client::PeerClient;
 use crate::store::TunnelRoute;
 
 /// How long routes read from the store are reused before they are read again (a failure to reach a route
@@ -32,11 +33,14 @@ pub(crate) struct Fleet {
     dirty: AtomicBool,
     /// Routes per cluster, and when they were read.
     routes: Mutex<HashMap<String, (Instant, Vec<TunnelRoute>)>>,
+    /// The peer link's clients (to the replicas holding the tunnels this one does not).
+    pub(crate) peers: PeerClient,
 }
 
 impl Fleet {
-    pub(crate) fn new(replica_id: String, peer_address: Option<String>) -> Self {
+    pub(crate) fn new(replica_id: String, peer_address: Option<String>, peers: PeerClient) -> Self {
         Self {
+            peers,
             replica_id,
             peer_address,
             live_replicas: AtomicU32::new(1),

@@ -208,8 +208,7 @@ impl Relay {
             self.agent_ca,
             self.entra,
             self.registry,
-            fleet::Fleet::new(self.replica_id, peer_address),
-            peers,
+            fleet::Fleet::new(self.replica_id, peer_address, peers),
         ));
         let quic = quic_listener::bind(
             &shared.config,

@@ -195,11 +195,11 @@ impl PeerClient {
 
     /// The URI of `path_and_query` at replica `id`.
     pub(crate) fn uri(id: &str, path_and_query: &str) -> Result<Uri, http::Error> {
-        Ok(Uri::builder()
+        Uri::builder()
             .scheme("https")
             .authority(peer_tls::server_name(id))
             .path_and_query(path_and_query)
-            .build()?)
+            .build()
     }
 
     /// Sends `req` (its URI from [`PeerClient::uri`]) over HTTP/1.1 when `upgrade`, else HTTP/2.

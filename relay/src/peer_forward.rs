@@ -109,7 +109,6 @@ fn explain_peer_break(cluster: &str, e: &BoxError) -> String {
 /// an upgraded pipe runs.
 pub(crate) async fn forward<G>(
     shared: &Shared,
-    peers: &PeerClient,
     candidates: Vec<Candidate>,
     mut req: Request<Incoming>,
     target: Target<'_>,
@@ -119,6 +118,7 @@ where
     G: Send + 'static,
 {
     let cluster = target.cluster;
+    let peers = &shared.fleet.peers;
     let upgrade = forward::is_upgrade_request(&req);
     let user_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();

@@ -13,7 +13,8 @@ use crate::registry::Tunnel;
 use crate::revocation;
 use crate::state::Shared;
 use crate::store::{
-    ChangeFeed, ChangeKind, ClusterChange, FeedEvent, ReplicaLease, StoreError, TunnelRecord,
+    Backend, ChangeFeed, ChangeKind, ClusterChange, FeedEvent, ReplicaLease, StoreError,
+    TunnelRecord,
 };
 
 /// How often the change feed re-reads the log even without a notification (a lost NOTIFY, or SQLite changes
@@ -86,8 +87,18 @@ pub(crate) async fn unpublish(shared: &Shared, cluster: &str, tunnel_id: u64) {
     }
 }
 
-/// Registers this replica (at start: it holds no tunnel yet).
+/// Registers this replica (at start: it holds no tunnel yet). On SQLite, which serves one relay process, any
+/// other live replica is an earlier run of this one (SIGKILLed, its lease not yet lapsed): its rows go now, so
+/// that its tunnels do not show as connected for the rest of its lease.
 pub(crate) async fn register(shared: &Shared) -> Result<(), StoreError> {
+    if shared.store.backend() == Backend::Sqlite {
+        for earlier in shared.store.live_replicas().await? {
+            if earlier.id != shared.fleet.replica_id {
+                tracing::info!(replica = %earlier.id, "removing an earlier run's replica row (SQLite serves one relay)");
+                shared.store.remove_replica(&earlier.id).await?;
+            }
+        }
+    }
     shared.store.register_replica(&lease(shared)).await?;
     refresh_live(shared).await;
     tracing::info!(

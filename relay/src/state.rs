@@ -16,7 +16,6 @@ use crate::config::Config;
 use crate::fleet::Fleet;
 use crate::guard_hub::GuardHub;
 use crate::identity::AgentCa;
-use crate::peer_client::PeerClient;
 use crate::quota::{ConnectionSlot, Quotas};
 use crate::rbac::Rbac;
 use crate::registry::Registry;
@@ -39,10 +38,8 @@ pub(crate) struct Shared {
     pub(crate) entra: Option<Arc<tether_auth::Authenticator>>,
     /// Per-principal and per-address bounds of the user endpoint.
     pub(crate) quotas: Arc<Quotas>,
-    /// This replica in the fleet.
+    /// This replica in the fleet, and its clients to its peers.
     pub(crate) fleet: Fleet,
-    /// The peer link's clients (to the replicas holding the tunnels this one does not).
-    pub(crate) peers: PeerClient,
     shutting_down: AtomicBool,
     /// Set on shutdown: the window, in milliseconds, within which agents are told to come back (0: none).
     reconnect_window_ms: AtomicU64,
@@ -60,11 +57,9 @@ impl Shared {
         entra: Option<Arc<tether_auth::Authenticator>>,
         registry: Arc<Registry>,
         fleet: Fleet,
-        peers: PeerClient,
     ) -> Self {
         Self {
             fleet,
-            peers,
             quotas: Quotas::new(config.limits.client_limits()),
             config,
             store,

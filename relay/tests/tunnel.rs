@@ -696,3 +696,46 @@ async fn delete_closes_a_tunnel_with_a_watch_in_flight() -> anyhow::Result<()> {
     assert!(end.is_err(), "a cut watch must not look complete");
     relay.stop().await
 }
+
+#[tokio::test]
+async fn a_restart_on_sqlite_forgets_the_tunnels_of_the_run_before() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (relay, agent, _) = setup(dir.path(), echo_agent()).await?;
+    relay.stop().await?;
+    within("the tunnel to close", agent.conn.closed()).await?;
+    // What a SIGKILLed run leaves behind: its replica row with a running lease, and its tunnel.
+    let url = format!("sqlite://{}", dir.path().join("relay.db").display());
+    let store = tether_relay::store::open(&url).await?;
+    store
+        .register_replica(&tether_relay::store::ReplicaLease {
+            id: "relay-killed".into(),
+            peer_address: None,
+            ttl: Duration::from_secs(600),
+            draining: false,
+        })
+        .await?;
+    store
+        .put_tunnel(&tether_relay::store::TunnelRecord {
+            replica: "relay-killed".into(),
+            tunnel_id: 1,
+            cluster: "edge".into(),
+            agent_instance: String::new(),
+            agent_tunnels: 0,
+            transport: "wss".into(),
+            agent_address: "127.0.0.1:1".into(),
+            connected_since: time::OffsetDateTime::now_utc(),
+            usable: true,
+        })
+        .await?;
+    store.close().await?;
+    // The next run (SQLite serves one relay) removes them: the cluster is not connected until its agent is back.
+    let relay = TestRelay::start(dir.path()).await?;
+    let shown = relay.admin()?.show("edge").await?.json()?;
+    assert_eq!(shown["connected"], false, "{shown}");
+    assert_eq!(
+        shown["tunnels"].as_array().map(Vec::len),
+        Some(0),
+        "{shown}"
+    );
+    relay.stop().await
+}

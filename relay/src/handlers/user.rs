@@ -98,7 +98,7 @@ pub(crate) async fn handle(
         slot.arm();
         let slot = Arc::new(slot);
         let guard = (ctx.permit, ctx.principal, Arc::clone(&slot));
-        let resp = peer_forward::forward(shared, &shared.peers, peers, req, target, guard).await;
+        let resp = peer_forward::forward(shared, peers, req, target, guard).await;
         (resp, slot)
     } else {
         let stream = open_stream(shared, &tunnels, target)?;

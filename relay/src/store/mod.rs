@@ -690,6 +690,9 @@ pub trait Store: Send + Sync + 'static {
     /// The tunnels of live replicas (lease running), of one cluster or all, by cluster, replica and tunnel id.
     fn tunnel_routes<'a>(&'a self, cluster: Option<&'a str>) -> StoreFuture<'a, Vec<TunnelRoute>>;
 
+    /// Which backend this is (SQLite serves one relay process; PostgreSQL a fleet).
+    fn backend(&self) -> Backend;
+
     /// Flushes and closes the backend.
     fn close(&self) -> StoreFuture<'_, ()>;
 }

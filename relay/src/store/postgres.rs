@@ -201,6 +201,10 @@ impl PostgresStore {
 impl Store for PostgresStore {
     // The operations that are one statement on the pool, the same in both dialects.
     pool_statements!();
+
+    fn backend(&self) -> super::Backend {
+        super::Backend::Postgres
+    }
     // Replica leases and the tunnels each replica holds, with this database's clock.
     fleet_statements!("CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)");
 

@@ -138,6 +138,10 @@ impl SqliteStore {
 impl Store for SqliteStore {
     // The operations that are one statement on the pool, the same in both dialects.
     pool_statements!();
+
+    fn backend(&self) -> super::Backend {
+        super::Backend::Sqlite
+    }
     // Replica leases and the tunnels each replica holds, with this database's clock.
     fleet_statements!("CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)");
 
