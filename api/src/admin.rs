@@ -70,9 +70,10 @@ pub struct Cluster {
     pub agent_version: Option<String>,
     /// Whether a tunnel is up now.
     pub connected: bool,
-    /// Since when the current tunnel is up.
+    /// Since when the oldest live tunnel is up.
     pub connected_since: Option<String>,
-    /// `Connected`, `Offline`, `Expired` or `Pending` (see `docs/API.md`).
+    /// `Connecting`, `Connected`, `Degraded` (connected with fewer live tunnels than its agent keeps),
+    /// `Offline` or `Expired` (see `docs/API.md`).
     pub connectivity_status: String,
     /// When the cluster was registered.
     pub created_at: Option<String>,
@@ -98,8 +99,9 @@ pub struct Cluster {
     pub node_count: Option<u64>,
     /// Whether the onboarding token was redeemed.
     pub onboarded: bool,
-    /// Streams open on the current tunnel, its control stream included (`None` without a tunnel): requests in
-    /// flight, watches, exec sessions — what the fault-injection tests watch for leaks.
+    /// Streams open on the cluster's tunnels at the relay replica that answered, control streams included
+    /// (`None` without a tunnel there): requests in flight, watches, exec sessions — what the fault-injection
+    /// tests watch for leaks.
     #[serde(default)]
     pub open_streams: Option<u64>,
     /// Tags.
@@ -108,7 +110,8 @@ pub struct Cluster {
     pub total_cpu_millis: Option<u64>,
     /// Allocatable memory over all nodes.
     pub total_memory_bytes: Option<u64>,
-    /// The live tunnels of the cluster as the relay measures them (empty when not connected).
+    /// The live tunnels of the cluster across the relay fleet, each with the replica holding it (empty when
+    /// not connected).
     #[serde(default)]
     pub tunnels: Vec<Tunnel>,
     /// Whether the agent is older than `latestAgentVersion`.
@@ -119,10 +122,25 @@ pub struct Cluster {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Tunnel {
+    /// The agent's address as the relay replica holding the tunnel sees it.
+    #[serde(default)]
+    pub agent_address: Option<String>,
+    /// The agent process holding the tunnel (its `hello.instance`), when the agent says: tells the tunnels of
+    /// two agent replicas sharing one identity apart.
+    #[serde(default)]
+    pub agent_instance: Option<String>,
     /// Since when this tunnel is up.
     pub connected_since: Option<String>,
+    /// True once the tunnel got GOAWAY (the agent is moving it, or the replica drains): it takes no new
+    /// requests while its streams in flight finish.
+    #[serde(default)]
+    pub going_away: bool,
+    /// The relay replica holding the tunnel.
+    #[serde(default)]
+    pub replica: Option<String>,
     /// Smoothed round trip of the tunnel seen from the relay: QUIC's own estimate, or the WebSocket
-    /// transport's keepalive ping; `None` before the first measurement.
+    /// transport's keepalive ping; `None` before the first measurement, and for tunnels held by another
+    /// replica than the one that answered.
     pub rtt_millis: Option<f64>,
     /// `quic` or `wss`.
     pub transport: String,

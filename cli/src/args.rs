@@ -358,6 +358,8 @@ pub enum ConnectivityStatus {
     Connecting,
     /// Heard from within the relay's offline threshold.
     Connected,
+    /// Connected, with fewer live tunnels than its agent keeps (still reachable).
+    Degraded,
     /// Not heard from for the offline threshold.
     Offline,
     /// Its identity expired: delete the cluster and connect it again.
@@ -370,6 +372,7 @@ impl ConnectivityStatus {
         match self {
             ConnectivityStatus::Connecting => "Connecting",
             ConnectivityStatus::Connected => "Connected",
+            ConnectivityStatus::Degraded => "Degraded",
             ConnectivityStatus::Offline => "Offline",
             ConnectivityStatus::Expired => "Expired",
         }

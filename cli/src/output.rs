@@ -292,11 +292,29 @@ pub(crate) fn cluster_details(
         _ => "not connected".into(),
     };
     rows.push(("Tunnel", tunnel));
+    // One row per tunnel in the fleet: the replica holding it, how, since when, and which agent process.
     for t in &cluster.tunnels {
-        rows.push((
-            "  Transport",
-            format!("{} (RTT {})", t.transport, rtt(t.rtt_millis)),
-        ));
+        let mut line = format!(
+            "{}: {} (RTT {})",
+            or_dash(t.replica.as_deref()),
+            t.transport,
+            rtt(t.rtt_millis)
+        );
+        if let Some(since) = timestamp(t.connected_since.as_deref()) {
+            line.push_str(&format!(", since {}", time_and_age(since, now)));
+        }
+        match (&t.agent_instance, &t.agent_address) {
+            (Some(instance), Some(address)) => {
+                line.push_str(&format!(", agent {instance} at {address}"))
+            }
+            (None, Some(address)) => line.push_str(&format!(", agent at {address}")),
+            (Some(instance), None) => line.push_str(&format!(", agent {instance}")),
+            (None, None) => {}
+        }
+        if t.going_away {
+            line.push_str(", going away");
+        }
+        rows.push(("  Replica", line));
     }
     let tags = tags(&cluster.tags);
     rows.push(("Tags", if tags.is_empty() { "-".into() } else { tags }));
@@ -572,7 +590,12 @@ mod tests {
             "agentHealth": {"uptimeSeconds": 3725, "memoryBytes": 31_457_280, "cpuSeconds": 2.5,
                             "reconnects": 1, "tunnelRttMillis": 3.2, "reportedAt": "2026-11-21T11:59:55Z"},
             "identity": {"notAfter": "2027-02-19T12:00:00Z", "fingerprint": "ab:cd"},
-            "tunnels": [{"transport": "quic", "rttMillis": 0.42, "connectedSince": "2026-11-21T10:00:00Z"}],
+            "tunnels": [
+                {"transport": "quic", "rttMillis": 0.42, "connectedSince": "2026-11-21T10:00:00Z",
+                 "replica": "relay-0", "agentInstance": "agent-7f3a", "agentAddress": "10.0.0.7:51000"},
+                {"transport": "wss", "rttMillis": null, "connectedSince": "2026-11-21T11:00:00Z",
+                 "replica": "relay-2", "agentInstance": "agent-7f3a", "agentAddress": "10.0.0.7:51002",
+                 "goingAway": true}],
         }))?;
         let mut out = Vec::new();
         cluster_details(&mut out, &cluster, NOW)?;
@@ -580,7 +603,8 @@ mod tests {
         for expected in [
             "Status:             Connected",
             "Tunnel:             connected since 2026-11-21T10:00:00Z (2h ago)",
-            "  Transport:        quic (RTT 0.4 ms)",
+            "  Replica:          relay-0: quic (RTT 0.4 ms), since 2026-11-21T10:00:00Z (2h ago), agent agent-7f3a at 10.0.0.7:51000",
+            "  Replica:          relay-2: wss (RTT -), since 2026-11-21T11:00:00Z (1h ago), agent agent-7f3a at 10.0.0.7:51002, going away",
             "Tags:               env=prod,team=blue",
             "Last seen:          2026-11-21T11:59:55Z (5s ago)",
             "Kubernetes version: v1.33.1",

@@ -151,6 +151,20 @@ impl ApiError {
         .retry_after(after)
     }
 
+    /// 429 for a tunnel over `--max-tunnels-per-cluster`: the cluster's established tunnels are kept.
+    pub(crate) fn too_many_tunnels(cluster: &str, max: usize) -> Self {
+        Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "TooManyRequests",
+            format!(
+                "cluster {cluster} already holds {max} tunnels at this relay replica (--max-tunnels-per-cluster): \
+                 the established tunnels are kept and this one is refused"
+            ),
+            Origin::Client,
+        )
+        .retry_after(Duration::from_secs(30))
+    }
+
     pub(crate) fn too_large(limit: usize) -> Self {
         Self::new(
             StatusCode::PAYLOAD_TOO_LARGE,

@@ -85,6 +85,29 @@ pub struct Config {
     /// The newest agent version this relay offers; clusters running an older one show "upgrade available".
     #[arg(long, env = "TETHER_RELAY_LATEST_AGENT_VERSION", default_value = env!("CARGO_PKG_VERSION"))]
     pub latest_agent_version: String,
+    /// This replica's id in a relay fleet (letters, digits, '-' and '.'; at most 128 characters): in the
+    /// store's replica and tunnel rows, in `welcome`, and in the peer link's certificates
+    /// (`tether://replica/ID`). Default: a random id per process (`relay-` and 10 hex digits).
+    #[arg(long, env = "TETHER_RELAY_REPLICA_ID")]
+    pub replica_id: Option<String>,
+    /// Address to serve the peer link on: other replicas of the fleet forward user requests for clusters
+    /// whose tunnels this replica holds, over mutual TLS with certificates this replica issues itself from
+    /// the agent CA. Without it, this replica still forwards to its peers but receives nothing from them.
+    #[arg(long, env = "TETHER_RELAY_PEER_LISTEN")]
+    pub peer_listen: Option<std::net::SocketAddr>,
+    /// HOST:PORT at which the other replicas reach this replica's peer link (recorded in the store with each
+    /// tunnel it holds). Default: --peer-listen, when it names a specific address.
+    #[arg(long, env = "TETHER_RELAY_PEER_ADDRESS")]
+    pub peer_address: Option<String>,
+    /// How long this replica's lease in the store lasts without renewal (renewed every third of it): a
+    /// replica that died is ignored by its peers, with the tunnels it held, within this long (e.g. 5s).
+    #[arg(long, env = "TETHER_RELAY_LEASE_TTL", default_value = "5s", value_parser = parse_duration)]
+    pub lease_ttl: Duration,
+    /// After a renewal replaced a cluster's certificate, tunnels still up with the replaced one (the agent's
+    /// other tunnels, on this or other replicas) are closed after this grace, which gives the agent time to
+    /// move them (make before break). New tunnels with the replaced certificate are refused at once.
+    #[arg(long, env = "TETHER_RELAY_REPLACED_IDENTITY_GRACE", default_value = "30s", value_parser = parse_duration)]
+    pub replaced_identity_grace: Duration,
     /// Relay-side validation of Entra-style tokens; `None` (no --entra-* flag): every token passes through.
     #[command(flatten)]
     pub entra: Option<EntraConfig>,
@@ -204,9 +227,21 @@ pub struct Limits {
     /// Largest JSON body accepted by the admin and agent endpoints.
     #[arg(skip = 64 * 1024_usize)]
     pub max_control_body_bytes: usize,
-    /// On shutdown, how long in-flight requests and tunnels get to finish before they are cut.
-    #[arg(skip = Duration::from_secs(10))]
+    /// On SIGTERM, how long the drain may take (e.g. 30s, 2m): agents are asked to move their tunnels (make
+    /// before break, when other replicas are live) or to come back later, requests keep being served, and
+    /// open watches, `logs -f` and exec sessions may run until they end; past this, what is left is cut
+    /// (watches end with an ERROR event).
+    #[arg(long = "drain-timeout", env = "TETHER_RELAY_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
+    /// Most tunnels one cluster may hold at this replica (its agent's K tunnels, several agent replicas sharing
+    /// one identity, tunnels being moved). A tunnel past it is refused (429, and a warning naming the cluster,
+    /// the agent instance and its address); the established ones are never displaced.
+    #[arg(
+        long,
+        env = "TETHER_RELAY_MAX_TUNNELS_PER_CLUSTER",
+        default_value_t = 8
+    )]
+    pub max_tunnels_per_cluster: usize,
     /// Tunnels per second this relay can accept after a restart. On shutdown every agent is told (`draining`)
     /// to come back within TUNNELS / RATE seconds (at least 1 s), at a random moment, so they do not all
     /// reconnect at once.
@@ -337,6 +372,14 @@ pub enum ConfigError {
     /// The latest agent version is not a semantic version.
     #[error("invalid latest agent version {0:?}: expected a semantic version such as 1.4.0")]
     InvalidAgentVersion(String),
+    /// `--replica-id` is not a usable id.
+    #[error(
+        "invalid replica id {0:?}: use 1 to 128 lowercase letters, digits, '-' and '.', not starting or ending with '-' or '.'"
+    )]
+    InvalidReplicaId(String),
+    /// `--peer-address` is not HOST:PORT.
+    #[error("invalid peer address {0}")]
+    InvalidPeerAddress(String),
     /// The Entra token settings are unusable.
     #[error("invalid Entra settings: {0}")]
     InvalidEntra(String),
@@ -399,7 +442,17 @@ impl Config {
                 .map_err(|e| ConfigError::UnsupportedDatabase(e.to_string()))?;
         }
         let l = &self.limits;
-        let checks: [(&'static str, bool, &'static str); 13] = [
+        let checks: [(&'static str, bool, &'static str); 15] = [
+            (
+                "max_tunnels_per_cluster",
+                l.max_tunnels_per_cluster == 0,
+                "must be at least 1",
+            ),
+            (
+                "drain_timeout",
+                l.shutdown_grace.is_zero(),
+                "must be greater than zero",
+            ),
             (
                 "max_quic_handshakes",
                 l.max_quic_handshakes == 0,
@@ -544,6 +597,35 @@ impl Config {
                 return Err(ConfigError::InvalidSetting { name, why });
             }
         }
+        if let Some(id) = &self.replica_id
+            && !valid_replica_id(id)
+        {
+            return Err(ConfigError::InvalidReplicaId(id.clone()));
+        }
+        if let Some(address) = &self.peer_address {
+            parse_host_port(address).map_err(ConfigError::InvalidPeerAddress)?;
+        }
+        if self.effective_peer_address().is_none()
+            && self.peer_listen.is_some_and(|a| a.ip().is_unspecified())
+        {
+            return Err(ConfigError::InvalidPeerAddress(
+                "missing: --peer-listen binds every address, so --peer-address must say which one the other \
+                 replicas reach"
+                    .to_owned(),
+            ));
+        }
+        if self.lease_ttl < Duration::from_millis(300) {
+            return Err(ConfigError::InvalidSetting {
+                name: "lease TTL",
+                why: "must be at least 300ms",
+            });
+        }
+        if self.replaced_identity_grace.is_zero() {
+            return Err(ConfigError::InvalidSetting {
+                name: "replaced identity grace",
+                why: "must be greater than zero",
+            });
+        }
         if semver::Version::parse(self.latest_agent_version.trim_start_matches('v')).is_err() {
             return Err(ConfigError::InvalidAgentVersion(
                 self.latest_agent_version.clone(),
@@ -558,6 +640,16 @@ impl Config {
         Ok(())
     }
 
+    /// The address the other replicas reach this replica's peer link at: `--peer-address`, else
+    /// `--peer-listen` when it names a specific address; `None` without a peer link.
+    pub fn effective_peer_address(&self) -> Option<String> {
+        match (&self.peer_address, self.peer_listen) {
+            (Some(address), _) => Some(address.clone()),
+            (None, Some(listen)) if !listen.ip().is_unspecified() => Some(listen.to_string()),
+            _ => None,
+        }
+    }
+
     /// The database URL actually used.
     pub(crate) fn effective_database_url(&self) -> String {
         match &self.database_url {
@@ -565,6 +657,36 @@ impl Config {
             None => format!("sqlite://{}", self.data_dir.join("relay.db").display()),
         }
     }
+}
+
+/// A replica id: 1 to 128 characters of lowercase letters, digits, '-' and '.', not starting or ending with
+/// '-' or '.' (it becomes a DNS name in the peer link's TLS and a URI in its certificates).
+pub(crate) fn valid_replica_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && id
+            .split('.')
+            .all(|label| !label.is_empty() && !label.starts_with('-') && !label.ends_with('-'))
+}
+
+/// `HOST:PORT` (a DNS name or an IP address, `[v6]:PORT` for IPv6): the host and the port.
+pub(crate) fn parse_host_port(address: &str) -> Result<(String, u16), String> {
+    let bad = |why: &str| format!("{address:?}: {why} (expected HOST:PORT)");
+    if let Ok(addr) = address.parse::<std::net::SocketAddr>() {
+        return Ok((addr.ip().to_string(), addr.port()));
+    }
+    let (host, port) = address.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+    let port: u16 = port.parse().map_err(|_| bad("the port is not a number"))?;
+    if port == 0 {
+        return Err(bad("port 0"));
+    }
+    if host.contains(':') || !valid_hostname(host) || host.starts_with("*.") {
+        return Err(bad("the host is not a DNS name or an IP address"));
+    }
+    Ok((host.to_owned(), port))
 }
 
 /// A DNS name (labels of letters, digits, hyphens, optionally a leading `*.`) or an IP address.
@@ -681,6 +803,100 @@ mod tests {
         assert!(c.validate().is_ok());
         c.database_url = None;
         assert_eq!(c.effective_database_url(), "sqlite:///tmp/x/relay.db");
+    }
+
+    #[test]
+    fn fleet_settings_are_checked() {
+        let c = Config::new("/tmp/x".into());
+        assert_eq!(c.lease_ttl, Duration::from_secs(5));
+        assert_eq!(c.limits.shutdown_grace, Duration::from_secs(30));
+        assert_eq!(c.limits.max_tunnels_per_cluster, 8);
+        assert_eq!(c.replaced_identity_grace, Duration::from_secs(30));
+        assert!(c.replica_id.is_none() && c.effective_peer_address().is_none());
+        let parsed = <Config as clap::Parser>::try_parse_from([
+            "r",
+            "--replica-id",
+            "tether-relay-6d5f7b9c8-x2x9k",
+            "--peer-listen",
+            "0.0.0.0:9443",
+            "--peer-address",
+            "10.1.2.3:9443",
+            "--lease-ttl",
+            "2s",
+            "--drain-timeout",
+            "2m",
+            "--max-tunnels-per-cluster",
+            "4",
+        ])
+        .map_err(|e| e.to_string());
+        let parsed = parsed.unwrap_or_else(|e| panic!("{e}"));
+        assert!(parsed.validate().is_ok());
+        assert_eq!(parsed.limits.shutdown_grace, Duration::from_secs(120));
+        assert_eq!(parsed.limits.max_tunnels_per_cluster, 4);
+        assert_eq!(
+            parsed.effective_peer_address().as_deref(),
+            Some("10.1.2.3:9443")
+        );
+
+        for bad in [
+            "",
+            "Relay-A",
+            "relay_a",
+            "-a",
+            "a-",
+            "a..b",
+            &"x".repeat(129),
+        ] {
+            let mut c = Config::new("/tmp/x".into());
+            c.replica_id = Some(bad.to_owned());
+            assert!(
+                matches!(c.validate(), Err(ConfigError::InvalidReplicaId(_))),
+                "{bad:?}"
+            );
+        }
+        for good in ["relay-0", "r.example", "a"] {
+            let mut c = Config::new("/tmp/x".into());
+            c.replica_id = Some(good.to_owned());
+            assert!(c.validate().is_ok(), "{good:?}");
+        }
+        for bad in [
+            "10.0.0.1",
+            "host:",
+            "host:x",
+            "host:0",
+            "bad host:1",
+            "[::1]",
+        ] {
+            let mut c = Config::new("/tmp/x".into());
+            c.peer_address = Some(bad.to_owned());
+            assert!(
+                matches!(c.validate(), Err(ConfigError::InvalidPeerAddress(_))),
+                "{bad:?}"
+            );
+        }
+        for good in ["relay-0.relay:9443", "10.0.0.1:9443", "[::1]:9443"] {
+            let mut c = Config::new("/tmp/x".into());
+            c.peer_address = Some(good.to_owned());
+            assert!(c.validate().is_ok(), "{good:?}");
+        }
+        // Listening on every address needs to say which one peers reach.
+        let mut c = Config::new("/tmp/x".into());
+        c.peer_listen = Some("0.0.0.0:9443".parse().unwrap_or_else(|e| panic!("{e}")));
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::InvalidPeerAddress(_))
+        ));
+        c.peer_listen = Some("127.0.0.1:9443".parse().unwrap_or_else(|e| panic!("{e}")));
+        assert_eq!(
+            c.effective_peer_address().as_deref(),
+            Some("127.0.0.1:9443")
+        );
+        let mut c = Config::new("/tmp/x".into());
+        c.lease_ttl = Duration::from_millis(100);
+        assert!(c.validate().is_err());
+        let mut c = Config::new("/tmp/x".into());
+        c.limits.shutdown_grace = Duration::ZERO;
+        assert!(c.validate().is_err());
     }
 
     #[test]

@@ -25,6 +25,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::identity::IssueError;
 use crate::rbac;
+use crate::registry::Tunnel;
+use crate::replicas;
+use crate::revocation;
 use crate::state::Shared;
 use crate::store::{AgentHealth, ClusterMetadata, NewIdentity};
 
@@ -42,6 +45,8 @@ pub(crate) struct Channel {
     pub(crate) valid_until: watch::Sender<OffsetDateTime>,
     /// Cancelled when the tunnel gets GOAWAY (relay shutdown, a newer tunnel): the channel ends at once.
     pub(crate) draining: CancellationToken,
+    /// The tunnel: what `hello` says and the certificate held after a renewal go to its shared facts.
+    pub(crate) tunnel: Tunnel,
 }
 
 /// Why a control channel was cut.
@@ -152,6 +157,8 @@ where
     let shared = channel.shared.clone();
     let cluster = channel.cluster.clone();
     let draining = channel.draining.clone();
+    let moving = channel.tunnel.info.moving.clone();
+    let mut asked_to_move = false;
     // Subscribed before hello, so no change between the first snapshot and the loop is missed.
     let mut changes = shared.guard.subscribe(&cluster);
     let mut hub_open = true;
@@ -177,6 +184,18 @@ where
                 Err(_) => hub_open = false,
             },
             () = sleep_until_some(retry_at), if retry_at.is_some() => state.retry_at = None,
+            // The relay drains with peers to move to: the agent opens its replacement tunnel elsewhere, then
+            // sends GOAWAY on this one; meanwhile this tunnel and its control channel carry on.
+            () = moving.cancelled(), if !asked_to_move && state.welcomed => {
+                asked_to_move = true;
+                let window = shared.reconnect_window().unwrap_or_default();
+                let message = Message::Draining(wire::Draining {
+                    reconnect_within_ms: u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
+                    make_before_break: true,
+                });
+                wire::send(wr, &message).await?;
+                tracing::info!(%cluster, tunnel = channel.tunnel.id, "asked the agent to move this tunnel (make before break)");
+            }
         }
     }
 }
@@ -268,12 +287,22 @@ where
     match message {
         Message::Hello(hello) => {
             let version = clean(&hello.agent_version);
-            tracing::info!(cluster, agent_version = %version, "control channel open");
+            let instance = clean(&hello.instance);
+            channel.tunnel.info.hello(&instance, hello.tunnels);
+            tracing::info!(cluster, agent_version = %version, %instance, tunnels = channel.tunnel.info.agent_tunnels(), "control channel open");
+            // The other replicas show the agent's instance and count its tunnels.
+            if replicas::publish(&shared, &cluster, &channel.tunnel)
+                .await
+                .is_err()
+            {
+                return Err(ChannelError::Protocol("the cluster was deleted"));
+            }
             shared.activity.agent_version(&cluster, version, now);
             let welcome = Message::Welcome(Welcome {
                 heartbeat_interval_seconds: shared.config.heartbeat_interval.as_secs(),
                 latest_agent_version: Some(shared.config.latest_agent_version.clone()),
-                ..Welcome::default()
+                replica: shared.fleet.replica_id.clone(),
+                replicas: shared.fleet.live_replicas(),
             });
             wire::send(wr, &welcome).await?;
             state.welcomed = true;
@@ -430,6 +459,10 @@ async fn renew_identity(channel: &mut Channel, csr: &str, now: OffsetDateTime) -
         Err(e) => return error(format!("cannot format the expiry: {e}")),
     };
     tracing::info!(cluster, not_after, fingerprint = %issued.fingerprint, "identity renewed");
+    channel.tunnel.info.renewed(&issued.fingerprint);
+    // The agent's other tunnels here still hold the replaced certificate (replicas elsewhere learn of the
+    // renewal from the store's change feed).
+    revocation::close_replaced(shared, cluster, &issued.fingerprint);
     channel.held_fingerprint = issued.fingerprint;
     channel.valid_until.send_replace(issued.not_after);
     Message::Certificate(Certificate {

@@ -174,7 +174,7 @@ where
 }
 
 /// Why a response body stopped before its end, in the user's terms (for a watch's final ERROR event).
-fn explain_body_error(cluster: &str, e: &BoxError) -> String {
+pub(crate) fn explain_body_error(cluster: &str, e: &BoxError) -> String {
     let e: &(dyn StdError + 'static) = &**e;
     match find_tunnel_error(e) {
         Some(TunnelError::Closed(why)) => {
@@ -202,7 +202,7 @@ const FAREWELL_WAIT: Duration = Duration::from_secs(2);
 /// protocol allows it before its side is closed: [`ends::websocket_break`] for WebSocket exec and attach, and
 /// for port-forwards over SPDY (plain or in a WebSocket) a message on the error stream of every forwarded
 /// connection still open ([`spdy::PortForward`], which watches the bytes as they pass).
-async fn pipe<U, A>(user: U, agent: A, headers: &HeaderMap, cluster: &str)
+pub(crate) async fn pipe<U, A>(user: U, agent: A, headers: &HeaderMap, cluster: &str)
 where
     U: AsyncRead + AsyncWrite + Unpin,
     A: AsyncRead + AsyncWrite + Unpin,
@@ -335,7 +335,7 @@ impl<R: AsyncRead + Unpin, F: FnMut(&[u8]) + Unpin> AsyncRead for Observed<R, F>
 }
 
 /// HTTP/1.1 `Connection: upgrade` + `Upgrade: …` (kubectl exec/attach/port-forward, WebSocket, SPDY).
-fn is_upgrade_request<B>(req: &Request<B>) -> bool {
+pub(crate) fn is_upgrade_request<B>(req: &Request<B>) -> bool {
     req.version() <= Version::HTTP_11
         && req.headers().contains_key(header::UPGRADE)
         && connection_tokens(req.headers()).any(|t| t.eq_ignore_ascii_case("upgrade"))
@@ -353,7 +353,7 @@ fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &str> {
 
 /// Removes hop-by-hop headers, including those the `Connection` header names. For an upgrade request,
 /// `Upgrade` and `Connection: upgrade` stay (they are what asks the far end to switch).
-fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     let named: Vec<HeaderName> = connection_tokens(headers)
         .filter(|t| !(keep_upgrade && t.eq_ignore_ascii_case("upgrade")))
         .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())

@@ -40,6 +40,11 @@ const AGENT_CA_VALIDITY: Duration = Duration::days(3650);
 const NOT_BEFORE_SKEW: Duration = Duration::minutes(5);
 /// The SAN URI prefix naming a cluster.
 const CLUSTER_URI_PREFIX: &str = "tether://cluster/";
+/// The SAN URI prefix naming a relay replica (peer link certificates).
+pub(crate) const REPLICA_URI_PREFIX: &str = "tether://replica/";
+/// A replica's DNS name on the peer link is its id and this suffix (a reserved top-level domain, never
+/// resolved: the peer link maps it to the address the store holds).
+pub(crate) const REPLICA_NAME_SUFFIX: &str = ".replica.tether.invalid";
 
 /// The CA that issues cluster identities.
 pub(crate) struct AgentCa {
@@ -222,6 +227,59 @@ impl AgentCa {
             fingerprint: parsed.fingerprint,
             not_after: parsed.not_after,
         })
+    }
+
+    /// The CA certificate, DER (the peer link's trust anchor).
+    pub(crate) fn cert_der(&self) -> &CertificateDer<'static> {
+        &self.cert_der
+    }
+
+    /// Issues this replica's peer-link certificate for a new key: CN `tether relay replica ID`, SAN URI
+    /// `tether://replica/ID` and DNS `ID.replica.tether.invalid`, EKU server and client auth, valid from a
+    /// little before `now` for `validity`. Returns the certificate and the key, PEM.
+    pub(crate) fn issue_replica(
+        &self,
+        replica: &str,
+        validity: std::time::Duration,
+        now: OffsetDateTime,
+    ) -> Result<(String, String), IssueError> {
+        let sign = |e: rcgen::Error| IssueError::Sign(e.to_string());
+        let key = KeyPair::generate().map_err(sign)?;
+        let mut params = CertificateParams::default();
+        let mut dn = DistinguishedName::new();
+        dn.push(
+            DnType::CommonName,
+            format!("tether relay replica {replica}"),
+        );
+        params.distinguished_name = dn;
+        params.subject_alt_names = vec![
+            SanType::URI(
+                format!("{REPLICA_URI_PREFIX}{replica}")
+                    .try_into()
+                    .map_err(sign)?,
+            ),
+            SanType::DnsName(
+                format!("{replica}{REPLICA_NAME_SUFFIX}")
+                    .try_into()
+                    .map_err(sign)?,
+            ),
+        ];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        params.use_authority_key_identifier_extension = true;
+        let mut serial = [0u8; 16];
+        rand::fill(&mut serial);
+        serial[0] = (serial[0] & 0x7f) | 0x40;
+        params.serial_number = Some(SerialNumber::from_slice(&serial));
+        let validity = Duration::try_from(validity)
+            .map_err(|e| IssueError::Sign(format!("validity out of range: {e}")))?;
+        params.not_before = now - NOT_BEFORE_SKEW;
+        params.not_after = now + validity;
+        let cert = params.signed_by(&key, &self.issuer).map_err(sign)?;
+        Ok((cert.pem(), key.serialize_pem()))
     }
 
     /// The listener's client-certificate verifier: see [`AgentCertVerifier`].

@@ -40,16 +40,23 @@ mod control;
 mod ends;
 mod entra;
 mod error;
+mod fleet;
 mod forward;
 mod guard_hub;
 mod handlers;
 mod identity;
 mod listener;
+mod peer_client;
+mod peer_forward;
+mod peer_listener;
+mod peer_tls;
 mod quic_listener;
 mod quota;
 mod rbac;
 mod registry;
+mod replicas;
 mod respond;
+mod revocation;
 mod router;
 mod spdy;
 mod state;
@@ -79,6 +86,7 @@ pub struct Relay {
     agent_ca: identity::AgentCa,
     entra: Option<Arc<tether_auth::Authenticator>>,
     registry: Arc<registry::Registry>,
+    replica_id: String,
 }
 
 /// A read-only view of a relay's live tunnels (from [`Relay::tunnel_stats`]; stays valid while it serves).
@@ -86,10 +94,11 @@ pub struct Relay {
 pub struct TunnelStats(Arc<registry::Registry>);
 
 impl TunnelStats {
-    /// How many streams are open on `cluster`'s current tunnel, its control stream included; `None` when
-    /// the cluster has no tunnel.
+    /// How many streams are open on `cluster`'s tunnels at this relay, control streams included; `None` when
+    /// the cluster has no tunnel here.
     pub fn open_streams(&self, cluster: &str) -> Option<usize> {
-        self.0.get(cluster).map(|t| t.conn.open_streams())
+        let tunnels = self.0.tunnels(cluster);
+        (!tunnels.is_empty()).then(|| tunnels.iter().map(|t| t.conn.open_streams()).sum())
     }
 }
 
@@ -131,20 +140,32 @@ impl Relay {
             Some(entra) => Some(entra::authenticator(entra, store.clone())?),
             None => None,
         };
+        let replica_id = config
+            .replica_id
+            .clone()
+            .unwrap_or_else(fleet::Fleet::random_id);
         Ok(Relay {
+            replica_id,
+            registry: Arc::new(registry::Registry::new(
+                config.limits.max_tunnels_per_cluster,
+            )),
             config,
             store,
             admin_token,
             tls,
             agent_ca,
             entra,
-            registry: Arc::default(),
         })
     }
 
     /// A view of the live tunnels (open streams per cluster), valid while this relay serves.
     pub fn tunnel_stats(&self) -> TunnelStats {
         TunnelStats(self.registry.clone())
+    }
+
+    /// This replica's id in the fleet (`--replica-id`, or the random one it took).
+    pub fn replica_id(&self) -> &str {
+        &self.replica_id
     }
 
     /// The token the admin API requires.
@@ -170,6 +191,17 @@ impl Relay {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), RelayError> {
+        let peer_listener = peer_listener::bind(&self.config).await?;
+        let peer_address = peer_listener::advertised(
+            &self.config,
+            peer_listener.as_ref().and_then(|l| l.local_addr().ok()),
+        );
+        let identity = peer_tls::ReplicaIdentity::issue(&self.agent_ca, &self.replica_id)?;
+        let peers = peer_client::PeerClient::new(&identity, self.config.limits.max_header_bytes)?;
+        let peer = match peer_listener {
+            Some(listener) => Some((listener, identity.server_config()?)),
+            None => None,
+        };
         let shared = Arc::new(state::Shared::new(
             self.config,
             self.store,
@@ -177,13 +209,20 @@ impl Relay {
             self.agent_ca,
             self.entra,
             self.registry,
+            fleet::Fleet::new(self.replica_id, peer_address, peers),
         ));
         let quic = quic_listener::bind(
             &shared.config,
             listener.local_addr().ok(),
             self.tls.server_config.clone(),
         )?;
-        listener::serve(shared, self.tls.server_config, listener, quic, shutdown).await
+        let listeners = listener::Listeners {
+            https: listener,
+            tls: self.tls.server_config,
+            quic,
+            peer,
+        };
+        listener::serve(shared, listeners, shutdown).await
     }
 }
 

@@ -1,6 +1,9 @@
-//! The HTTPS listener: [`tether_runtime::serve`] (TLS, HTTP/1.1 and HTTP/2, limits) with the relay's shutdown
-//! sequence (agents told when to come back, then GOAWAY, grace, cut); requests go to [`crate::router`]. The
-//! QUIC listener ([`crate::quic_listener`]) runs beside it and stops with it.
+//! The HTTPS listener: [`tether_runtime::serve`] (TLS, HTTP/1.1 and HTTP/2, limits) with the relay's drain
+//! ([`drain`]: readiness off, agents asked to move their tunnels or told when to come back, users served
+//! meanwhile, then stop accepting, let requests finish, cut at `--drain-timeout`); requests go to
+//! [`crate::router`]. The QUIC listener ([`crate::quic_listener`]) and the peer listener
+//! ([`crate::peer_listener`]) run beside it and stop with it. The lease loop, the change follower and the
+//! activity writer run until the end.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -16,7 +19,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::RelayError;
+use crate::peer_listener;
 use crate::quic_listener;
+use crate::replicas;
 use crate::router;
 use crate::state::{ConnCtx, Shared};
 
@@ -47,18 +52,53 @@ fn serve_limits(limits: &crate::config::Limits) -> serve::Limits {
     }
 }
 
-/// Accepts connections until `shutdown` resolves, then shuts down gracefully.
+/// What the relay listens on.
+pub(crate) struct Listeners {
+    /// Users, agents (WebSocket tunnels), operators.
+    pub(crate) https: TcpListener,
+    /// Its TLS.
+    pub(crate) tls: Arc<rustls::ServerConfig>,
+    /// QUIC tunnels, unless disabled.
+    pub(crate) quic: Option<tether_tunnel::quic::Listener>,
+    /// The peer link and its TLS, with `--peer-listen`.
+    pub(crate) peer: Option<(TcpListener, Arc<rustls::ServerConfig>)>,
+}
+
+/// How long the start of a drain waits for the store to record it (the lease loop retries anyway).
+const MARK_DRAINING: Duration = Duration::from_secs(2);
+
+/// How long what is left after the drain timeout, once cut, may take to stop.
+const AFTER_CUT: Duration = Duration::from_secs(5);
+
+/// Serves until `shutdown` resolves, then drains (see [`drain`]) and stops.
 pub(crate) async fn serve(
     shared: Arc<Shared>,
-    tls: Arc<rustls::ServerConfig>,
-    listener: TcpListener,
-    quic: Option<tether_tunnel::quic::Listener>,
+    listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RelayError> {
+    let Listeners {
+        https,
+        tls,
+        quic,
+        peer,
+    } = listeners;
     let limits = shared.config.limits.clone();
-    if let Ok(addr) = listener.local_addr() {
-        tracing::info!(%addr, "relay listening");
+    if let Ok(addr) = https.local_addr() {
+        tracing::info!(%addr, replica = %shared.fleet.replica_id, "relay listening");
     }
+    replicas::register(&shared)
+        .await
+        .map_err(RelayError::Store)?;
+    let stop_background = CancellationToken::new();
+    let flusher = tokio::spawn(flush_activity(shared.clone(), stop_background.clone()));
+    let lease = tokio::spawn(replicas::lease_loop(
+        shared.clone(),
+        stop_background.clone(),
+    ));
+    let follower = tokio::spawn(replicas::follow_changes(
+        shared.clone(),
+        stop_background.clone(),
+    ));
     let stop_quic = CancellationToken::new();
     let quic = quic.map(|quic| {
         let quic = Arc::new(quic);
@@ -69,8 +109,17 @@ pub(crate) async fn serve(
         ));
         (quic, task)
     });
-    let stop_flusher = CancellationToken::new();
-    let flusher = tokio::spawn(flush_activity(shared.clone(), stop_flusher.clone()));
+    // Both listeners keep accepting through the first part of a drain (users still reach the tunnels being
+    // moved, and this replica forwards to its peers); they stop together.
+    let stop_accepting = CancellationToken::new();
+    let peers = peer.map(|(listener, tls)| {
+        tokio::spawn(peer_listener::serve(
+            shared.clone(),
+            listener,
+            tls,
+            stop_accepting.clone().cancelled_owned(),
+        ))
+    });
     let svc_shared = shared.clone();
     let make_service = move |conn: serve::Conn| {
         let ctx = ConnCtx::new(conn);
@@ -81,39 +130,59 @@ pub(crate) async fn serve(
             async move { Ok::<_, Infallible>(router::route(shared, ctx, req).await) }
         })
     };
-    let connections =
-        serve::serve(listener, tls, serve_limits(&limits), make_service, shutdown).await;
-    tracing::info!("relay shutting down");
-    stop_quic.cancel();
+    let users = tokio::spawn(serve::serve(
+        https,
+        tls,
+        serve_limits(&limits),
+        make_service,
+        stop_accepting.clone().cancelled_owned(),
+    ));
 
-    let tunnels = shared.registry.all();
-    let window = reconnect_window(tunnels.len(), limits.reconnect_rate);
-    tracing::info!(tunnels = tunnels.len(), reconnect_within = ?window, "telling agents to reconnect");
-    shared.start_shutdown(window);
-    for tunnel in tunnels {
-        tunnel.go_away(code::SHUTDOWN, "relay shutting down");
+    shutdown.await;
+    let deadline = tokio::time::Instant::now() + limits.shutdown_grace;
+    stop_quic.cancel();
+    drain(&shared, deadline).await;
+
+    // No tunnel is left here (or the timeout is reached): stop accepting, and let what is in flight finish.
+    stop_accepting.cancel();
+    let mut connections = Vec::new();
+    if let Ok(draining) = users.await {
+        connections.push(draining);
     }
-    connections.begin();
+    if let Some(task) = peers
+        && let Ok(draining) = task.await
+    {
+        connections.push(draining);
+    }
+    for c in &connections {
+        c.begin();
+    }
     shared.tasks.close();
-    let grace = limits.shutdown_grace;
-    let drained = tokio::time::timeout(grace, async {
-        connections.wait().await;
+    let drained = tokio::time::timeout_at(deadline, async {
+        for c in &connections {
+            c.wait().await;
+        }
         shared.tasks.wait().await;
     })
     .await;
     if drained.is_err() {
         tracing::warn!(
-            ?grace,
-            "requests or tunnels still open after the shutdown grace period; closing them"
+            drain_timeout = ?limits.shutdown_grace,
+            "requests or tunnels still open at the drain timeout; closing them"
         );
-        for tunnel in shared.registry.all() {
+        for (_, tunnel) in shared.registry.all() {
             tunnel
                 .conn
-                .close(code::CANCEL, "relay shutting down: grace period over");
+                .close(code::CANCEL, "relay shutting down: drain timeout reached");
         }
-        connections.cut();
-        let cut = tokio::time::timeout(grace, async {
-            connections.wait().await;
+        shared.cut.cancel();
+        for c in &connections {
+            c.cut();
+        }
+        let cut = tokio::time::timeout(AFTER_CUT, async {
+            for c in &connections {
+                c.wait().await;
+            }
             shared.tasks.wait().await;
         })
         .await;
@@ -125,15 +194,65 @@ pub(crate) async fn serve(
         let _ = task.await;
         quic_listener::close(&quic, code::SHUTDOWN, "relay stopped");
     }
-    stop_flusher.cancel();
-    if flusher.await.is_err() {
-        tracing::warn!("the activity writer panicked");
+    stop_background.cancel();
+    for (what, task) in [
+        ("activity writer", flusher),
+        ("lease loop", lease),
+        ("change follower", follower),
+    ] {
+        if task.await.is_err() {
+            tracing::warn!("the {what} panicked");
+        }
     }
+    replicas::leave(&shared).await;
     if let Err(e) = shared.store.close().await {
         tracing::warn!(error = %e, "closing the store failed");
     }
     tracing::info!("relay stopped");
     Ok(())
+}
+
+/// The first part of a drain, until no tunnel is left here or `deadline`:
+/// 1. `/readyz` answers 503 and new tunnels are refused (the load balancer and the agents go elsewhere), and
+///    the store marks this replica draining (its peers route elsewhere first);
+/// 2. with another live replica to move to, each agent is asked to move its tunnel (`draining` with make
+///    before break): it opens the replacement elsewhere, then sends GOAWAY here, and this replica serves the
+///    tunnel's streams, and new requests on it, until then; without one, each tunnel gets GOAWAY at once and
+///    its agent is told when to come back (`draining` with a window);
+/// 3. meanwhile users are still served: on the tunnels not moved yet, else through the peer link.
+async fn drain(shared: &Arc<Shared>, deadline: tokio::time::Instant) {
+    shared.start_drain();
+    if tokio::time::timeout(MARK_DRAINING, replicas::renew(shared))
+        .await
+        .is_err()
+    {
+        tracing::warn!("the store did not record the drain in time; the lease loop will");
+    }
+    let tunnels = shared.registry.all();
+    let window = reconnect_window(tunnels.len(), shared.config.limits.reconnect_rate);
+    shared.set_reconnect_window(window);
+    if shared.fleet.peers_available() {
+        tracing::info!(tunnels = tunnels.len(), drain_timeout = ?shared.config.limits.shutdown_grace, "draining: asking agents to move their tunnels to another replica");
+        for (_, tunnel) in &tunnels {
+            tunnel.info.moving.cancel();
+        }
+    } else {
+        tracing::info!(tunnels = tunnels.len(), reconnect_within = ?window, "draining: no other replica to move to; telling agents to reconnect");
+        for (_, tunnel) in &tunnels {
+            tunnel.go_away(code::SHUTDOWN, "relay shutting down");
+        }
+    }
+    if tokio::time::timeout_at(deadline, shared.registry.until_empty())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            tunnels = shared.registry.len(),
+            "tunnels still open at the drain timeout"
+        );
+    } else {
+        tracing::info!("drained: no tunnel left at this replica");
+    }
 }
 
 /// Writes batched heartbeats every `last_seen_interval`, and once more when stopped.

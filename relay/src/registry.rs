@@ -1,83 +1,363 @@
-//! The live tunnels: at most one [`Connection`] per cluster name.
+//! The live tunnels this replica holds: several per cluster (the tunnels of one agent process, or of several
+//! agent replicas sharing one identity), at most `max_per_cluster` of them. A new tunnel never displaces an
+//! established one: past the bound it is refused before it is upgraded ([`Registry::reserve`]).
+//!
+//! User requests go to the least-loaded usable tunnel ([`Registry::usable`]): one that has not gone away
+//! (GOAWAY from either side: the agent moving it elsewhere, the relay draining) and is not closed.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tether_tunnel::Connection;
 use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 
-/// A registered tunnel, with the id that tells it apart from a newer tunnel of the same cluster.
+/// What the relay learns about a tunnel after it was registered (its control channel's `hello`, renewals),
+/// and its state, shared by every clone of the [`Tunnel`].
+#[derive(Debug)]
+pub(crate) struct TunnelInfo {
+    /// The agent's address as this replica sees it.
+    pub(crate) peer: SocketAddr,
+    /// GOAWAY was sent or received: no new stream goes on this tunnel.
+    going_away: AtomicBool,
+    /// The agent process's id (`Tether-Agent-Instance`, then `hello.instance`; empty when unknown).
+    instance: Mutex<String>,
+    /// How many tunnels the agent process keeps (`hello.tunnels`; 0 until hello, read as 1).
+    agent_tunnels: AtomicU32,
+    /// The certificate the agent holds on this tunnel: the one it was authenticated with, then the one a
+    /// renewal on its control channel issued.
+    fingerprint: Mutex<String>,
+    /// Set once a close after a renewal elsewhere is scheduled (so it is scheduled once).
+    replaced: AtomicBool,
+    /// Cancelled when the relay drains and asks the agent to move this tunnel (make before break).
+    pub(crate) moving: CancellationToken,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The values hold no invariant a panicking holder could break half-way.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl TunnelInfo {
+    /// A tunnel from `peer`, authenticated with the certificate `fingerprint`.
+    pub(crate) fn new(peer: SocketAddr, instance: &str, fingerprint: &str) -> Self {
+        Self {
+            peer,
+            going_away: AtomicBool::new(false),
+            instance: Mutex::new(instance.to_owned()),
+            agent_tunnels: AtomicU32::new(0),
+            fingerprint: Mutex::new(fingerprint.to_owned()),
+            replaced: AtomicBool::new(false),
+            moving: CancellationToken::new(),
+        }
+    }
+
+    /// The agent process's id, when known.
+    pub(crate) fn instance(&self) -> String {
+        lock(&self.instance).clone()
+    }
+
+    /// How many tunnels the agent process keeps (at least 1).
+    pub(crate) fn agent_tunnels(&self) -> u32 {
+        self.agent_tunnels.load(Ordering::Relaxed).max(1)
+    }
+
+    /// `hello.tunnels` as the agent said it (0 until hello, or from older agents).
+    pub(crate) fn said_tunnels(&self) -> u32 {
+        self.agent_tunnels.load(Ordering::Relaxed)
+    }
+
+    /// What the agent said in `hello`.
+    pub(crate) fn hello(&self, instance: &str, tunnels: u32) {
+        if !instance.is_empty() {
+            *lock(&self.instance) = instance.to_owned();
+        }
+        self.agent_tunnels.store(tunnels, Ordering::Relaxed);
+    }
+
+    /// The certificate the agent holds on this tunnel.
+    pub(crate) fn fingerprint(&self) -> String {
+        lock(&self.fingerprint).clone()
+    }
+
+    /// A renewal on this tunnel's control channel issued `fingerprint`.
+    pub(crate) fn renewed(&self, fingerprint: &str) {
+        *lock(&self.fingerprint) = fingerprint.to_owned();
+    }
+
+    /// Marks the tunnel as going away; true if it was not already.
+    pub(crate) fn mark_going_away(&self) -> bool {
+        !self.going_away.swap(true, Ordering::AcqRel)
+    }
+
+    /// Marks the tunnel as holding a replaced certificate; true the first time.
+    pub(crate) fn mark_replaced(&self) -> bool {
+        !self.replaced.swap(true, Ordering::AcqRel)
+    }
+
+    /// True once GOAWAY was sent or received.
+    pub(crate) fn is_going_away(&self) -> bool {
+        self.going_away.load(Ordering::Acquire)
+    }
+}
+
+/// A registered tunnel, with the id that tells it apart from the cluster's other tunnels.
 #[derive(Debug, Clone)]
 pub(crate) struct Tunnel {
+    /// Unique within this replica's life.
     pub(crate) id: u64,
     pub(crate) conn: Connection,
     pub(crate) since: OffsetDateTime,
     /// Cancelled with [`Tunnel::go_away`]: tells the tunnel's own tasks (the control channel) to end, so the
     /// graceful close is not held up by a stream that never finishes by itself.
     pub(crate) draining: CancellationToken,
+    pub(crate) info: Arc<TunnelInfo>,
 }
 
 impl Tunnel {
     /// GOAWAY: streams in flight may finish, the control channel ends now.
     pub(crate) fn go_away(&self, code: u32, reason: &str) {
+        self.info.mark_going_away();
         self.conn.go_away(code, reason);
         self.draining.cancel();
     }
+
+    /// True while new streams may go on this tunnel.
+    pub(crate) fn is_usable(&self) -> bool {
+        !self.info.is_going_away() && !self.conn.is_closed()
+    }
 }
 
-/// Cluster name → current tunnel.
+/// Why a tunnel could not be registered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Full {
+    /// The bound that was reached.
+    pub(crate) max: usize,
+}
+
 #[derive(Debug, Default)]
+struct Entry {
+    tunnels: Vec<Tunnel>,
+    /// Tunnels authenticated and being upgraded, counted against the bound.
+    reserved: usize,
+}
+
+/// Cluster name → its tunnels at this replica.
+#[derive(Debug)]
 pub(crate) struct Registry {
     next_id: AtomicU64,
-    tunnels: Mutex<HashMap<String, Tunnel>>,
+    /// Whose turn it is among equally loaded tunnels.
+    turn: AtomicU64,
+    max_per_cluster: usize,
+    clusters: Mutex<HashMap<String, Entry>>,
+    /// How many tunnels are registered (for [`Registry::until_empty`]).
+    count: tokio::sync::watch::Sender<usize>,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self::new(8)
+    }
+}
+
+/// A place for one tunnel of a cluster, taken before the tunnel is upgraded; given back when dropped unless
+/// [`Registry::insert`] used it.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    registry: Arc<Registry>,
+    cluster: String,
+    used: bool,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.used {
+            let mut map = self.registry.lock();
+            if let Some(entry) = map.get_mut(&self.cluster) {
+                entry.reserved = entry.reserved.saturating_sub(1);
+                if entry.reserved == 0 && entry.tunnels.is_empty() {
+                    map.remove(&self.cluster);
+                }
+            }
+        }
+    }
 }
 
 impl Registry {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Tunnel>> {
-        // The map holds no invariant a panicking holder could break half-way.
-        self.tunnels
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Registers `conn` for `cluster`; returns it as registered and the tunnel it replaced, if any.
-    pub(crate) fn insert(&self, cluster: &str, conn: Connection) -> (Tunnel, Option<Tunnel>) {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let tunnel = Tunnel {
-            id,
-            conn,
-            since: OffsetDateTime::now_utc(),
-            draining: CancellationToken::new(),
-        };
-        let old = self.lock().insert(cluster.to_owned(), tunnel.clone());
-        (tunnel, old)
-    }
-
-    /// The current tunnel of `cluster`.
-    pub(crate) fn get(&self, cluster: &str) -> Option<Tunnel> {
-        self.lock().get(cluster).cloned()
-    }
-
-    /// Removes the tunnel of `cluster` only if it is still the one with `id`; true if it was removed.
-    pub(crate) fn remove_if(&self, cluster: &str, id: u64) -> bool {
-        let mut map = self.lock();
-        if map.get(cluster).is_some_and(|t| t.id == id) {
-            map.remove(cluster);
-            true
-        } else {
-            false
+    /// A registry holding at most `max_per_cluster` tunnels per cluster (at least 1).
+    pub(crate) fn new(max_per_cluster: usize) -> Self {
+        Self {
+            next_id: AtomicU64::new(1),
+            turn: AtomicU64::new(0),
+            max_per_cluster: max_per_cluster.max(1),
+            clusters: Mutex::default(),
+            count: tokio::sync::watch::Sender::new(0),
         }
     }
 
-    /// Removes and returns the tunnel of `cluster`.
-    pub(crate) fn remove(&self, cluster: &str) -> Option<Tunnel> {
-        self.lock().remove(cluster)
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Entry>> {
+        lock(&self.clusters)
     }
 
-    /// Every tunnel (for shutdown).
-    pub(crate) fn all(&self) -> Vec<Tunnel> {
-        self.lock().values().cloned().collect()
+    /// Takes a place for a new tunnel of `cluster`, or [`Full`] when the cluster holds its bound of tunnels
+    /// here already (those registered and those being upgraded).
+    pub(crate) fn reserve(self: &Arc<Self>, cluster: &str) -> Result<Reservation, Full> {
+        let mut map = self.lock();
+        let entry = map.entry(cluster.to_owned()).or_default();
+        if entry.tunnels.len() + entry.reserved >= self.max_per_cluster {
+            return Err(Full {
+                max: self.max_per_cluster,
+            });
+        }
+        entry.reserved += 1;
+        Ok(Reservation {
+            registry: self.clone(),
+            cluster: cluster.to_owned(),
+            used: false,
+        })
+    }
+
+    /// Registers `conn` in the place `reservation` holds; returns it as registered.
+    pub(crate) fn insert(
+        &self,
+        mut reservation: Reservation,
+        conn: Connection,
+        info: TunnelInfo,
+    ) -> Tunnel {
+        let tunnel = Tunnel {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            conn,
+            since: OffsetDateTime::now_utc(),
+            draining: CancellationToken::new(),
+            info: Arc::new(info),
+        };
+        let mut map = self.lock();
+        let entry = map.entry(reservation.cluster.clone()).or_default();
+        entry.reserved = entry.reserved.saturating_sub(1);
+        entry.tunnels.push(tunnel.clone());
+        reservation.used = true;
+        self.count.send_modify(|n| *n += 1);
+        tunnel
+    }
+
+    /// Resolves once no tunnel is registered.
+    pub(crate) async fn until_empty(&self) {
+        let mut count = self.count.subscribe();
+        // The sender lives as long as `self`.
+        let _ = count.wait_for(|n| *n == 0).await;
+    }
+
+    /// The cluster's usable tunnels, least loaded (fewest open streams) first.
+    pub(crate) fn usable(&self, cluster: &str) -> Vec<Tunnel> {
+        let mut usable: Vec<(usize, Tunnel)> = self
+            .lock()
+            .get(cluster)
+            .map(|e| {
+                e.tunnels
+                    .iter()
+                    .filter(|t| t.is_usable())
+                    .map(|t| (t.conn.open_streams(), t.clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        usable.sort_by_key(|(load, _)| *load);
+        // Equally loaded tunnels take turns at the head, so that requests that do not overlap are spread too.
+        let ties = usable
+            .iter()
+            .take_while(|(load, _)| Some(*load) == usable.first().map(|(l, _)| *l))
+            .count();
+        if ties > 1 {
+            let turn = self.turn.fetch_add(1, Ordering::Relaxed) % ties as u64;
+            usable[..ties].rotate_left(turn as usize);
+        }
+        usable.into_iter().map(|(_, t)| t).collect()
+    }
+
+    /// Every tunnel of `cluster` here, usable or not.
+    pub(crate) fn tunnels(&self, cluster: &str) -> Vec<Tunnel> {
+        self.lock()
+            .get(cluster)
+            .map(|e| e.tunnels.clone())
+            .unwrap_or_default()
+    }
+
+    /// Removes the tunnel `id` of `cluster`; true if it was registered.
+    pub(crate) fn remove_if(&self, cluster: &str, id: u64) -> bool {
+        let mut map = self.lock();
+        let Some(entry) = map.get_mut(cluster) else {
+            return false;
+        };
+        let before = entry.tunnels.len();
+        entry.tunnels.retain(|t| t.id != id);
+        let removed = entry.tunnels.len() < before;
+        if entry.tunnels.is_empty() && entry.reserved == 0 {
+            map.remove(cluster);
+        }
+        if removed {
+            self.count.send_modify(|n| *n = n.saturating_sub(1));
+        }
+        removed
+    }
+
+    /// Removes and returns every tunnel of `cluster`.
+    pub(crate) fn remove(&self, cluster: &str) -> Vec<Tunnel> {
+        let mut map = self.lock();
+        match map.get_mut(cluster) {
+            Some(entry) => {
+                let tunnels = std::mem::take(&mut entry.tunnels);
+                if entry.reserved == 0 {
+                    map.remove(cluster);
+                }
+                self.count
+                    .send_modify(|n| *n = n.saturating_sub(tunnels.len()));
+                tunnels
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// The clusters that have at least one tunnel here.
+    pub(crate) fn clusters(&self) -> Vec<String> {
+        self.lock()
+            .iter()
+            .filter(|(_, e)| !e.tunnels.is_empty())
+            .map(|(c, _)| c.clone())
+            .collect()
+    }
+
+    /// How many tunnels this replica holds.
+    pub(crate) fn len(&self) -> usize {
+        *self.count.borrow()
+    }
+
+    /// Every tunnel, with its cluster.
+    pub(crate) fn all(&self) -> Vec<(String, Tunnel)> {
+        self.lock()
+            .iter()
+            .flat_map(|(cluster, e)| e.tunnels.iter().map(|t| (cluster.clone(), t.clone())))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_count_against_the_bound_and_are_given_back() {
+        let registry = Arc::new(Registry::new(2));
+        let a = registry.reserve("c");
+        let b = registry.reserve("c");
+        assert!(a.is_ok() && b.is_ok());
+        assert_eq!(registry.reserve("c").err(), Some(Full { max: 2 }));
+        // Another cluster has its own bound.
+        assert!(registry.reserve("d").is_ok());
+        drop(a);
+        let c = registry.reserve("c");
+        assert!(c.is_ok(), "a dropped reservation frees its place");
+        drop((b, c));
+        assert!(registry.lock().is_empty(), "nothing left behind");
     }
 }

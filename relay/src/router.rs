@@ -7,7 +7,7 @@ use hyper::body::Incoming;
 
 use crate::api_error::ApiError;
 use crate::body::Body;
-use crate::handlers::{agent, clusters, health, rbac, user};
+use crate::handlers::{agent, clusters, health, peer, rbac, user};
 use crate::state::{ConnCtx, Shared};
 
 /// Dispatches a request; every error becomes a `Status` response here.
@@ -57,6 +57,22 @@ pub(crate) async fn route(
         rbac::directory(&shared, req, &oid).await
     } else {
         Err(ApiError::not_found(format!("the relay serves no {path}")))
+    };
+    result.unwrap_or_else(ApiError::into_response)
+}
+
+/// Dispatches a request that came over the peer link: only `/clusters/…` is served there.
+pub(crate) async fn route_peer(
+    shared: Arc<Shared>,
+    ctx: ConnCtx,
+    req: Request<Incoming>,
+) -> Response<Body> {
+    let path = req.uri().path().to_owned();
+    let result = match path.strip_prefix("/clusters/") {
+        Some(rest) => peer::handle(&shared, ctx, req, rest).await,
+        None => Err(ApiError::not_found(format!(
+            "the peer link serves only /clusters/…, not {path}"
+        ))),
     };
     result.unwrap_or_else(ApiError::into_response)
 }

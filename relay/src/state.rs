@@ -8,10 +8,12 @@ use std::time::Duration;
 
 use rustls::pki_types::CertificateDer;
 use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::activity::ActivityLog;
 use crate::config::Config;
+use crate::fleet::Fleet;
 use crate::guard_hub::GuardHub;
 use crate::identity::AgentCa;
 use crate::quota::{ConnectionSlot, Quotas};
@@ -36,9 +38,14 @@ pub(crate) struct Shared {
     pub(crate) entra: Option<Arc<tether_auth::Authenticator>>,
     /// Per-principal and per-address bounds of the user endpoint.
     pub(crate) quotas: Arc<Quotas>,
+    /// This replica in the fleet, and its clients to its peers.
+    pub(crate) fleet: Fleet,
     shutting_down: AtomicBool,
     /// Set on shutdown: the window, in milliseconds, within which agents are told to come back (0: none).
     reconnect_window_ms: AtomicU64,
+    /// Cancelled when the drain timeout is reached: what this replica forwards to its peers (watches, upgraded
+    /// pipes) is cut, as its tunnels are closed.
+    pub(crate) cut: CancellationToken,
 }
 
 impl Shared {
@@ -49,8 +56,10 @@ impl Shared {
         agent_ca: AgentCa,
         entra: Option<Arc<tether_auth::Authenticator>>,
         registry: Arc<Registry>,
+        fleet: Fleet,
     ) -> Self {
         Self {
+            fleet,
             quotas: Quotas::new(config.limits.client_limits()),
             config,
             store,
@@ -63,6 +72,7 @@ impl Shared {
             entra,
             shutting_down: AtomicBool::new(false),
             reconnect_window_ms: AtomicU64::new(0),
+            cut: CancellationToken::new(),
         }
     }
 
@@ -86,9 +96,13 @@ impl Shared {
         self.shutting_down.load(Ordering::Acquire)
     }
 
-    /// Marks the relay as shutting down, agents to come back within `window`.
-    pub(crate) fn start_shutdown(&self, window: Duration) {
+    /// Marks the relay as draining: `/readyz` answers 503 and new tunnels are refused from now on.
+    pub(crate) fn start_drain(&self) {
         self.shutting_down.store(true, Ordering::Release);
+    }
+
+    /// Agents are to come back (or move) within `window`.
+    pub(crate) fn set_reconnect_window(&self, window: Duration) {
         self.reconnect_window_ms.store(
             u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
             Ordering::Release,

@@ -6,6 +6,9 @@
 //!                                        └────────────── heartbeat ◀────────────────┘
 //!  any state ──identity notAfter passes──▶ Expired   (recovery: delete the cluster, connect it again)
 //! ```
+//!
+//! `Degraded` is `Connected` with fewer live tunnels across the fleet than an agent keeps (its `hello.tunnels`,
+//! at most one per live replica): still reachable, one replica's loss away from not being so.
 
 use std::time::Duration;
 
@@ -18,6 +21,8 @@ pub(crate) enum ConnectivityStatus {
     Connecting,
     /// Heard from (tunnel connect or heartbeat) within the offline threshold.
     Connected,
+    /// Connected, with fewer live tunnels than its agent keeps (still reachable).
+    Degraded,
     /// Heard from once, not within the offline threshold.
     Offline,
     /// Its identity (client certificate) expired.
@@ -26,9 +31,10 @@ pub(crate) enum ConnectivityStatus {
 
 impl ConnectivityStatus {
     /// Every status, in the order they are documented.
-    pub(crate) const ALL: [ConnectivityStatus; 4] = [
+    pub(crate) const ALL: [ConnectivityStatus; 5] = [
         ConnectivityStatus::Connecting,
         ConnectivityStatus::Connected,
+        ConnectivityStatus::Degraded,
         ConnectivityStatus::Offline,
         ConnectivityStatus::Expired,
     ];
@@ -38,6 +44,7 @@ impl ConnectivityStatus {
         match self {
             ConnectivityStatus::Connecting => "Connecting",
             ConnectivityStatus::Connected => "Connected",
+            ConnectivityStatus::Degraded => "Degraded",
             ConnectivityStatus::Offline => "Offline",
             ConnectivityStatus::Expired => "Expired",
         }
@@ -66,6 +73,43 @@ pub(crate) fn connectivity_status(
         None => ConnectivityStatus::Connecting,
         Some(seen) if now - seen <= offline_threshold => ConnectivityStatus::Connected,
         Some(_) => ConnectivityStatus::Offline,
+    }
+}
+
+/// One live tunnel as the fleet status counts it: the agent process holding it (empty when it did not say),
+/// how many tunnels that process keeps (`hello.tunnels`, 0 when not said), and whether it still takes new
+/// requests.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LiveTunnel<'a> {
+    pub(crate) instance: &'a str,
+    pub(crate) keeps: u32,
+    pub(crate) usable: bool,
+}
+
+/// `Connected` becomes `Degraded` when an agent process holds fewer usable tunnels than it keeps, counting
+/// at most one per live replica (an agent keeping 2 tunnels to a fleet of 1 holds 1 and is not degraded).
+/// Any other status stays as it is.
+pub(crate) fn with_tunnels(
+    status: ConnectivityStatus,
+    tunnels: &[LiveTunnel<'_>],
+    live_replicas: u32,
+) -> ConnectivityStatus {
+    if status != ConnectivityStatus::Connected || tunnels.is_empty() {
+        return status;
+    }
+    let mut by_instance: std::collections::BTreeMap<&str, (u32, u32)> = Default::default();
+    for t in tunnels {
+        let entry = by_instance.entry(t.instance).or_default();
+        entry.0 = entry.0.max(t.keeps.max(1));
+        entry.1 += u32::from(t.usable);
+    }
+    let degraded = by_instance
+        .values()
+        .any(|(keeps, usable)| *usable < (*keeps).min(live_replicas.max(1)));
+    if degraded {
+        ConnectivityStatus::Degraded
+    } else {
+        status
     }
 }
 
@@ -138,6 +182,44 @@ mod tests {
             connectivity_status(expiry, Some(at(100)), at(50), threshold),
             Connected
         );
+    }
+
+    #[test]
+    fn degraded_is_connected_with_fewer_tunnels_than_the_agent_keeps() {
+        use ConnectivityStatus::*;
+        let t = |instance, keeps, usable| LiveTunnel {
+            instance,
+            keeps,
+            usable,
+        };
+        // An agent keeping 2 tunnels, both up over 3 replicas: Connected.
+        assert_eq!(
+            with_tunnels(Connected, &[t("a", 2, true), t("a", 2, true)], 3),
+            Connected
+        );
+        // One lost: Degraded (still reachable).
+        assert_eq!(with_tunnels(Connected, &[t("a", 2, true)], 3), Degraded);
+        // A tunnel that is moving (GOAWAY) does not count.
+        assert_eq!(
+            with_tunnels(Connected, &[t("a", 2, true), t("a", 2, false)], 3),
+            Degraded
+        );
+        // One replica only: one tunnel is all the agent can keep.
+        assert_eq!(with_tunnels(Connected, &[t("a", 2, true)], 1), Connected);
+        // Older agents say nothing (K read as 1).
+        assert_eq!(with_tunnels(Connected, &[t("", 0, true)], 3), Connected);
+        // Two agent replicas sharing an identity, each counted on its own.
+        assert_eq!(
+            with_tunnels(
+                Connected,
+                &[t("a", 2, true), t("a", 2, true), t("b", 2, true)],
+                2
+            ),
+            Degraded
+        );
+        // Other statuses are left alone.
+        assert_eq!(with_tunnels(Offline, &[t("a", 2, true)], 3), Offline);
+        assert_eq!(with_tunnels(Connected, &[], 3), Connected);
     }
 
     #[test]

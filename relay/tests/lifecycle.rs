@@ -308,7 +308,9 @@ async fn the_identity_is_issued_for_the_agents_key_and_verifies_with_openssl() -
 #[tokio::test]
 async fn status_goes_connecting_connected_offline_and_back() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let relay = TestRelay::start_with(short_config(dir.path())).await?;
+    let mut config = short_config(dir.path());
+    config.replica_id = Some("relay-test-0".into());
+    let relay = TestRelay::start_with(config).await?;
     let admin = relay.admin()?;
     admin.create_ok("quiet").await?;
     assert_eq!(
@@ -324,8 +326,12 @@ async fn status_goes_connecting_connected_offline_and_back() -> anyhow::Result<(
     );
     let mut agent = Agent::connect(&relay, &identity, "0.1.0").await?;
     assert_eq!(agent.welcome.heartbeat_interval_seconds, 1);
+    // One relay: the welcome names it and counts one live replica.
+    assert_eq!(agent.welcome.replica, "relay-test-0");
+    assert_eq!(agent.welcome.replicas, 1);
     let shown = agent.beat_until(&admin, "edge", "Connected").await?;
     assert_eq!(shown["connected"], true);
+    assert_eq!(shown["tunnels"][0]["replica"], "relay-test-0", "{shown}");
     assert!(shown["lastConnectivityTime"].is_string(), "{shown}");
 
     // Silence on the control channel (the tunnel itself stays up): Offline after the threshold.
@@ -551,25 +557,85 @@ async fn renewal_over_the_control_channel_keeps_the_tunnel_and_its_streams() -> 
     drop(body);
     drop(sender);
 
-    // Until the agent connects with the new certificate the old one still works (it may have crashed
-    // before storing the new one) ...
-    let again = dial(&relay, &old)
-        .await
-        .context("the previous certificate")?;
-    // The replaced tunnel goes away gracefully, its control channel ended by the relay.
-    assert!(matches!(
-        within("the old control channel to end", agent.reader.recv()).await?,
-        Err(ControlError::Io(_))
-    ));
-    let info = within("the first tunnel to be replaced", agent.conn.closed()).await?;
-    assert!(info.error.is_none(), "{info:?}");
-    again.close(code::NO_ERROR, "done");
-    // ... and once it has, the old one is refused.
+    // The replaced certificate stops working at once: a stolen copy opens no tunnel and passes no identity
+    // check, and the refusal says why.
+    let (status, body) = rejected(dial(&relay, &old).await)?;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("replaced by a renewal")),
+        "{body}"
+    );
+    let check = identity_check(&relay, &old).await?;
+    assert!(
+        check.status_message(401)?.contains("replaced by a renewal"),
+        "{check:?}"
+    );
+    assert_eq!(
+        identity_check(&relay, &renewed).await?.status,
+        StatusCode::OK
+    );
     let _new = dial(&relay, &renewed)
         .await
         .context("the renewed certificate")?;
+    // The renewing tunnel holds the new certificate: it stays.
+    assert!(!agent.conn.is_closed(), "the renewing tunnel was closed");
+    relay.stop().await
+}
+
+/// `GET /agent/v1/check` as `identity`'s agent.
+async fn identity_check(
+    relay: &TestRelay,
+    identity: &AgentIdentity,
+) -> anyhow::Result<common::Reply> {
+    let client = relay.client_as(identity)?;
+    let req = client
+        .request(false, Method::GET, "/agent/v1/check")
+        .header("tether-cluster", identity.cluster.as_str())
+        .body(Full::default())?;
+    client.send(false, req).await
+}
+
+#[tokio::test]
+async fn tunnels_still_up_with_a_replaced_certificate_are_closed_after_the_grace()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut config = tether_relay::Config::new(dir.path().to_path_buf());
+    config.replaced_identity_grace = Duration::from_secs(1);
+    let relay = TestRelay::start_with(config).await?;
+    let admin = relay.admin()?;
+    let old = admin.onboarded("edge").await?;
+    let mut agent = Agent::connect(&relay, &old, "0.1.0").await?;
+    // A second tunnel with the same certificate: the agent's other tunnel, or a thief's with a stolen copy.
+    let other = dial(&relay, &old).await?;
+    let renewed = agent
+        .renew("edge")
+        .await?
+        .map_err(|e| anyhow!("renew: {e}"))?;
+    // The other tunnel gets the grace to move, then is closed; a new one with the old certificate is refused
+    // meanwhile.
     let (status, body) = rejected(dial(&relay, &old).await)?;
     assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    let info = within("the other tunnel to be closed", other.closed()).await?;
+    assert!(
+        info.error
+            .as_ref()
+            .is_some_and(|e| e.to_string().contains("replaced by a renewal")),
+        "{info:?}"
+    );
+    // The renewing tunnel stays, and the agent's control channel still works on it.
+    assert!(!agent.conn.is_closed(), "the renewing tunnel was closed");
+    agent.heartbeat(1).await?;
+    let shown = admin.show("edge").await?.json()?;
+    assert_eq!(
+        shown["tunnels"].as_array().map(Vec::len),
+        Some(1),
+        "{shown}"
+    );
+    // A renewal through the replaced certificate is not possible either: its tunnel is gone, and a new one is
+    // refused, so only the holder of the new certificate can renew again.
+    let _new = dial(&relay, &renewed).await?;
     relay.stop().await
 }
 
@@ -636,7 +702,10 @@ async fn the_control_channel_is_one_per_tunnel_and_robust_to_bad_input() -> anyh
         .write_all(&(future.len() as u32).to_be_bytes())
         .await?;
     agent.writer.write_all(future).await?;
-    assert!(agent.renew("edge").await?.is_ok());
+    let identity = agent
+        .renew("edge")
+        .await?
+        .map_err(|e| anyhow!("renew: {e}"))?;
 
     // An oversized message resets the stream, without reading a megabyte first.
     agent

@@ -12,8 +12,8 @@ use std::time::Duration;
 use tether_auth::rbac::RoleDefinition;
 use tether_relay::store::{
     self, Activity, AgentHealth, ChangeFeed, ChangeKind, ClusterIdentity, ClusterMetadata,
-    DenyAssignmentRecord, DirectoryEntry, FeedEvent, NewCluster, NewIdentity, RoleAssignmentRecord,
-    Store, StoreError, TokenHash,
+    DenyAssignmentRecord, DirectoryEntry, FeedEvent, NewCluster, NewIdentity, ReplicaLease,
+    RoleAssignmentRecord, Store, StoreError, TokenHash, TunnelRecord,
 };
 use tether_testkit::postgres::Postgres;
 use time::OffsetDateTime;
@@ -81,7 +81,7 @@ macro_rules! suite {
 suite!(
     create_get_list_delete,
     onboarding_token_redeems_once,
-    renewal_keeps_the_presented_certificate_until_confirmed,
+    renewal_replaces_the_certificate_at_once_and_is_logged,
     connection_facts,
     role_definitions_are_unique_and_builtins_are_reserved,
     assignments_raise_versions_reference_roles_and_go_with_their_cluster,
@@ -95,6 +95,8 @@ suite!(
     race_deletions_and_batches_do_not_deadlock,
     change_feed_sees_changes_made_through_another_handle,
     change_feed_survives_a_lost_listener,
+    replicas_hold_leases_that_lapse,
+    tunnels_route_while_their_replica_lives,
 );
 
 fn new_cluster(name: &str, token: &str) -> NewCluster {
@@ -190,7 +192,7 @@ async fn onboarding_token_redeems_once(db: &Db) {
     );
 }
 
-async fn renewal_keeps_the_presented_certificate_until_confirmed(db: &Db) {
+async fn renewal_replaces_the_certificate_at_once_and_is_logged(db: &Db) {
     let store = db.open().await;
     store
         .create_cluster(&new_cluster("c", "token"))
@@ -201,12 +203,13 @@ async fn renewal_keeps_the_presented_certificate_until_confirmed(db: &Db) {
         .redeem_onboarding_token("c", &TokenHash::of("token"), &identity("a"), now)
         .await
         .expect("redeem");
+    let head = store.changes_since(u64::MAX, 0).await.expect("head").head;
     assert!(
         !store
             .renew_identity("c", "unknown", &identity("x"))
             .await
             .expect("renew"),
-        "only the current or previous certificate may renew"
+        "only the current certificate may renew"
     );
     assert!(
         store
@@ -221,13 +224,26 @@ async fn renewal_keeps_the_presented_certificate_until_confirmed(db: &Db) {
         .expect("c")
         .identity
         .expect("identity");
-    assert!(id.accepts("a") && id.accepts("b") && !id.accepts("x"));
-    // The agent lost "b" and renews again with "a": "a" stays accepted, "b" is gone.
+    // The replaced certificate is refused from now on; the store remembers it only to say why.
+    assert!(id.accepts("b") && !id.accepts("a") && !id.accepts("x"));
+    assert!(id.was_replaced("a") && !id.was_replaced("b"));
+    // A stolen replaced certificate cannot renew either (and so cannot take the identity back).
     assert!(
-        store
-            .renew_identity("c", "a", &identity("c"))
+        !store
+            .renew_identity("c", "a", &identity("evil"))
             .await
             .expect("renew")
+    );
+    // Every replica learns of the renewal from the change log.
+    let page = store.changes_since(head, 10).await.expect("changes");
+    let kinds: Vec<ChangeKind> = page.changes.iter().map(|c| c.kind).collect();
+    assert_eq!(kinds, [ChangeKind::Identity], "{page:?}");
+    assert_eq!(page.changes[0].cluster, "c");
+    assert!(
+        store
+            .renew_identity("c", "b", &identity("d"))
+            .await
+            .expect("renew again")
     );
     let id = store
         .cluster("c")
@@ -236,29 +252,10 @@ async fn renewal_keeps_the_presented_certificate_until_confirmed(db: &Db) {
         .expect("c")
         .identity
         .expect("identity");
-    assert!(id.accepts("a") && id.accepts("c") && !id.accepts("b"));
-    // Confirming with the previous certificate changes nothing; with the current one forgets the previous.
-    store.confirm_identity("c", "a").await.expect("confirm");
-    let id = store
-        .cluster("c")
-        .await
-        .expect("q")
-        .expect("c")
-        .identity
-        .expect("identity");
-    assert_eq!(id.previous_fingerprint.as_deref(), Some("a"));
-    store.confirm_identity("c", "c").await.expect("confirm");
-    let id = store
-        .cluster("c")
-        .await
-        .expect("q")
-        .expect("c")
-        .identity
-        .expect("identity");
-    assert!(!id.accepts("a") && id.accepts("c"));
+    assert!(id.accepts("d") && !id.accepts("b") && id.was_replaced("b"));
     assert!(
         !store
-            .renew_identity("gone", "c", &identity("d"))
+            .renew_identity("gone", "d", &identity("e"))
             .await
             .expect("renew")
     );
@@ -1064,4 +1061,170 @@ async fn change_feed_survives_a_lost_listener(db: &Db) {
         feed.has_push(),
         "the listener reconnected instead of ending"
     );
+}
+
+fn lease(id: &str, ttl: Duration) -> ReplicaLease {
+    ReplicaLease {
+        id: id.into(),
+        peer_address: Some(format!("{id}.example:9443")),
+        ttl,
+        draining: false,
+    }
+}
+
+async fn live_ids(store: &dyn Store) -> Vec<String> {
+    store
+        .live_replicas()
+        .await
+        .expect("live replicas")
+        .into_iter()
+        .map(|r| r.id)
+        .collect()
+}
+
+/// Waits (bounded) until `id` is no longer live: its lease lapsed.
+async fn until_lapsed(store: &dyn Store, id: &str) {
+    tether_testkit::wait::until("the lease to lapse", Duration::from_secs(20), || async {
+        !live_ids(store).await.contains(&id.to_owned())
+    })
+    .await
+    .expect("the lease lapses");
+}
+
+async fn replicas_hold_leases_that_lapse(db: &Db) {
+    let a = db.open().await;
+    let b = db.open().await;
+    a.register_replica(&lease("a", Duration::from_secs(60)))
+        .await
+        .expect("register a");
+    b.register_replica(&lease("b", Duration::from_secs(60)))
+        .await
+        .expect("register b");
+    assert_eq!(live_ids(a.as_ref()).await, ["a", "b"]);
+    let replicas = b.live_replicas().await.expect("live");
+    assert_eq!(replicas[0].peer_address.as_deref(), Some("a.example:9443"));
+    assert!(replicas[0].lease_expires > replicas[0].started_at);
+    assert!(!replicas[0].draining);
+
+    // Draining is recorded with the renewal.
+    let mut draining = lease("a", Duration::from_secs(60));
+    draining.draining = true;
+    assert!(a.renew_lease(&draining).await.expect("renew"));
+    assert!(b.live_replicas().await.expect("live")[0].draining);
+
+    // A replica that stops renewing is ignored once its lease lapses, then reaped (by anyone).
+    let c = db.open().await;
+    c.register_replica(&lease("c", Duration::from_millis(300)))
+        .await
+        .expect("register c");
+    until_lapsed(a.as_ref(), "c").await;
+    assert_eq!(b.reap_replicas(Duration::ZERO).await.expect("reap"), 1);
+    assert!(
+        !c.renew_lease(&lease("c", Duration::from_secs(60)))
+            .await
+            .expect("renew c"),
+        "a reaped replica must register again"
+    );
+    c.register_replica(&lease("c", Duration::from_secs(60)))
+        .await
+        .expect("register c again");
+    assert_eq!(live_ids(b.as_ref()).await, ["a", "b", "c"]);
+    // Live leases are never reaped.
+    assert_eq!(b.reap_replicas(Duration::ZERO).await.expect("reap"), 0);
+    b.remove_replica("b").await.expect("remove b");
+    assert_eq!(live_ids(a.as_ref()).await, ["a", "c"]);
+}
+
+fn tunnel(replica: &str, id: u64, cluster: &str) -> TunnelRecord {
+    TunnelRecord {
+        replica: replica.into(),
+        tunnel_id: id,
+        cluster: cluster.into(),
+        agent_instance: String::new(),
+        agent_tunnels: 0,
+        transport: "wss".into(),
+        agent_address: "10.0.0.7:51000".into(),
+        connected_since: OffsetDateTime::from_unix_timestamp(1_800_000_000).expect("valid"),
+        usable: true,
+    }
+}
+
+async fn routes(store: &dyn Store, cluster: Option<&str>) -> Vec<(String, u64)> {
+    store
+        .tunnel_routes(cluster)
+        .await
+        .expect("routes")
+        .into_iter()
+        .map(|r| (r.tunnel.replica, r.tunnel.tunnel_id))
+        .collect()
+}
+
+async fn tunnels_route_while_their_replica_lives(db: &Db) {
+    let a = db.open().await;
+    let b = db.open().await;
+    for name in ["c1", "c2"] {
+        a.create_cluster(&new_cluster(name, name))
+            .await
+            .expect("create");
+    }
+    a.register_replica(&lease("a", Duration::from_secs(60)))
+        .await
+        .expect("register a");
+    b.register_replica(&lease("b", Duration::from_millis(300)))
+        .await
+        .expect("register b");
+    a.put_tunnel(&tunnel("a", 1, "c1")).await.expect("put a/1");
+    a.put_tunnel(&tunnel("a", 2, "c1")).await.expect("put a/2");
+    a.put_tunnel(&tunnel("a", 3, "c2")).await.expect("put a/3");
+    // b's lease may lapse any moment now: its tunnel is put as soon as it registered.
+    let put_b = b.put_tunnel(&tunnel("b", 1, "c1")).await;
+    assert!(put_b.is_ok(), "{put_b:?}");
+
+    // What hello says, and GOAWAY, update the row.
+    let mut said = tunnel("a", 1, "c1");
+    said.agent_instance = "agent-7f3a".into();
+    said.agent_tunnels = 2;
+    a.put_tunnel(&said).await.expect("update a/1");
+    let mut away = tunnel("a", 2, "c1");
+    away.usable = false;
+    a.put_tunnel(&away).await.expect("update a/2");
+    let shown = b.tunnel_routes(Some("c1")).await.expect("routes");
+    let a1 = shown
+        .iter()
+        .find(|r| r.tunnel.replica == "a" && r.tunnel.tunnel_id == 1)
+        .expect("a/1 routed");
+    assert_eq!(a1.tunnel, said);
+    assert_eq!(a1.peer_address.as_deref(), Some("a.example:9443"));
+    assert!(!a1.replica_draining);
+    assert!(
+        shown
+            .iter()
+            .any(|r| r.tunnel.tunnel_id == 2 && !r.tunnel.usable)
+    );
+
+    // b stops renewing: its tunnel routes nothing from the moment its lease lapses.
+    until_lapsed(a.as_ref(), "b").await;
+    assert_eq!(
+        routes(a.as_ref(), Some("c1")).await,
+        [("a".to_owned(), 1), ("a".to_owned(), 2)]
+    );
+    assert_eq!(routes(a.as_ref(), None).await.len(), 3);
+
+    // A tunnel of a deleted cluster cannot be recorded; deleting a cluster drops its routes.
+    assert!(matches!(
+        a.put_tunnel(&tunnel("a", 4, "ghost")).await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(a.delete_cluster("c2").await.expect("delete"));
+    assert_eq!(routes(a.as_ref(), None).await.len(), 2);
+    a.remove_tunnel("a", 2).await.expect("remove a/2");
+    assert_eq!(routes(b.as_ref(), Some("c1")).await, [("a".to_owned(), 1)]);
+    // A replica that restarts with the same id holds nothing from before; one that leaves takes its rows.
+    a.register_replica(&lease("a", Duration::from_secs(60)))
+        .await
+        .expect("register a again");
+    assert!(routes(b.as_ref(), None).await.is_empty());
+    a.put_tunnel(&tunnel("a", 1, "c1")).await.expect("put a/1");
+    a.remove_replica("a").await.expect("remove a");
+    assert!(routes(b.as_ref(), None).await.is_empty());
 }

@@ -450,19 +450,91 @@ async fn delete_closes_the_tunnel_and_revokes_the_identity() -> anyhow::Result<(
 }
 
 #[tokio::test]
-async fn a_newer_tunnel_replaces_the_old_one() -> anyhow::Result<()> {
+async fn a_second_tunnel_joins_the_first_and_requests_spread_over_both() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let (relay, first, identity) = setup(dir.path(), echo_agent()).await?;
+    // Two agent replicas sharing one identity (or one agent keeping two tunnels): neither displaces the other.
     let second = FakeAgent::connect(&relay, &identity, echo_agent()).await?;
-    within("the old tunnel to go away", first.conn.closed()).await?;
-    let reply = relay.client()?.get("/clusters/edge/api", Some("t")).await?;
-    assert_eq!(reply.status, StatusCode::OK);
-    assert_eq!((first.opened(), second.opened()), (0, 1));
-    // The old tunnel's end does not mark the cluster disconnected.
-    assert_eq!(
-        relay.admin()?.show("edge").await?.json()?["connected"],
-        true
+    let admin = relay.admin()?;
+    let shown = admin
+        .wait_for("edge", "two tunnels", |v| {
+            v["tunnels"].as_array().map(Vec::len) == Some(2)
+        })
+        .await?;
+    assert_eq!(shown["connected"], true, "{shown}");
+    assert!(!first.conn.is_closed(), "the first tunnel was displaced");
+    let client = relay.client()?;
+    for _ in 0..10 {
+        let reply = client.get("/clusters/edge/api", Some("t")).await?;
+        assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+    }
+    assert_eq!(first.opened() + second.opened(), 10);
+    assert!(
+        first.opened() > 0 && second.opened() > 0,
+        "requests were not spread: {} and {}",
+        first.opened(),
+        second.opened()
     );
+
+    // The first tunnel's agent moves it (GOAWAY): new requests go to the second only.
+    let before = first.opened();
+    first
+        .conn
+        .go_away(code::SHUTDOWN, "moving to another replica");
+    within("the first tunnel to close", first.conn.closed()).await?;
+    for _ in 0..5 {
+        let reply = client.get("/clusters/edge/api", Some("t")).await?;
+        assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+    }
+    assert_eq!(first.opened(), before);
+    // The first tunnel's end does not mark the cluster disconnected.
+    let shown = admin
+        .wait_for("edge", "one tunnel", |v| {
+            v["tunnels"].as_array().map(Vec::len) == Some(1)
+        })
+        .await?;
+    assert_eq!(shown["connected"], true, "{shown}");
+    relay.stop().await
+}
+
+#[tokio::test]
+async fn a_tunnel_past_the_bound_is_refused_and_the_established_ones_are_kept() -> anyhow::Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    let mut config = tether_relay::Config::new(dir.path().to_path_buf());
+    config.limits.max_tunnels_per_cluster = 2;
+    let (relay, first, identity) = setup_with(config, echo_agent()).await?;
+    let second = FakeAgent::connect(&relay, &identity, echo_agent()).await?;
+    // A third tunnel with the same identity (a stolen certificate, a leaking agent): refused with a Status
+    // that says why; the two established tunnels stay.
+    match dial(&relay, &identity).await {
+        Err(ws::ConnectError::Rejected { status, body, .. }) => {
+            assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+            assert!(
+                body.contains("already holds 2 tunnels")
+                    && body.contains("established tunnels are kept"),
+                "{body}"
+            );
+        }
+        Err(other) => anyhow::bail!("expected a refusal, got {other}"),
+        Ok(_) => anyhow::bail!("a third tunnel was accepted past the bound"),
+    }
+    assert!(!first.conn.is_closed() && !second.conn.is_closed());
+    let shown = relay.admin()?.show("edge").await?.json()?;
+    assert_eq!(
+        shown["tunnels"].as_array().map(Vec::len),
+        Some(2),
+        "{shown}"
+    );
+    // Once one goes, a new one is taken again.
+    second.conn.close(code::NO_ERROR, "gone");
+    let again = tether_testkit::wait::eventually(
+        "a third tunnel once the second is gone",
+        Duration::from_secs(20),
+        || async { dial(&relay, &identity).await.ok() },
+    )
+    .await?;
+    drop(again);
     relay.stop().await
 }
 
@@ -622,5 +694,48 @@ async fn delete_closes_a_tunnel_with_a_watch_in_flight() -> anyhow::Result<()> {
     assert!(info.error.is_some(), "{info:?}");
     let end = within("the watch to end", resp.into_body().collect()).await?;
     assert!(end.is_err(), "a cut watch must not look complete");
+    relay.stop().await
+}
+
+#[tokio::test]
+async fn a_restart_on_sqlite_forgets_the_tunnels_of_the_run_before() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (relay, agent, _) = setup(dir.path(), echo_agent()).await?;
+    relay.stop().await?;
+    within("the tunnel to close", agent.conn.closed()).await?;
+    // What a SIGKILLed run leaves behind: its replica row with a running lease, and its tunnel.
+    let url = format!("sqlite://{}", dir.path().join("relay.db").display());
+    let store = tether_relay::store::open(&url).await?;
+    store
+        .register_replica(&tether_relay::store::ReplicaLease {
+            id: "relay-killed".into(),
+            peer_address: None,
+            ttl: Duration::from_secs(600),
+            draining: false,
+        })
+        .await?;
+    store
+        .put_tunnel(&tether_relay::store::TunnelRecord {
+            replica: "relay-killed".into(),
+            tunnel_id: 1,
+            cluster: "edge".into(),
+            agent_instance: String::new(),
+            agent_tunnels: 0,
+            transport: "wss".into(),
+            agent_address: "127.0.0.1:1".into(),
+            connected_since: time::OffsetDateTime::now_utc(),
+            usable: true,
+        })
+        .await?;
+    store.close().await?;
+    // The next run (SQLite serves one relay) removes them: the cluster is not connected until its agent is back.
+    let relay = TestRelay::start(dir.path()).await?;
+    let shown = relay.admin()?.show("edge").await?.json()?;
+    assert_eq!(shown["connected"], false, "{shown}");
+    assert_eq!(
+        shown["tunnels"].as_array().map(Vec::len),
+        Some(0),
+        "{shown}"
+    );
     relay.stop().await
 }

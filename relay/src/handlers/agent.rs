@@ -18,10 +18,11 @@ use crate::api_error::ApiError;
 use crate::auth;
 use crate::body::Body;
 use crate::identity::{self, PeerCert};
+use crate::registry::Reservation;
 use crate::respond;
 use crate::state::{ConnCtx, Shared};
 use crate::store::{NewIdentity, TokenHash};
-use crate::tunnels;
+use crate::tunnels::{self, NewTunnel};
 
 const BAD_ONBOARDING_TOKEN: &str = "onboarding token is invalid or already used";
 const ONBOARDING_TOKEN_EXPIRED: &str = "onboarding token expired (--onboarding-token-ttl): delete the cluster \
@@ -30,6 +31,9 @@ const NO_CLIENT_CERT: &str = "no client certificate: the agent must present its 
      (if its state was lost, delete the cluster and connect it again)";
 const BAD_IDENTITY: &str = "the client certificate is not a valid identity of this cluster: it was deleted, \
      its identity revoked or replaced (delete the cluster and connect it again)";
+
+const REPLACED_IDENTITY: &str = "the client certificate was replaced by a renewal and is no longer accepted: \
+     the agent must use the certificate the renewal issued (if it lost it, delete the cluster and connect it again)";
 
 #[derive(Deserialize)]
 struct Onboard {
@@ -116,8 +120,9 @@ fn agent_version(headers: &HeaderMap) -> String {
     }
 }
 
-/// Checks the client certificate of a tunnel request for `cluster`: it names the cluster, is its current (or
-/// just-replaced) identity, and has not expired. Returns what it read from it.
+/// Checks the client certificate of a tunnel request for `cluster`: it names the cluster, is its current
+/// identity (a certificate a renewal replaced is refused at once), and has not expired. Returns what it read
+/// from it.
 async fn authenticate(
     shared: &Shared,
     client_cert: Option<&[u8]>,
@@ -142,20 +147,48 @@ async fn authenticate(
         .cluster(cluster)
         .await?
         .and_then(|record| record.identity);
-    let Some(identity) = identity.filter(|id| id.accepts(&peer.fingerprint)) else {
-        return Err(ApiError::unauthorized(BAD_IDENTITY));
-    };
+    match identity {
+        Some(id) if id.accepts(&peer.fingerprint) => {}
+        Some(id) if id.was_replaced(&peer.fingerprint) => {
+            return Err(ApiError::unauthorized(REPLACED_IDENTITY));
+        }
+        _ => return Err(ApiError::unauthorized(BAD_IDENTITY)),
+    }
     if peer.not_after <= OffsetDateTime::now_utc() {
         return Err(ApiError::identity_expired(cluster, peer.not_after));
     }
-    if identity.fingerprint == peer.fingerprint && identity.previous_fingerprint.is_some() {
-        // The agent uses its renewed certificate: the one it replaced is no longer needed.
-        shared
-            .store
-            .confirm_identity(cluster, &peer.fingerprint)
-            .await?;
-    }
     Ok(peer)
+}
+
+/// The agent process's id from `Tether-Agent-Instance` (the same as its `hello.instance`), when printable and
+/// short; empty otherwise.
+fn agent_instance(headers: &HeaderMap) -> String {
+    match header_str(headers, "tether-agent-instance") {
+        Some(v) if v.len() <= 64 && v.bytes().all(|b| b.is_ascii_graphic()) => v.to_owned(),
+        _ => String::new(),
+    }
+}
+
+/// Takes a place for a new tunnel of `cluster` in the registry, or refuses it (the cluster holds
+/// `--max-tunnels-per-cluster` tunnels here already): the established tunnels are kept, and the refusal is
+/// logged as a warning naming the cluster, the agent instance and its address (a second agent with the same
+/// identity, a stolen certificate, or an agent leaking tunnels).
+fn reserve(
+    shared: &Arc<Shared>,
+    cluster: &str,
+    instance: &str,
+    peer: std::net::SocketAddr,
+) -> Result<Reservation, ApiError> {
+    shared.registry.reserve(cluster).map_err(|full| {
+        tracing::warn!(
+            cluster,
+            instance = if instance.is_empty() { "unknown" } else { instance },
+            %peer,
+            max = full.max,
+            "agent tunnel refused: the cluster holds its bound of tunnels at this replica; keeping the established ones"
+        );
+        ApiError::too_many_tunnels(cluster, full.max)
+    })
 }
 
 /// `GET /agent/v1/tunnel`: authenticates the agent by its client certificate, then upgrades to WebSocket and
@@ -180,7 +213,9 @@ pub(crate) async fn tunnel(
         return Err(ApiError::shutting_down());
     }
     let version = agent_version(req.headers());
+    let instance = agent_instance(req.headers());
     let switch = ws::upgrade_response(&req).map_err(ApiError::bad_request)?;
+    let reservation = reserve(shared, &cluster, &instance, ctx.peer)?;
     let on_upgrade = hyper::upgrade::on(&mut req);
     let task_shared = shared.clone();
     shared.tasks.spawn(async move {
@@ -193,7 +228,15 @@ pub(crate) async fn tunnel(
         };
         let session = task_shared.config.tunnel_session();
         let conn = ws::accept_upgraded(TokioIo::new(upgraded), session);
-        tunnels::run(&task_shared, &cluster, &version, &peer, conn).await;
+        let new = NewTunnel {
+            cluster,
+            version,
+            cert: peer,
+            peer: ctx.peer,
+            instance,
+            reservation,
+        };
+        tunnels::run(&task_shared, new, conn).await;
         drop(ctx);
     });
     let (parts, ()) = switch.into_parts();
@@ -256,6 +299,14 @@ pub(crate) async fn quic_tunnel(shared: &Arc<Shared>, pending: quic::PendingTunn
         return;
     }
     let version = agent_version(pending.headers());
+    let instance = agent_instance(pending.headers());
+    let reservation = match reserve(shared, &cluster, &instance, remote) {
+        Ok(reservation) => reservation,
+        Err(e) => {
+            pending.refuse(code::REFUSED, &e.status_json().to_string());
+            return;
+        }
+    };
     let conn = match pending.accept().await {
         Ok(conn) => conn,
         Err(e) => {
@@ -265,7 +316,15 @@ pub(crate) async fn quic_tunnel(shared: &Arc<Shared>, pending: quic::PendingTunn
     };
     let task_shared = shared.clone();
     shared.tasks.spawn(async move {
-        tunnels::run(&task_shared, &cluster, &version, &peer, conn).await;
+        let new = NewTunnel {
+            cluster,
+            version,
+            cert: peer,
+            peer: remote,
+            instance,
+            reservation,
+        };
+        tunnels::run(&task_shared, new, conn).await;
     });
 }
 

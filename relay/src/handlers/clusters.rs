@@ -1,13 +1,12 @@
 //! The admin REST API for clusters: `/api/v1/clusters[/NAME[/export]]`, `/api/v1/clusters/import`, bearer
 //! admin token. Role definitions, assignments and the directory are in [`super::rbac`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::Value;
 use tether_api::admin::{self, EXPORT_API_VERSION, EXPORT_KIND};
-use tether_tunnel::code;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
@@ -18,9 +17,10 @@ use crate::auth;
 use crate::body::Body;
 use crate::rbac::{ImportRequest, Imported, NewDeny};
 use crate::respond;
+use crate::revocation;
 use crate::state::Shared;
-use crate::status::{self, ConnectivityStatus};
-use crate::store::{ClusterRecord, NewCluster, TokenHash};
+use crate::status::{self, ConnectivityStatus, LiveTunnel};
+use crate::store::{ClusterRecord, NewCluster, TokenHash, TunnelRoute};
 
 /// Handles `/api/v1/clusters` (`name` = `None`) and `/api/v1/clusters/{name}` (`NAME`, `NAME/export`, `import`).
 pub(crate) async fn handle(
@@ -97,7 +97,8 @@ async fn register(
     tracing::info!(cluster = %record.name, how, "cluster registered");
     // The only time the onboarding token is ever shown.
     let created = admin::Created {
-        cluster: cluster_view(shared, record, OffsetDateTime::now_utc()),
+        // Just registered: no tunnel yet.
+        cluster: cluster_view(shared, record, Vec::new(), OffsetDateTime::now_utc()),
         onboarding_token: token.expose().to_owned(),
     };
     Ok(respond::json(StatusCode::CREATED, &created))
@@ -257,24 +258,99 @@ impl Filters {
 async fn list(shared: &Shared, query: &str) -> Result<Response<Body>, ApiError> {
     let filters = Filters::parse(query)?;
     let now = OffsetDateTime::now_utc();
+    let mut routes: HashMap<String, Vec<TunnelRoute>> = HashMap::new();
+    for route in shared.store.tunnel_routes(None).await? {
+        routes
+            .entry(route.tunnel.cluster.clone())
+            .or_default()
+            .push(route);
+    }
     let mut items = Vec::new();
     for mut record in shared.store.list_clusters().await? {
         shared.activity.overlay(&mut record);
-        if filters.matches(&record, connectivity(shared, &record, now)) {
-            items.push(cluster_view(shared, record, now));
+        let tunnels = live_tunnels(
+            shared,
+            &record.name,
+            routes.get(&record.name).map_or(&[][..], Vec::as_slice),
+        );
+        if filters.matches(&record, connectivity(shared, &record, &tunnels, now)) {
+            items.push(cluster_view(shared, record, tunnels, now));
         }
     }
     Ok(respond::json(StatusCode::OK, &admin::List { items }))
 }
 
 async fn show(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError> {
-    match shared.store.cluster(name).await? {
-        Some(record) => Ok(respond::json(
-            StatusCode::OK,
-            &cluster_view(shared, record, OffsetDateTime::now_utc()),
-        )),
-        None => Err(ApiError::cluster_not_found(name)),
+    let Some(record) = shared.store.cluster(name).await? else {
+        return Err(ApiError::cluster_not_found(name));
+    };
+    let routes = shared.store.tunnel_routes(Some(name)).await?;
+    let tunnels = live_tunnels(shared, name, &routes);
+    Ok(respond::json(
+        StatusCode::OK,
+        &cluster_view(shared, record, tunnels, OffsetDateTime::now_utc()),
+    ))
+}
+
+/// One live tunnel of a cluster, anywhere in the fleet, as the API shows it and the status counts it.
+struct Live {
+    api: admin::Tunnel,
+    since: OffsetDateTime,
+    instance: String,
+    keeps: u32,
+    usable: bool,
+}
+
+/// The cluster's live tunnels across the fleet: this replica's from its registry (current, with their RTT),
+/// the other live replicas' from the store's `routes` (of any cluster; the cluster's are picked).
+fn live_tunnels(shared: &Shared, cluster: &str, routes: &[TunnelRoute]) -> Vec<Live> {
+    let me = &shared.fleet.replica_id;
+    let mut live: Vec<Live> = shared
+        .registry
+        .tunnels(cluster)
+        .iter()
+        .map(|t| {
+            let instance = t.info.instance();
+            Live {
+                api: admin::Tunnel {
+                    agent_address: Some(t.info.peer.to_string()),
+                    agent_instance: Some(instance.clone()).filter(|i| !i.is_empty()),
+                    connected_since: rfc3339(Some(t.since)),
+                    going_away: !t.is_usable(),
+                    replica: Some(me.clone()),
+                    rtt_millis: t.conn.rtt().map(|rtt| rtt.as_secs_f64() * 1000.0),
+                    transport: t.conn.transport().as_str().to_owned(),
+                },
+                since: t.since,
+                instance,
+                keeps: t.info.said_tunnels(),
+                usable: t.is_usable(),
+            }
+        })
+        .collect();
+    for r in routes
+        .iter()
+        .filter(|r| r.tunnel.cluster == cluster && &r.tunnel.replica != me)
+    {
+        let t = &r.tunnel;
+        live.push(Live {
+            api: admin::Tunnel {
+                agent_address: Some(t.agent_address.clone()),
+                agent_instance: Some(t.agent_instance.clone()).filter(|i| !i.is_empty()),
+                connected_since: rfc3339(Some(t.connected_since)),
+                going_away: !t.usable,
+                replica: Some(t.replica.clone()),
+                rtt_millis: None,
+                transport: t.transport.clone(),
+            },
+            since: t.connected_since,
+            instance: t.agent_instance.clone(),
+            keeps: t.agent_tunnels,
+            usable: t.usable,
+        });
     }
+    live.sort_by(|a, b| (&a.api.replica, a.since).cmp(&(&b.api.replica, b.since)));
+    live
 }
 
 async fn delete(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError> {
@@ -282,14 +358,7 @@ async fn delete(shared: &Shared, name: &str) -> Result<Response<Body>, ApiError>
     if !shared.store.delete_cluster(name).await? {
         return Err(ApiError::cluster_not_found(name));
     }
-    shared.activity.forget(name);
-    shared.guard.forget(name);
-    if let Some(tunnel) = shared.registry.remove(name) {
-        // Not SHUTDOWN: the agent would take that as a graceful GOAWAY and keep its streams open.
-        tunnel
-            .conn
-            .close(code::REFUSED, "cluster deleted at the relay");
-    }
+    revocation::close_deleted(shared, name);
     tracing::info!(cluster = %name, "cluster deleted");
     Ok(respond::no_content())
 }
@@ -300,20 +369,40 @@ fn rfc3339(t: Option<OffsetDateTime>) -> Option<String> {
         .and_then(|t| t.format(&Rfc3339).ok())
 }
 
-fn connectivity(shared: &Shared, c: &ClusterRecord, now: OffsetDateTime) -> ConnectivityStatus {
-    status::connectivity_status(
+fn connectivity(
+    shared: &Shared,
+    c: &ClusterRecord,
+    tunnels: &[Live],
+    now: OffsetDateTime,
+) -> ConnectivityStatus {
+    let status = status::connectivity_status(
         c.identity.as_ref().map(|i| i.not_after),
         c.last_seen,
         now,
         shared.config.offline_threshold,
-    )
+    );
+    let counted: Vec<LiveTunnel<'_>> = tunnels
+        .iter()
+        .map(|t| LiveTunnel {
+            instance: &t.instance,
+            keeps: t.keeps,
+            usable: t.usable,
+        })
+        .collect();
+    status::with_tunnels(status, &counted, shared.fleet.live_replicas())
 }
 
-/// The cluster as the API shows it. `connected` and `connectedSince` come from the live registry; heartbeats
-/// not yet written to the store are applied first.
-fn cluster_view(shared: &Shared, mut c: ClusterRecord, now: OffsetDateTime) -> admin::Cluster {
+/// The cluster as the API shows it. `connected`, `connectedSince` and `tunnels` come from the fleet's live
+/// tunnels; heartbeats not yet written to the store are applied first.
+fn cluster_view(
+    shared: &Shared,
+    mut c: ClusterRecord,
+    tunnels: Vec<Live>,
+    now: OffsetDateTime,
+) -> admin::Cluster {
     shared.activity.overlay(&mut c);
-    let live = shared.registry.get(&c.name);
+    let local = shared.registry.tunnels(&c.name);
+    let status = connectivity(shared, &c, &tunnels, now);
     let latest = &shared.config.latest_agent_version;
     let metadata = c.metadata.as_ref();
     admin::Cluster {
@@ -327,17 +416,9 @@ fn cluster_view(shared: &Shared, mut c: ClusterRecord, now: OffsetDateTime) -> a
         }),
         upgrade_available: status::upgrade_available(c.agent_version.as_deref(), latest),
         agent_version: c.agent_version.clone(),
-        connected: live.is_some(),
-        connected_since: rfc3339(live.as_ref().map(|t| t.since)),
-        tunnels: live
-            .iter()
-            .map(|t| admin::Tunnel {
-                connected_since: rfc3339(Some(t.since)),
-                rtt_millis: t.conn.rtt().map(|rtt| rtt.as_secs_f64() * 1000.0),
-                transport: t.conn.transport().as_str().to_owned(),
-            })
-            .collect(),
-        connectivity_status: connectivity(shared, &c, now).as_str().to_owned(),
+        connected: !tunnels.is_empty(),
+        connected_since: rfc3339(tunnels.iter().map(|t| t.since).min()),
+        connectivity_status: status.as_str().to_owned(),
         created_at: rfc3339(Some(c.created_at)),
         distribution: metadata.map(|m| m.distribution.clone()),
         identity: c.identity.as_ref().map(|i| admin::Identity {
@@ -352,11 +433,13 @@ fn cluster_view(shared: &Shared, mut c: ClusterRecord, now: OffsetDateTime) -> a
         metadata_reported_at: rfc3339(metadata.map(|m| m.reported_at)),
         node_count: metadata.map(|m| m.node_count),
         onboarded: c.onboarded,
-        open_streams: live.as_ref().map(|t| t.conn.open_streams() as u64),
+        open_streams: (!local.is_empty())
+            .then(|| local.iter().map(|t| t.conn.open_streams() as u64).sum()),
         total_cpu_millis: metadata.map(|m| m.total_cpu_millis),
         total_memory_bytes: metadata.map(|m| m.total_memory_bytes),
         name: c.name,
         tags: c.tags,
+        tunnels: tunnels.into_iter().map(|t| t.api).collect(),
     }
 }
 

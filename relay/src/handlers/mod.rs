@@ -4,6 +4,7 @@
 pub(crate) mod agent;
 pub(crate) mod clusters;
 pub(crate) mod health;
+pub(crate) mod peer;
 pub(crate) mod rbac;
 pub(crate) mod user;
 

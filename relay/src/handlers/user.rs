@@ -10,14 +10,15 @@ use http::{Request, Response};
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use tether_tunnel::{OpenOptions, Priority, kind};
+use tether_tunnel::{OpenOptions, Priority, TunnelError, kind};
 
 use crate::api_error::ApiError;
 use crate::body::{Body, BoxError};
 use crate::forward::{self, Target};
 use crate::quota::{Principal, Refusal, StreamSlot};
+use crate::registry::Tunnel;
 use crate::state::{ConnCtx, Shared};
-use crate::{auth, entra, user_headers};
+use crate::{auth, entra, peer_forward, user_headers};
 
 /// Handles `/clusters/{rest}` where `rest` is `NAME` or `NAME/…`. Refuses at once — before anything enters a
 /// tunnel — without a plausible credential (not exactly one `Authorization: Bearer TOKEN68`) or with an
@@ -61,17 +62,19 @@ pub(crate) async fn handle(
         }
         return Ok(resp);
     }
-    // The registry answers for connected clusters without touching the store on the hot path; deleting a
-    // cluster removes its tunnel, so a registered tunnel implies the cluster exists.
-    let Some(tunnel) = shared.registry.get(name) else {
-        return match shared.store.cluster(name).await? {
-            Some(_) => Err(ApiError::not_connected(name)),
-            None => Err(ApiError::cluster_not_found(name)),
-        };
+    // The registry answers for clusters connected here without touching the store on the hot path; deleting
+    // a cluster removes its tunnels, so a registered tunnel implies the cluster exists. Without a usable tunnel
+    // here, a replica that holds one serves the request over the peer link.
+    let tunnels = shared.registry.usable(name);
+    let peers = if tunnels.is_empty() {
+        let candidates = peer_forward::candidates(shared, name).await?;
+        if candidates.is_empty() {
+            return Err(no_tunnel(shared, name).await);
+        }
+        candidates
+    } else {
+        Vec::new()
     };
-    if shared.is_shutting_down() {
-        return Err(ApiError::shutting_down());
-    }
     let path_and_query = match req.uri().query() {
         Some(q) => format!("{path}?{q}"),
         None => path,
@@ -90,28 +93,23 @@ pub(crate) async fn handle(
             tracing::debug!(cluster = name, peer = %ctx.peer, bound = r.what, "client over its bound");
             ApiError::client_over_bound(r.what, name, r.retry_after)
         })?;
-    let stream = tunnel
-        .conn
-        .open(OpenOptions {
-            kind: kind::HTTP,
-            priority: Priority::Normal,
-            deadline: Some(shared.config.open_timeout),
-            metadata: Bytes::new(),
-        })
-        .map_err(|e| forward::tunnel_error(e, target))?;
-    let control = stream.control();
-    tracing::debug!(cluster = name, method = %req.method(), path = req.uri().path(), stream = ?stream.id(), "forwarding");
-    // From here on, the user dropping the request before it completes is a cancellation.
-    slot.arm();
-    let slot = Arc::new(slot);
-    let resp = forward::forward(
-        stream,
-        async move { control.accepted().await },
-        req,
-        target,
-        (ctx.permit, ctx.principal, Arc::clone(&slot)),
-    )
-    .await;
+    let resp = if tunnels.is_empty() {
+        tracing::debug!(cluster = name, method = %req.method(), path = req.uri().path(), "forwarding to a peer");
+        slot.arm();
+        let slot = Arc::new(slot);
+        let guard = (ctx.permit, ctx.principal, Arc::clone(&slot));
+        let resp = peer_forward::forward(shared, peers, req, target, guard).await;
+        (resp, slot)
+    } else {
+        let stream = open_stream(shared, &tunnels, target)?;
+        tracing::debug!(cluster = name, method = %req.method(), path = req.uri().path(), stream = ?stream.id(), "forwarding");
+        // From here on, the user dropping the request before it completes is a cancellation.
+        slot.arm();
+        let slot = Arc::new(slot);
+        let guard = (ctx.permit, ctx.principal, Arc::clone(&slot));
+        (forward_stream(stream, req, target, guard).await, slot)
+    };
+    let (resp, slot) = resp;
     let resp = match resp {
         Ok(resp) => resp,
         Err(e) => {
@@ -121,6 +119,77 @@ pub(crate) async fn handle(
         }
     };
     Ok(resp.map(|body| Holding { body, slot }.boxed()))
+}
+
+/// Why a cluster with no usable tunnel anywhere is not served: unknown (404), not connected (503), or this
+/// replica drains and its tunnels are gone (503, retry).
+async fn no_tunnel(shared: &Shared, name: &str) -> ApiError {
+    match shared.store.cluster(name).await {
+        Ok(None) => ApiError::cluster_not_found(name),
+        Ok(Some(_)) if shared.is_shutting_down() => ApiError::shutting_down(),
+        Ok(Some(_)) => ApiError::not_connected(name),
+        Err(e) => e.into(),
+    }
+}
+
+/// Forwards `req` over `stream`, a stream just opened on a tunnel here.
+async fn forward_stream<G: Send + 'static>(
+    stream: tether_tunnel::Stream,
+    req: Request<Incoming>,
+    target: Target<'_>,
+    guard: G,
+) -> Result<Response<Body>, ApiError> {
+    let control = stream.control();
+    forward::forward(
+        stream,
+        async move { control.accepted().await },
+        req,
+        target,
+        guard,
+    )
+    .await
+}
+
+/// Serves `req` over one of `tunnels` (usable tunnels of this replica, least loaded first): the peer link's
+/// requests, which were checked and counted by the replica that received them.
+pub(crate) async fn forward_local<G: Send + 'static>(
+    shared: &Shared,
+    tunnels: &[Tunnel],
+    req: Request<Incoming>,
+    target: Target<'_>,
+    guard: G,
+) -> Result<Response<Body>, ApiError> {
+    let stream = open_stream(shared, tunnels, target)?;
+    tracing::debug!(cluster = target.cluster, method = %req.method(), path = req.uri().path(), stream = ?stream.id(), "forwarding for a peer");
+    forward_stream(stream, req, target, guard).await
+}
+
+/// Opens a stream on the first of `tunnels` (least loaded first) that takes one: a tunnel that went away
+/// since it was picked is skipped.
+fn open_stream(
+    shared: &Shared,
+    tunnels: &[Tunnel],
+    target: Target<'_>,
+) -> Result<tether_tunnel::Stream, ApiError> {
+    let mut last = None;
+    for tunnel in tunnels {
+        let opened = tunnel.conn.open(OpenOptions {
+            kind: kind::HTTP,
+            priority: Priority::Normal,
+            deadline: Some(shared.config.open_timeout),
+            metadata: Bytes::new(),
+        });
+        match opened {
+            Ok(stream) => return Ok(stream),
+            // Going away, closed, or full: the next tunnel may take it.
+            Err(e @ (TunnelError::Closed(_) | TunnelError::TooManyStreams)) => last = Some(e),
+            Err(e) => return Err(forward::tunnel_error(e, target)),
+        }
+    }
+    match last {
+        Some(e) => Err(forward::tunnel_error(e, target)),
+        None => Err(ApiError::not_connected(target.cluster)),
+    }
 }
 
 /// Counts the connection for `principal` if it counts for nobody yet.

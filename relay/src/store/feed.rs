@@ -21,6 +21,8 @@
 //!                     ChangeKind::Guard(_version) => {}
 //!                     // Close the cluster's tunnels held here and refuse its identity from now on.
 //!                     ChangeKind::Deleted => {}
+//!                     // Close, after a grace, the tunnels held here with the certificate it replaced.
+//!                     ChangeKind::Identity => {}
 //!                     // Reload store.cluster(&change.cluster) for whatever caches its tags.
 //!                     ChangeKind::Tags | ChangeKind::Created => {}
 //!                 }

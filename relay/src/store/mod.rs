@@ -14,6 +14,10 @@
 //! [`ChangeFeed`] follows that log, woken by PostgreSQL `LISTEN/NOTIFY` where available and by a periodic
 //! re-read in any case, so a lost notification only delays a change, never loses it.
 //!
+//! For a relay fleet it also holds each replica's lease and the tunnels each replica holds ([`ReplicaLease`],
+//! [`TunnelRecord`], [`TunnelRoute`]): lease times come from the database's clock, so replicas need not agree on
+//! the time, and a replica whose lease lapsed is ignored by every query at once.
+//!
 //! What it does not do: cache, or decide anything: callers check secrets and permissions.
 
 mod feed;
@@ -198,14 +202,20 @@ pub struct ClusterIdentity {
     pub fingerprint: String,
     /// The current certificate's expiry.
     pub not_after: OffsetDateTime,
-    /// The certificate it replaced at the last renewal, accepted until the agent connects with the current one.
+    /// The certificate the last renewal replaced: refused from that moment on, kept only to tell its holder
+    /// why.
     pub previous_fingerprint: Option<String>,
 }
 
 impl ClusterIdentity {
-    /// True when `fingerprint` is the current or the just-replaced certificate.
+    /// True when `fingerprint` is the current certificate (the only one accepted).
     pub fn accepts(&self, fingerprint: &str) -> bool {
-        self.fingerprint == fingerprint || self.previous_fingerprint.as_deref() == Some(fingerprint)
+        self.fingerprint == fingerprint
+    }
+
+    /// True when `fingerprint` is the certificate the last renewal replaced.
+    pub fn was_replaced(&self, fingerprint: &str) -> bool {
+        self.previous_fingerprint.as_deref() == Some(fingerprint)
     }
 }
 
@@ -370,6 +380,8 @@ pub enum ChangeKind {
     Tags,
     /// Its guard snapshot changed (a role or deny assignment was made or removed); the new version.
     Guard(u64),
+    /// A renewal replaced its certificate: tunnels still up with the replaced one must close.
+    Identity,
 }
 
 impl ChangeKind {
@@ -380,6 +392,7 @@ impl ChangeKind {
             ChangeKind::Deleted => "deleted",
             ChangeKind::Tags => "tags",
             ChangeKind::Guard(_) => "guard",
+            ChangeKind::Identity => "identity",
         }
     }
 
@@ -398,6 +411,7 @@ impl ChangeKind {
             ("deleted", _) => Ok(ChangeKind::Deleted),
             ("tags", _) => Ok(ChangeKind::Tags),
             ("guard", Some(v)) => Ok(ChangeKind::Guard(v)),
+            ("identity", _) => Ok(ChangeKind::Identity),
             (other, v) => Err(StoreError::Corrupt(format!(
                 "change kind {other:?} ({v:?})"
             ))),
@@ -428,6 +442,68 @@ pub struct ChangePage {
     /// True when the log no longer holds everything after the cursor (pruned, or the cursor is from another
     /// database): `changes` is empty and the reader must reload all state, then continue from `head`.
     pub reset: bool,
+}
+
+/// A relay replica's lease, as it registers or renews it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaLease {
+    /// The replica's id (`--replica-id`).
+    pub id: String,
+    /// Where its peers reach its peer link (`--peer-address`), if it has one.
+    pub peer_address: Option<String>,
+    /// How long the lease lasts from now (by the database's clock).
+    pub ttl: std::time::Duration,
+    /// Whether the replica is draining (it takes no new tunnels; its agents are moving).
+    pub draining: bool,
+}
+
+/// A replica as the store holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaRecord {
+    /// Its id.
+    pub id: String,
+    /// Its peer link's address, if any.
+    pub peer_address: Option<String>,
+    /// When it registered (by the database's clock).
+    pub started_at: OffsetDateTime,
+    /// When its lease runs out unless renewed (by the database's clock).
+    pub lease_expires: OffsetDateTime,
+    /// Whether it is draining.
+    pub draining: bool,
+}
+
+/// A tunnel a replica holds, as the store holds it (so that every replica can route to it and show it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TunnelRecord {
+    /// The replica holding it.
+    pub replica: String,
+    /// Its id, unique within that replica's life.
+    pub tunnel_id: u64,
+    /// Its cluster.
+    pub cluster: String,
+    /// The agent process holding its other end (`hello.instance`; empty when not said).
+    pub agent_instance: String,
+    /// How many tunnels that agent process keeps (`hello.tunnels`; 0 when not said).
+    pub agent_tunnels: u32,
+    /// `wss` or `quic`.
+    pub transport: String,
+    /// The agent's address as the replica sees it.
+    pub agent_address: String,
+    /// Since when it is up.
+    pub connected_since: OffsetDateTime,
+    /// False once it got GOAWAY: it takes no new requests (its streams in flight go on).
+    pub usable: bool,
+}
+
+/// A tunnel of a live replica, with what a peer needs to forward a request to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TunnelRoute {
+    /// The tunnel.
+    pub tunnel: TunnelRecord,
+    /// The peer link address of the replica holding it, if it has one.
+    pub peer_address: Option<String>,
+    /// Whether that replica is draining.
+    pub replica_draining: bool,
 }
 
 /// Wake-ups from a backend that pushes change notifications: each item means "the log may have grown".
@@ -463,17 +539,15 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreFuture<'a, bool>;
 
     /// A renewal: `identity` becomes current and `presented` (the certificate the renewing agent is using)
-    /// becomes the previous one, only if the cluster exists and `presented` is its current or previous
-    /// fingerprint. True when this call renewed it.
+    /// becomes the replaced one, refused from now on, only if the cluster exists and `presented` is its current
+    /// fingerprint; logs a [`ChangeKind::Identity`] change in the same transaction, so every replica closes the
+    /// tunnels still up with the replaced certificate. True when this call renewed it.
     fn renew_identity<'a>(
         &'a self,
         name: &'a str,
         presented: &'a str,
         identity: &'a NewIdentity,
     ) -> StoreFuture<'a, bool>;
-
-    /// The agent connected with its current certificate: forget the previous one.
-    fn confirm_identity<'a>(&'a self, name: &'a str, fingerprint: &'a str) -> StoreFuture<'a, ()>;
 
     /// Records that the cluster's agent connected (sets connected-since, last-seen and agent version).
     fn record_connected<'a>(
@@ -588,6 +662,36 @@ pub trait Store: Send + Sync + 'static {
     /// Push notifications of log growth, when the backend has them (PostgreSQL `LISTEN`; SQLite: changes made
     /// through this same handle). `None`: poll [`Store::changes_since`] only.
     fn change_signals(&self) -> StoreFuture<'_, Option<ChangeSignals>>;
+
+    /// Registers replica `lease.id` (again, after a restart with the same id: it then holds no tunnel) with a
+    /// lease of `lease.ttl` from now.
+    fn register_replica<'a>(&'a self, lease: &'a ReplicaLease) -> StoreFuture<'a, ()>;
+
+    /// Renews the replica's lease for `lease.ttl` from now and records whether it drains; false when its row is
+    /// gone (its lease lapsed and a peer removed it): register again and put its tunnels back.
+    fn renew_lease<'a>(&'a self, lease: &'a ReplicaLease) -> StoreFuture<'a, bool>;
+
+    /// Removes the replica and the tunnels it held (at exit).
+    fn remove_replica<'a>(&'a self, id: &'a str) -> StoreFuture<'a, ()>;
+
+    /// Removes the replicas whose lease ran out more than `expired_for` ago, with their tunnels; how many.
+    fn reap_replicas(&self, expired_for: std::time::Duration) -> StoreFuture<'_, u64>;
+
+    /// The replicas whose lease runs, by id.
+    fn live_replicas(&self) -> StoreFuture<'_, Vec<ReplicaRecord>>;
+
+    /// Records a tunnel its replica holds, or updates it (agent instance and K, usable). [`StoreError::NotFound`]
+    /// when its cluster or its replica is gone.
+    fn put_tunnel<'a>(&'a self, tunnel: &'a TunnelRecord) -> StoreFuture<'a, ()>;
+
+    /// Forgets a tunnel (it closed).
+    fn remove_tunnel<'a>(&'a self, replica: &'a str, tunnel_id: u64) -> StoreFuture<'a, ()>;
+
+    /// The tunnels of live replicas (lease running), of one cluster or all, by cluster, replica and tunnel id.
+    fn tunnel_routes<'a>(&'a self, cluster: Option<&'a str>) -> StoreFuture<'a, Vec<TunnelRoute>>;
+
+    /// Which backend this is (SQLite serves one relay process; PostgreSQL a fleet).
+    fn backend(&self) -> Backend;
 
     /// Flushes and closes the backend.
     fn close(&self) -> StoreFuture<'_, ()>;

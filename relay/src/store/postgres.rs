@@ -34,7 +34,8 @@ use super::rows::*;
 use super::{
     Activity, ChangeKind, ChangePage, ChangeSignals, ClusterMetadata, ClusterRecord,
     ClusterSecrets, DenyAssignmentRecord, DirectoryEntry, GuardState, NewCluster, NewIdentity,
-    RoleAssignmentRecord, Store, StoreError, StoreFuture, TokenHash, next_guard_version,
+    ReplicaLease, ReplicaRecord, RoleAssignmentRecord, Store, StoreError, StoreFuture, TokenHash,
+    TunnelRecord, TunnelRoute, next_guard_version,
 };
 
 /// Starts a read transaction that sees one snapshot for all its statements.
@@ -201,6 +202,12 @@ impl Store for PostgresStore {
     // The operations that are one statement on the pool, the same in both dialects.
     pool_statements!();
 
+    fn backend(&self) -> super::Backend {
+        super::Backend::Postgres
+    }
+    // Replica leases and the tunnels each replica holds, with this database's clock.
+    fleet_statements!("CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)");
+
     fn create_cluster<'a>(&'a self, new: &'a NewCluster) -> StoreFuture<'a, ClusterRecord> {
         retry(move || {
             async move {
@@ -234,6 +241,24 @@ impl Store for PostgresStore {
                 .await?;
                 tx.commit().await?;
                 Ok(true)
+            }
+            .boxed()
+        })
+        .boxed()
+    }
+
+    fn renew_identity<'a>(
+        &'a self,
+        name: &'a str,
+        presented: &'a str,
+        identity: &'a NewIdentity,
+    ) -> StoreFuture<'a, bool> {
+        retry(move || {
+            async move {
+                let mut tx = self.pool.begin().await?;
+                let renewed = write_renewal(&mut tx, name, presented, identity).await?;
+                tx.commit().await?;
+                Ok(renewed)
             }
             .boxed()
         })

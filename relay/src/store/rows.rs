@@ -16,8 +16,8 @@ use time::OffsetDateTime;
 
 use super::{
     Activity, ChangeKind, ChangePage, ClusterChange, ClusterIdentity, ClusterRecord,
-    ClusterSecrets, DenyAssignmentRecord, DirectoryEntry, GuardState, NewCluster,
-    RoleAssignmentRecord, StoreError, TokenHash, next_guard_version,
+    ClusterSecrets, DenyAssignmentRecord, DirectoryEntry, GuardState, NewCluster, ReplicaRecord,
+    RoleAssignmentRecord, StoreError, TokenHash, TunnelRecord, TunnelRoute, next_guard_version,
 };
 
 /// The columns [`cluster_from_row`] reads (a macro so that queries stay static strings).
@@ -91,43 +91,6 @@ macro_rules! pool_statements {
                     .execute(&self.pool)
                     .await?;
                 Ok(done.rows_affected() == 1)
-            }
-            .boxed()
-        }
-
-        fn renew_identity<'a>(
-            &'a self,
-            name: &'a str,
-            presented: &'a str,
-            identity: &'a NewIdentity,
-        ) -> StoreFuture<'a, bool> {
-            async move {
-                let done = sqlx::query(RENEW_IDENTITY)
-                    .bind(presented)
-                    .bind(&identity.fingerprint)
-                    .bind(ts(identity.not_after))
-                    .bind(name)
-                    .bind(presented)
-                    .bind(presented)
-                    .execute(&self.pool)
-                    .await?;
-                Ok(done.rows_affected() == 1)
-            }
-            .boxed()
-        }
-
-        fn confirm_identity<'a>(
-            &'a self,
-            name: &'a str,
-            fingerprint: &'a str,
-        ) -> StoreFuture<'a, ()> {
-            async move {
-                sqlx::query(CONFIRM_IDENTITY)
-                    .bind(name)
-                    .bind(fingerprint)
-                    .execute(&self.pool)
-                    .await?;
-                Ok(())
             }
             .boxed()
         }
@@ -306,6 +269,171 @@ macro_rules! pool_statements {
     };
 }
 pub(super) use pool_statements;
+
+/// The [`Store`](super::Store) methods of the fleet (replica leases and the tunnels each replica holds),
+/// expanded inside each backend's `impl Store` with `$now`, the SQL expression of the database's clock in Unix
+/// milliseconds: lease times are the database's, never a replica's, so replicas need not agree on the time.
+macro_rules! fleet_statements {
+    ($now:literal) => {
+        fn register_replica<'a>(&'a self, lease: &'a ReplicaLease) -> StoreFuture<'a, ()> {
+            async move {
+                // A restart with the same id holds none of the tunnels recorded before.
+                sqlx::query("DELETE FROM relay_tunnels WHERE replica = $1")
+                    .bind(&lease.id)
+                    .execute(&self.pool)
+                    .await?;
+                sqlx::query(concat!(
+                    "INSERT INTO relay_replicas (id, peer_address, started_at, lease_expires, draining) \
+                     VALUES ($1, $2, ",
+                    $now,
+                    ", ",
+                    $now,
+                    " + $3, $4) ON CONFLICT (id) DO UPDATE SET peer_address = excluded.peer_address, \
+                     started_at = excluded.started_at, lease_expires = excluded.lease_expires, \
+                     draining = excluded.draining"
+                ))
+                .bind(&lease.id)
+                .bind(lease.peer_address.as_deref())
+                .bind(millis(lease.ttl))
+                .bind(lease.draining)
+                .execute(&self.pool)
+                .await?;
+                Ok(())
+            }
+            .boxed()
+        }
+
+        fn renew_lease<'a>(&'a self, lease: &'a ReplicaLease) -> StoreFuture<'a, bool> {
+            async move {
+                let done = sqlx::query(concat!(
+                    "UPDATE relay_replicas SET lease_expires = ",
+                    $now,
+                    " + $1, draining = $2 WHERE id = $3"
+                ))
+                .bind(millis(lease.ttl))
+                .bind(lease.draining)
+                .bind(&lease.id)
+                .execute(&self.pool)
+                .await?;
+                Ok(done.rows_affected() == 1)
+            }
+            .boxed()
+        }
+
+        fn remove_replica<'a>(&'a self, id: &'a str) -> StoreFuture<'a, ()> {
+            async move {
+                sqlx::query("DELETE FROM relay_replicas WHERE id = $1")
+                    .bind(id)
+                    .execute(&self.pool)
+                    .await?;
+                Ok(())
+            }
+            .boxed()
+        }
+
+        fn reap_replicas(&self, expired_for: std::time::Duration) -> StoreFuture<'_, u64> {
+            async move {
+                let done = sqlx::query(concat!(
+                    "DELETE FROM relay_replicas WHERE lease_expires < ",
+                    $now,
+                    " - $1"
+                ))
+                .bind(millis(expired_for))
+                .execute(&self.pool)
+                .await?;
+                Ok(done.rows_affected())
+            }
+            .boxed()
+        }
+
+        fn live_replicas(&self) -> StoreFuture<'_, Vec<ReplicaRecord>> {
+            async move {
+                let rows = sqlx::query(concat!(
+                    "SELECT id, peer_address, started_at, lease_expires, draining FROM relay_replicas \
+                     WHERE lease_expires > ",
+                    $now,
+                    " ORDER BY id"
+                ))
+                .fetch_all(&self.pool)
+                .await?;
+                rows.iter().map(replica_from_row).collect()
+            }
+            .boxed()
+        }
+
+        fn put_tunnel<'a>(&'a self, tunnel: &'a TunnelRecord) -> StoreFuture<'a, ()> {
+            async move {
+                sqlx::query(PUT_TUNNEL)
+                    .bind(&tunnel.replica)
+                    .bind(version_to_db(tunnel.tunnel_id))
+                    .bind(&tunnel.cluster)
+                    .bind(&tunnel.agent_instance)
+                    .bind(i64::from(tunnel.agent_tunnels))
+                    .bind(&tunnel.transport)
+                    .bind(&tunnel.agent_address)
+                    .bind(ts(tunnel.connected_since))
+                    .bind(tunnel.usable)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(|e| tunnel_put_error(e, tunnel))?;
+                Ok(())
+            }
+            .boxed()
+        }
+
+        fn remove_tunnel<'a>(&'a self, replica: &'a str, tunnel_id: u64) -> StoreFuture<'a, ()> {
+            async move {
+                sqlx::query("DELETE FROM relay_tunnels WHERE replica = $1 AND tunnel_id = $2")
+                    .bind(replica)
+                    .bind(version_to_db(tunnel_id))
+                    .execute(&self.pool)
+                    .await?;
+                Ok(())
+            }
+            .boxed()
+        }
+
+        fn tunnel_routes<'a>(
+            &'a self,
+            cluster: Option<&'a str>,
+        ) -> StoreFuture<'a, Vec<TunnelRoute>> {
+            async move {
+                let rows = match cluster {
+                    Some(cluster) => {
+                        sqlx::query(concat!(
+                            "SELECT ",
+                            "t.replica, t.tunnel_id, t.cluster, t.agent_instance, t.agent_tunnels, t.transport, \
+                             t.agent_address, t.connected_since, t.usable, r.peer_address, r.draining",
+                            " FROM relay_tunnels t JOIN relay_replicas r ON r.id = t.replica \
+                             WHERE t.cluster = $1 AND r.lease_expires > ",
+                            $now,
+                            " ORDER BY t.cluster, t.replica, t.tunnel_id"
+                        ))
+                        .bind(cluster)
+                        .fetch_all(&self.pool)
+                        .await?
+                    }
+                    None => {
+                        sqlx::query(concat!(
+                            "SELECT ",
+                            "t.replica, t.tunnel_id, t.cluster, t.agent_instance, t.agent_tunnels, t.transport, \
+                             t.agent_address, t.connected_since, t.usable, r.peer_address, r.draining",
+                            " FROM relay_tunnels t JOIN relay_replicas r ON r.id = t.replica \
+                             WHERE r.lease_expires > ",
+                            $now,
+                            " ORDER BY t.cluster, t.replica, t.tunnel_id"
+                        ))
+                        .fetch_all(&self.pool)
+                        .await?
+                    }
+                };
+                rows.iter().map(route_from_row).collect()
+            }
+            .boxed()
+        }
+    };
+}
+pub(super) use fleet_statements;
 
 /// The inserts a write transaction makes, the same for both backends on their own connection type `$conn`:
 /// the change log entry and the rows of clusters, custom roles and role/deny assignments, with constraint
@@ -495,6 +623,35 @@ macro_rules! connection_statements {
             Ok(())
         }
 
+        /// A renewal with its change log entry, inside the caller's write transaction (`record_change` is the
+        /// backend's); true when the presented certificate was current and is now replaced.
+        async fn write_renewal(
+            conn: &mut $conn,
+            name: &str,
+            presented: &str,
+            identity: &NewIdentity,
+        ) -> Result<bool, StoreError> {
+            let done = sqlx::query(RENEW_IDENTITY)
+                .bind(presented)
+                .bind(&identity.fingerprint)
+                .bind(ts(identity.not_after))
+                .bind(name)
+                .bind(presented)
+                .execute(&mut *conn)
+                .await?;
+            if done.rows_affected() != 1 {
+                return Ok(false);
+            }
+            record_change(
+                &mut *conn,
+                name,
+                ChangeKind::Identity,
+                OffsetDateTime::now_utc(),
+            )
+            .await?;
+            Ok(true)
+        }
+
         /// Raises the cluster's snapshot version, inserts `a` and logs the change, inside the caller's write
         /// transaction; the new version.
         async fn add_role_assignment(
@@ -598,13 +755,10 @@ pub(super) const REDEEM_TOKEN: &str = "UPDATE clusters SET onboarding_used = $1,
      previous_fingerprint = NULL, onboarded_at = $4 \
      WHERE name = $5 AND onboarding_token_hash = $6 AND onboarding_used = $7";
 
-/// A renewal (binds: presented, fingerprint, not after, name, presented, presented).
+/// A renewal: only the current certificate may renew (binds: presented, fingerprint, not after, name,
+/// presented).
 pub(super) const RENEW_IDENTITY: &str = "UPDATE clusters SET previous_fingerprint = $1, identity_fingerprint = $2, identity_not_after = $3 \
-     WHERE name = $4 AND (identity_fingerprint = $5 OR previous_fingerprint = $6)";
-
-/// Forgets the previous certificate (binds: name, fingerprint).
-pub(super) const CONFIRM_IDENTITY: &str = "UPDATE clusters SET previous_fingerprint = NULL \
-     WHERE name = $1 AND identity_fingerprint = $2 AND previous_fingerprint IS NOT NULL";
+     WHERE name = $4 AND identity_fingerprint = $5";
 
 /// An agent connected (binds: at, at, agent version, name).
 pub(super) const RECORD_CONNECTED: &str =
@@ -686,6 +840,13 @@ pub(super) const DELETE_CHANGES_THROUGH: &str = "DELETE FROM cluster_changes WHE
 /// Raises the pruning mark (binds: through, through).
 pub(super) const SET_PRUNED_THROUGH: &str =
     "UPDATE change_log_head SET pruned_through = $1 WHERE id = 1 AND pruned_through < $2";
+
+/// Records a tunnel or updates what can change about it (binds: replica, tunnel id, cluster, instance,
+/// agent tunnels, transport, agent address, since, usable).
+pub(super) const PUT_TUNNEL: &str = "INSERT INTO relay_tunnels (replica, tunnel_id, cluster, agent_instance, agent_tunnels, \
+     transport, agent_address, connected_since, usable) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
+     ON CONFLICT (replica, tunnel_id) DO UPDATE SET agent_instance = excluded.agent_instance, \
+     agent_tunnels = excluded.agent_tunnels, usable = excluded.usable";
 
 /// The typed column reads the decoders need, for the rows of any database whose driver decodes text,
 /// integers and booleans (both of ours).
@@ -992,6 +1153,61 @@ pub(super) fn change_from_row(row: &impl Columns) -> Result<ClusterChange, Store
         kind: ChangeKind::from_db(&kind, version.map(version_from_db).transpose()?)?,
         at: from_ts(row.int("changed_at")?)?,
     })
+}
+
+/// A duration in whole milliseconds, for lease arithmetic in SQL.
+pub(super) fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn from_millis(ms: i64) -> Result<OffsetDateTime, StoreError> {
+    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .map_err(|e| StoreError::Corrupt(format!("timestamp {ms} ms: {e}")))
+}
+
+/// A row of the live replicas.
+pub(super) fn replica_from_row(row: &impl Columns) -> Result<ReplicaRecord, StoreError> {
+    Ok(ReplicaRecord {
+        id: row.text("id")?,
+        peer_address: row.opt_text("peer_address")?,
+        started_at: from_millis(row.int("started_at")?)?,
+        lease_expires: from_millis(row.int("lease_expires")?)?,
+        draining: row.flag("draining")?,
+    })
+}
+
+/// A row of the tunnel routes.
+pub(super) fn route_from_row(row: &impl Columns) -> Result<TunnelRoute, StoreError> {
+    let agent_tunnels = row.int("agent_tunnels")?;
+    Ok(TunnelRoute {
+        tunnel: TunnelRecord {
+            replica: row.text("replica")?,
+            tunnel_id: version_from_db(row.int("tunnel_id")?)?,
+            cluster: row.text("cluster")?,
+            agent_instance: row.text("agent_instance")?,
+            agent_tunnels: u32::try_from(agent_tunnels)
+                .map_err(|_| StoreError::Corrupt(format!("agent tunnels {agent_tunnels}")))?,
+            transport: row.text("transport")?,
+            agent_address: row.text("agent_address")?,
+            connected_since: from_ts(row.int("connected_since")?)?,
+            usable: row.flag("usable")?,
+        },
+        peer_address: row.opt_text("peer_address")?,
+        replica_draining: row.flag("draining")?,
+    })
+}
+
+/// What a failed [`PUT_TUNNEL`] means: a foreign key violation is a cluster (deleted) or a replica (reaped)
+/// that is gone.
+pub(super) fn tunnel_put_error(e: sqlx::Error, t: &TunnelRecord) -> StoreError {
+    if is_foreign_key_violation(&e) {
+        StoreError::NotFound(format!(
+            "cluster {} or replica {} is gone",
+            t.cluster, t.replica
+        ))
+    } else {
+        e.into()
+    }
 }
 
 /// A guard snapshot from the rows read in one transaction.

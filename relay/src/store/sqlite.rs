@@ -27,7 +27,8 @@ use super::rows::*;
 use super::{
     Activity, ChangeKind, ChangePage, ChangeSignals, ClusterMetadata, ClusterRecord,
     ClusterSecrets, DenyAssignmentRecord, DirectoryEntry, GuardState, NewCluster, NewIdentity,
-    RoleAssignmentRecord, Store, StoreError, StoreFuture, TokenHash, next_guard_version,
+    ReplicaLease, ReplicaRecord, RoleAssignmentRecord, Store, StoreError, StoreFuture, TokenHash,
+    TunnelRecord, TunnelRoute, next_guard_version,
 };
 
 /// Starts a write transaction holding the write lock.
@@ -138,6 +139,12 @@ impl Store for SqliteStore {
     // The operations that are one statement on the pool, the same in both dialects.
     pool_statements!();
 
+    fn backend(&self) -> super::Backend {
+        super::Backend::Sqlite
+    }
+    // Replica leases and the tunnels each replica holds, with this database's clock.
+    fleet_statements!("CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)");
+
     fn create_cluster<'a>(&'a self, new: &'a NewCluster) -> StoreFuture<'a, ClusterRecord> {
         async move {
             let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
@@ -169,6 +176,24 @@ impl Store for SqliteStore {
             tx.commit().await?;
             self.signal_change();
             Ok(true)
+        }
+        .boxed()
+    }
+
+    fn renew_identity<'a>(
+        &'a self,
+        name: &'a str,
+        presented: &'a str,
+        identity: &'a NewIdentity,
+    ) -> StoreFuture<'a, bool> {
+        async move {
+            let mut tx = self.pool.begin_with(BEGIN_WRITE).await?;
+            let renewed = write_renewal(&mut tx, name, presented, identity).await?;
+            tx.commit().await?;
+            if renewed {
+                self.signal_change();
+            }
+            Ok(renewed)
         }
         .boxed()
     }

@@ -64,6 +64,13 @@ impl TestRelay {
         })
     }
 
+    /// Signals shutdown (SIGTERM, as far as the relay knows) without waiting: the relay drains.
+    pub fn begin_stop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+
     /// Signals shutdown and waits for `serve` to return.
     pub async fn stop(mut self) -> anyhow::Result<()> {
         if let Some(tx) = self.stop.take() {
