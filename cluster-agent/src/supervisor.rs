@@ -132,6 +132,8 @@ struct Slot {
     relay: usize,
     /// The slot lost its tunnel: the next one counts as a reconnect.
     lost: bool,
+    /// The slot's tunnel went away while its replacement was on its way: why it moved.
+    moving_since_down: Option<&'static str>,
     last_failure: Option<String>,
 }
 
@@ -216,6 +218,7 @@ impl Supervisor {
                 reconnect: Reconnect::new(settings.backoff),
                 relay: i % relay_count,
                 lost: false,
+                moving_since_down: None,
                 last_failure: None,
             })
             .collect();
@@ -574,6 +577,7 @@ impl Supervisor {
             }
         };
         let slot = &mut self.slots[index];
+        let moved_after_down = slot.moving_since_down.take();
         slot.current = Some(tunnel);
         slot.moving = None;
         slot.retry_at = None;
@@ -584,6 +588,14 @@ impl Supervisor {
         }
         let relay = self.tunnels.get(&tunnel).map_or(0, |r| r.relay);
         match replaced {
+            // The old tunnel went first (the relay sent it GOAWAY when the new one arrived).
+            None if moved_after_down.is_some() => tracing::info!(
+                transport = transport.as_str(),
+                %replica,
+                slot = index,
+                reason = moved_after_down.unwrap_or_default(),
+                "moved to a new tunnel; the old one finishes its streams"
+            ),
             None => tracing::info!(
                 transport = transport.as_str(),
                 %replica,
@@ -678,8 +690,13 @@ impl Supervisor {
                 slot.current = None;
                 // A replacement on its way (a move, or QUIC after WebSocket): nothing was lost.
                 let planned = rec.make_before_break || slot.moving.is_some() || joining;
-                slot.moving = None;
+                let why = match slot.moving.take() {
+                    Some(why) => why.as_str(),
+                    None if rec.make_before_break => Move::Drain.as_str(),
+                    None => "QUIC works: moving off WebSocket",
+                };
                 if planned {
+                    slot.moving_since_down = Some(why);
                     slot.retry_at = None;
                     tracing::info!(%reason, replica = %rec.replica, slot = rec.slot, "tunnel going away; its replacement is on its way");
                 } else {
@@ -690,6 +707,10 @@ impl Supervisor {
                 }
             }
             State::Joining => {
+                if slot.current.is_none() && slot.moving_since_down.take().is_some() {
+                    // The replacement of a tunnel that went away failed: the slot has lost its tunnel.
+                    slot.lost = true;
+                }
                 let delay = slot.reconnect.next_delay();
                 slot.retry_at = Some(Instant::now() + delay);
                 tracing::warn!(%reason, slot = rec.slot, retry_in = ?delay, "tunnel lost before the relay welcomed it");
