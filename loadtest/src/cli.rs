@@ -56,6 +56,35 @@ pub struct CommonArgs {
     /// No progress bars.
     #[arg(long, global = true)]
     pub no_progress: bool,
+    /// The agent transports to measure side by side in `requests`, `bulk` and `hol` (comma-separated or
+    /// repeated: `--transport quic,wss`): one relay and agent (`--transport X`) per transport, labelled
+    /// `tether quic`, `tether wss`, with quic/wss ratios. Default: one agent with its own choice (`auto`,
+    /// QUIC on loopback), labelled `tether`.
+    #[arg(long, global = true, value_enum, value_delimiter = ',')]
+    pub transport: Vec<AgentTransport>,
+}
+
+/// An agent's `--transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AgentTransport {
+    /// QUIC, else WebSocket.
+    Auto,
+    /// QUIC only.
+    Quic,
+    /// WebSocket over TLS only.
+    Wss,
+}
+
+impl AgentTransport {
+    /// As on the agent's command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AgentTransport::Auto => "auto",
+            AgentTransport::Quic => "quic",
+            AgentTransport::Wss => "wss",
+        }
+    }
 }
 
 /// The scenarios.
