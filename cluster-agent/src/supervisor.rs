@@ -319,8 +319,10 @@ impl Supervisor {
                         .current
                         .and_then(|c| self.tunnels.get(&c))
                         .map(|t| t.relay);
+                    // Not while any attempt of this slot is still out (a race's QUIC half included).
+                    let dialling = self.dials.values().any(|d| d.slot == index);
                     if let Some(relay) = relay
-                        && slot.dial.is_none()
+                        && !dialling
                         && slot.moving.is_none()
                         && !self.joining(index)
                     {
