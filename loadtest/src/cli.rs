@@ -316,6 +316,23 @@ pub struct HolArgs {
     /// HTTP version of the GET clients (the stalled reader always has its own HTTP/1.1 connection).
     #[arg(long, value_enum, default_value_t = Protocol::H1)]
     pub protocol: Protocol,
+    /// Drop this share (0–1) of the tunnel's packets, both ways, and of nothing else (iptables' statistic
+    /// match on the relay↔agent connection: root and iptables needed; run it in a network namespace of its
+    /// own, as `scripts/bench.sh hol-loss` does).
+    #[arg(long, value_parser = parse_share)]
+    pub tunnel_loss: Option<f64>,
+}
+
+/// A share between 0 and 1.
+fn parse_share(value: &str) -> Result<f64, String> {
+    let share: f64 = value
+        .parse()
+        .map_err(|_| format!("not a number: {value:?}"))?;
+    if (0.0..=1.0).contains(&share) {
+        Ok(share)
+    } else {
+        Err(format!("a share between 0 and 1, not {share}"))
+    }
 }
 
 impl Default for HolArgs {

@@ -20,6 +20,7 @@
 pub mod certs;
 pub mod cli;
 pub mod client;
+pub mod loss;
 pub mod peers;
 pub mod plot;
 pub mod procs;

@@ -113,6 +113,7 @@ fn ratios_and_targets(report: &mut Report, streams: &[usize]) {
                 .find_map(|&n| r.label.strip_suffix(&suffix(n)).map(str::to_owned))
         })
         .collect();
+    tether.sort();
     tether.dedup();
     if tether.is_empty() {
         tether.push("tether".to_owned());
@@ -158,6 +159,28 @@ fn ratios_and_targets(report: &mut Report, streams: &[usize]) {
 mod tests {
     use super::*;
     use crate::report::RunResult;
+
+    #[test]
+    fn each_transport_gets_its_ratios_once() {
+        let mut r = Report::new("bulk");
+        for (l, mbps) in [
+            ("tether quic ×1", 300.0),
+            ("tether wss ×1", 200.0),
+            ("tether quic ×8", 400.0),
+            ("tether wss ×8", 400.0),
+        ] {
+            r.runs.push(RunResult {
+                label: l.into(),
+                mb_per_sec: mbps,
+                ..RunResult::default()
+            });
+        }
+        ratios_and_targets(&mut r, &[1, 8]);
+        let names: Vec<&str> = r.ratios.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(names, ["MB/s ×1 quic/wss", "MB/s ×8 quic/wss"], "{names:?}");
+        assert_eq!(r.ratios[0].value, 1.5);
+        assert_eq!(r.targets.len(), 4);
+    }
 
     #[test]
     fn ratios_use_matching_stream_counts() {

@@ -43,6 +43,20 @@ pub async fn run(env: &Env, args: &HolArgs) -> anyhow::Result<Report> {
     let up = env.upstream(1).await?;
     let paths = env.paths(&up, &[PathKind::Tether], &mut report).await?;
     ensure!(!paths.tether.is_empty(), "no tether path");
+    let _loss = match args.tunnel_loss {
+        Some(share) => {
+            let loss = crate::loss::TunnelLoss::apply(&paths.tether, share)?;
+            report.setting("tunnel_loss", share);
+            report.notes.push(format!(
+                "{:.1} % of the tunnel's packets dropped, both ways (iptables statistic match, {} rules); the \
+                 client's and the upstream's hops without loss",
+                share * 100.0,
+                loss.rules()
+            ));
+            Some(loss)
+        }
+        None => None,
+    };
     for tether in &paths.tether {
         measure(env, args, &up, &paths, tether, &mut report).await?;
     }
