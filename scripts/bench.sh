@@ -5,6 +5,9 @@
 #   bash scripts/bench.sh requests --concurrency 64 --protocol h2
 #   bash scripts/bench.sh tunnels --count 10000
 #   bash scripts/bench.sh profile         # perf (else callgrind) profiles of relay and agent under `requests`
+#   bash scripts/bench.sh transports      # requests, bulk and hol with the agent on QUIC and on WebSocket, side by side
+#   bash scripts/bench.sh hol-loss 0.01   # hol, QUIC and WebSocket side by side, 1 % of the tunnel's packets
+#                                         # dropped (in a network namespace of its own: needs root and iptables)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -60,6 +63,23 @@ case "$scenario" in
         echo "== $f"; { callgrind_annotate "$f" 2>/dev/null | head -40; } || true
       done
     fi
+    ;;
+  transports)
+    for s in requests bulk hol; do
+      "$lt" --out "$out/transports" --transport quic,wss "$s" "$@"
+    done
+    ;;
+  hol-loss)
+    # In a network namespace of its own, so the iptables rules that drop a share of the tunnel's packets (both
+    # ways; the client's and the upstream's hops stay clean) touch nothing else. tc netem is not in every kernel
+    # (not in this machine's): iptables' statistic match drops packets at random just as well.
+    loss="${1:-0.01}"
+    shift || true
+    ns="tether-bench-loss-$$"
+    ip netns add "$ns"
+    trap 'ip netns del "$ns" 2>/dev/null || true' EXIT
+    ip -n "$ns" link set lo up
+    ip netns exec "$ns" "$lt" --out "$out/hol-loss-$loss" --transport quic,wss hol --tunnel-loss "$loss" "$@"
     ;;
   *)
     exec "$lt" --out "$out" "$scenario" "$@"

@@ -343,11 +343,12 @@ impl AgentProc {
         Proc::spawn("tether-agent", cmd, log)
     }
 
+    /// Until the relay shows the tunnel with its control stream open (the streams tests count from there).
     async fn wait_connected(&mut self, relay: &RelayProc) -> anyhow::Result<()> {
         let deadline = Instant::now() + WAIT;
         loop {
             self.proc.check_running()?;
-            if relay.connected().await {
+            if relay.connected().await && relay.open_streams().await.is_ok_and(|n| n >= 1) {
                 return Ok(());
             }
             if Instant::now() > deadline {
@@ -601,10 +602,26 @@ impl Stack {
 // ---------------------------------------------------------------------------------------------------------
 // 1. Agent SIGKILL during exec and during a watch.
 
+/// Over WebSocket the relay learns of the kill at once (the kernel closes the dead agent's TCP connection).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_sigkill_ends_exec_and_watch_clearly_and_new_requests_get_not_connected()
 -> anyhow::Result<()> {
-    let mut s = Stack::start(&[], &[]).await?;
+    agent_sigkill(&[], &["--transport", "wss"]).await
+}
+
+/// Over QUIC nothing tells the relay (a killed process sends no CONNECTION_CLOSE and QUIC does not act on
+/// ICMP): the tunnel's idle timeout does, so both sides run a short one here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_sigkill_over_quic_is_found_by_the_tunnel_timeout_and_ends_exec_and_watch_clearly()
+-> anyhow::Result<()> {
+    let timeouts = ["--tunnel-keepalive", "1s", "--tunnel-timeout", "3s"];
+    let mut agent = vec!["--transport", "quic"];
+    agent.extend(timeouts);
+    agent_sigkill(&timeouts, &agent).await
+}
+
+async fn agent_sigkill(relay_flags: &[&str], agent_flags: &[&str]) -> anyhow::Result<()> {
+    let mut s = Stack::start(relay_flags, agent_flags).await?;
     let Some(kubectl) = kubectl(s.dir.path(), &s.relay, &s.sample.token()?)? else {
         return Ok(());
     };
@@ -660,7 +677,8 @@ async fn agent_sigkill_ends_exec_and_watch_clearly_and_new_requests_get_not_conn
     assert!(out.success(), "{}", out.stderr);
     println!(
         "FAULTS agent-sigkill: get -w ended {watch_secs:.3}s after the kill, exec {exec_secs:.3}s; \
-         a new GET had its 503 at {not_connected_secs:.3}s; agent back {back_secs:.3}s after its restart"
+         a new GET had its 503 at {not_connected_secs:.3}s; agent back {back_secs:.3}s after its restart \
+         (agent flags {agent_flags:?})"
     );
     Ok(())
 }
@@ -737,7 +755,9 @@ async fn open_watches(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_sigkill_with_1000_watches_agent_back_and_no_stream_leaks() -> anyhow::Result<()> {
-    let mut s = Stack::start(&UNBOUNDED_CLIENT, &[]).await?;
+    // WebSocket: the agent learns of the kill from its TCP connection at once (over QUIC only the tunnel's
+    // idle timeout would tell it; the QUIC side of a dead peer is the agent-sigkill test over QUIC).
+    let mut s = Stack::start(&UNBOUNDED_CLIENT, &["--transport", "wss"]).await?;
     let relay_baseline = s.relay.open_streams().await?;
     let (ended, _bodies) = open_watches(&s.user, WATCHES).await?;
     // Both sides hold them.
@@ -813,21 +833,28 @@ const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 232, 0, 2);
 const KEEPALIVE: &str = "1s";
 const TUNNEL_TIMEOUT: &str = "2s";
 
-/// The iptables rules that cut the namespace off from the relay, both ways (`-A` adds, `-D` removes).
-fn partition_rules(relay: SocketAddr) -> [Vec<String>; 2] {
+/// The iptables rules that cut the namespace off from the relay, both ways, TCP (WebSocket) and UDP (QUIC) on
+/// the relay's port (`-A` adds, `-D` removes).
+fn partition_rules(relay: SocketAddr) -> Vec<Vec<String>> {
     let (ip, port) = (relay.ip().to_string(), relay.port().to_string());
-    [
-        [
-            "iptables", "OUTPUT", "-d", &ip, "-p", "tcp", "--dport", &port, "-j", "DROP",
-        ]
-        .map(str::to_owned)
-        .to_vec(),
-        [
-            "iptables", "INPUT", "-s", &ip, "-p", "tcp", "--sport", &port, "-j", "DROP",
-        ]
-        .map(str::to_owned)
-        .to_vec(),
-    ]
+    let mut rules = Vec::new();
+    for proto in ["tcp", "udp"] {
+        rules.push(
+            [
+                "iptables", "OUTPUT", "-d", &ip, "-p", proto, "--dport", &port, "-j", "DROP",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+        );
+        rules.push(
+            [
+                "iptables", "INPUT", "-s", &ip, "-p", proto, "--sport", &port, "-j", "DROP",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+        );
+    }
+    rules
 }
 
 fn set_partition(netns: &Netns, relay: SocketAddr, on: bool) -> anyhow::Result<()> {

@@ -32,6 +32,9 @@ fn agent_command(env: &Env, token: &str) -> anyhow::Result<tokio::process::Comma
     let mut command = tokio::process::Command::new(common::sibling_binary("tether-agent")?);
     command
         .args(["--relay", &env.up.relay_url, "--cluster", "faults"])
+        // The relay learns of a SIGKILL at once over WebSocket (the kernel closes the TCP connection);
+        // over QUIC only the tunnel's idle timeout tells it (see the faults test over QUIC).
+        .args(["--transport", "wss"])
         .arg("--relay-ca")
         .arg(env.relay_ca_file())
         .arg("--state-dir")

@@ -19,10 +19,47 @@ use crate::state_secret::SecretRef;
 /// attributes below, and [`Config::new`] takes the same defaults). Adjust fields, then [`Config::validate`].
 #[derive(Debug, Clone, clap::Args)]
 pub struct Config {
-    /// The relay's URL, e.g. https://relay.example:8443; the agent derives `wss://…/agent/v1/tunnel` and
-    /// `https://…/agent/v1/onboard` from it.
-    #[arg(long = "relay", env = "TETHER_RELAY", value_name = "URL")]
-    pub relay_url: String,
+    /// The relay's URL, e.g. https://relay.example:8443; the agent derives `wss://…/agent/v1/tunnel`,
+    /// `https://…/agent/v1/onboard` and the QUIC address (the same host and port, over UDP) from it. Repeat
+    /// it (or separate URLs with commas in TETHER_RELAY) for the replicas of a relay fleet: the agent spreads
+    /// its tunnels over them. The identity belongs to the first URL (onboarding goes there).
+    #[arg(
+        long = "relay",
+        env = "TETHER_RELAY",
+        value_name = "URL",
+        value_delimiter = ',',
+        required = true,
+        num_args = 1
+    )]
+    pub relays: Vec<String>,
+    /// How tunnels reach the relay: `auto` races QUIC (UDP) against WebSocket (TCP) and keeps QUIC when it
+    /// completes, falling back to WebSocket (and trying QUIC again every --quic-reprobe-interval); `quic` or
+    /// `wss` use only that transport. With an HTTP proxy for the relay, only `wss` works (`auto` uses it).
+    #[arg(
+        long,
+        env = "TETHER_TRANSPORT",
+        value_enum,
+        default_value_t = TransportMode::Auto
+    )]
+    pub transport: TransportMode,
+    /// With --transport auto, how often a tunnel on WebSocket tries QUIC again (and moves over, new tunnel
+    /// first, when it works).
+    #[arg(
+        long,
+        env = "TETHER_QUIC_REPROBE_INTERVAL",
+        default_value = "10m",
+        value_parser = parse_duration
+    )]
+    pub quic_reprobe_interval: Duration,
+    /// How many tunnels the agent keeps, each to a distinct relay replica (at most as many as the relay
+    /// fleet has live replicas; one against a relay without a fleet).
+    #[arg(
+        long,
+        env = "TETHER_TUNNELS",
+        default_value_t = 2,
+        value_parser = clap::value_parser!(u32).range(1..=MAX_TUNNELS as i64)
+    )]
+    pub tunnels: u32,
     /// This cluster's name at the relay.
     #[arg(long, env = "TETHER_CLUSTER")]
     pub cluster: String,
@@ -194,6 +231,31 @@ impl EntraConfig {
     }
 }
 
+/// The most tunnels `--tunnels` accepts.
+pub const MAX_TUNNELS: u32 = 16;
+
+/// How the agent's tunnels reach the relay (`--transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportMode {
+    /// QUIC when it completes, else WebSocket (re-probing QUIC periodically); WebSocket through a proxy.
+    Auto,
+    /// QUIC (UDP) only.
+    Quic,
+    /// WebSocket over TLS (TCP) only.
+    Wss,
+}
+
+impl TransportMode {
+    /// `auto`, `quic` or `wss`, as on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportMode::Auto => "auto",
+            TransportMode::Quic => "quic",
+            TransportMode::Wss => "wss",
+        }
+    }
+}
+
 /// How long one push to guard may take, flags or not.
 const GUARD_PUSH_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -321,6 +383,20 @@ pub enum ConfigError {
         /// What is wrong with it.
         reason: String,
     },
+    /// No relay URL was given.
+    #[error("no relay URL: pass --relay https://relay.example")]
+    NoRelay,
+    /// The same relay URL was given twice.
+    #[error("the relay URL {0:?} is given twice")]
+    DuplicateRelay(String),
+    /// `--transport quic` with an HTTP proxy for the relay: a CONNECT proxy carries TCP only.
+    #[error(
+        "--transport quic cannot reach {relay} through the HTTP proxy (it carries TCP only): use --transport auto or wss, or list the relay in --proxy-skip-range"
+    )]
+    QuicThroughProxy {
+        /// The relay URL the proxy applies to.
+        relay: String,
+    },
     /// The cluster name is not a DNS label.
     #[error(
         "invalid cluster name {0:?}: use 1-63 lowercase letters, digits and '-', starting and ending with a letter or digit"
@@ -358,6 +434,9 @@ pub enum ConfigError {
     /// A duration setting is out of range.
     #[error("{0}")]
     InvalidDuration(&'static str),
+    /// `--tunnels` is out of range.
+    #[error("--tunnels must be between 1 and {MAX_TUNNELS}, not {0}")]
+    InvalidTunnels(u32),
     /// The Entra (authentication proxy) settings are unusable.
     #[error("invalid Entra settings: {0}")]
     InvalidEntra(String),
@@ -432,7 +511,30 @@ impl Config {
     /// Checks everything that can be checked without the network: URL, name, files, durations, and that an
     /// identity or an onboarding token is available.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.relay_base()?;
+        if self.relays.is_empty() {
+            return Err(ConfigError::NoRelay);
+        }
+        let mut seen = Vec::new();
+        for relay in &self.relays {
+            let base = relay_base(relay)?;
+            if seen.contains(&base) {
+                return Err(ConfigError::DuplicateRelay(relay.clone()));
+            }
+            if self.transport == TransportMode::Quic && self.proxy_for(&base).is_some() {
+                return Err(ConfigError::QuicThroughProxy {
+                    relay: relay.clone(),
+                });
+            }
+            seen.push(base);
+        }
+        if self.quic_reprobe_interval < Duration::from_secs(1) {
+            return Err(ConfigError::InvalidDuration(
+                "the QUIC re-probe interval must be at least 1s",
+            ));
+        }
+        if self.tunnels == 0 || self.tunnels > MAX_TUNNELS {
+            return Err(ConfigError::InvalidTunnels(self.tunnels));
+        }
         if !is_dns_label(&self.cluster) {
             return Err(ConfigError::InvalidClusterName(self.cluster.clone()));
         }
@@ -503,9 +605,9 @@ impl Config {
             // Read at run time, through the apiserver.
             None if self.state_secret.is_some() => {}
             None => {
-                if identity::load(&self.state_dir, &self.relay_url, &self.cluster)?.is_none() {
+                if identity::load(&self.state_dir, self.relay_url(), &self.cluster)?.is_none() {
                     return Err(ConfigError::MissingOnboardingToken {
-                        relay: self.relay_url.clone(),
+                        relay: self.relay_url().to_owned(),
                         cluster: self.cluster.clone(),
                         state_dir: self.state_dir.display().to_string(),
                     });
@@ -515,45 +617,78 @@ impl Config {
         Ok(())
     }
 
-    /// The relay URL, parsed and checked, without a trailing slash in its path.
-    fn relay_base(&self) -> Result<url::Url, ConfigError> {
-        let invalid = |reason: &str| ConfigError::InvalidRelayUrl {
-            url: self.relay_url.clone(),
-            reason: reason.into(),
-        };
-        let url = url::Url::parse(&self.relay_url).map_err(|e| invalid(&e.to_string()))?;
-        if url.scheme() != "https" {
-            return Err(invalid("the scheme must be https"));
-        }
-        if url.host_str().is_none_or(str::is_empty) {
-            return Err(invalid("no host"));
-        }
-        if !url.username().is_empty() || url.password().is_some() {
-            return Err(invalid("credentials in the URL are not allowed"));
-        }
-        if url.query().is_some() || url.fragment().is_some() {
-            return Err(invalid("a query or fragment is not allowed"));
-        }
-        Ok(url)
+    /// The first relay URL: the one the identity belongs to and onboarding goes to.
+    pub fn relay_url(&self) -> &str {
+        self.relays.first().map_or("", String::as_str)
     }
 
-    /// `https://relay[/base]/agent/v1/onboard`.
+    /// The proxy the relay at `base` is reached through, if any.
+    fn proxy_for(&self, base: &url::Url) -> Option<Proxy> {
+        let config = self.proxy_config()?;
+        let host = base.host_str()?;
+        let port = base.port_or_known_default().unwrap_or(443);
+        config.proxy_for(host, port).cloned()
+    }
+
+    /// `https://relay[/base]/agent/v1/onboard`, at the first relay.
     pub(crate) fn onboard_url(&self) -> Result<String, ConfigError> {
         Ok(format!(
             "{}/agent/v1/onboard",
-            self.relay_base()?.as_str().trim_end_matches('/')
+            relay_base(self.relay_url())?.as_str().trim_end_matches('/')
         ))
     }
 
-    /// `wss://relay[/base]/agent/v1/tunnel`.
-    pub(crate) fn tunnel_url(&self) -> Result<String, ConfigError> {
-        let base = self.relay_base()?;
-        let rest = base
-            .as_str()
-            .trim_end_matches('/')
-            .trim_start_matches("https://");
-        Ok(format!("wss://{rest}/agent/v1/tunnel"))
+    /// Every relay to keep tunnels to, in the order given.
+    pub(crate) fn relay_endpoints(&self) -> Result<Vec<RelayEndpoint>, ConfigError> {
+        self.relays
+            .iter()
+            .map(|relay| {
+                let base = relay_base(relay)?;
+                let rest = base
+                    .as_str()
+                    .trim_end_matches('/')
+                    .trim_start_matches("https://");
+                Ok(RelayEndpoint {
+                    url: relay.clone(),
+                    tunnel_url: format!("wss://{rest}/agent/v1/tunnel"),
+                    proxied: self.proxy_for(&base).is_some(),
+                })
+            })
+            .collect()
     }
+}
+
+/// One relay the agent keeps tunnels to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RelayEndpoint {
+    /// The URL as given (`https://host[:port][/base]`); QUIC goes to its host and port.
+    pub(crate) url: String,
+    /// `wss://host[:port][/base]/agent/v1/tunnel`.
+    pub(crate) tunnel_url: String,
+    /// Reached through the HTTP proxy (so over WebSocket only).
+    pub(crate) proxied: bool,
+}
+
+/// A relay URL, parsed and checked.
+fn relay_base(relay: &str) -> Result<url::Url, ConfigError> {
+    let invalid = |reason: &str| ConfigError::InvalidRelayUrl {
+        url: relay.to_owned(),
+        reason: reason.into(),
+    };
+    let url = url::Url::parse(relay).map_err(|e| invalid(&e.to_string()))?;
+    if url.scheme() != "https" {
+        return Err(invalid("the scheme must be https"));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(invalid("no host"));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(invalid("credentials in the URL are not allowed"));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(invalid("a query or fragment is not allowed"));
+    }
+    Ok(url)
 }
 
 impl GuardConfig {
@@ -633,8 +768,12 @@ mod tests {
         let c = valid(tmp.path());
         c.validate().unwrap();
         assert_eq!(
-            c.tunnel_url().unwrap(),
-            "wss://relay.example:8443/agent/v1/tunnel"
+            c.relay_endpoints().unwrap(),
+            vec![RelayEndpoint {
+                url: "https://relay.example:8443".into(),
+                tunnel_url: "wss://relay.example:8443/agent/v1/tunnel".into(),
+                proxied: false,
+            }]
         );
         assert_eq!(
             c.onboard_url().unwrap(),
@@ -642,10 +781,10 @@ mod tests {
         );
 
         let mut c = valid(tmp.path());
-        c.relay_url = "https://relay.example/tether/".into();
+        c.relays = vec!["https://relay.example/tether/".into()];
         c.validate().unwrap();
         assert_eq!(
-            c.tunnel_url().unwrap(),
+            c.relay_endpoints().unwrap()[0].tunnel_url,
             "wss://relay.example/tether/agent/v1/tunnel"
         );
         assert_eq!(
@@ -657,7 +796,11 @@ mod tests {
     #[test]
     fn new_takes_the_command_line_defaults() {
         let c = Config::new("https://relay.example", "prod", "/state");
-        assert_eq!(c.relay_url, "https://relay.example");
+        assert_eq!(c.relay_url(), "https://relay.example");
+        assert_eq!(c.relays, vec!["https://relay.example".to_owned()]);
+        assert_eq!(c.transport, TransportMode::Auto);
+        assert_eq!(c.tunnels, 2);
+        assert_eq!(c.quic_reprobe_interval, Duration::from_secs(600));
         assert_eq!(c.cluster, "prod");
         assert_eq!(c.state_dir, PathBuf::from("/state"));
         assert_eq!(c.drain_timeout, Duration::from_secs(20));
@@ -666,7 +809,7 @@ mod tests {
         assert!(c.onboarding_secret().is_none() && c.proxy_config().is_none());
         assert!(c.entra.is_none() && c.guard.is_none());
         // A value that looks like a flag is still the value.
-        assert_eq!(Config::new("--cluster", "c", "d").relay_url, "--cluster");
+        assert_eq!(Config::new("--cluster", "c", "d").relay_url(), "--cluster");
     }
 
     #[test]
@@ -680,7 +823,7 @@ mod tests {
             "https://r.example/?a=1",
         ] {
             let mut c = valid(tmp.path());
-            c.relay_url = url.into();
+            c.relays = vec![url.into()];
             assert!(
                 matches!(c.validate(), Err(ConfigError::InvalidRelayUrl { .. })),
                 "{url}"
@@ -729,7 +872,7 @@ mod tests {
             c.validate(),
             Err(ConfigError::MissingOnboardingToken { .. })
         ));
-        let stored = identity::test_identity(&c.relay_url, &c.cluster, time::Duration::days(1));
+        let stored = identity::test_identity(c.relay_url(), &c.cluster, time::Duration::days(1));
         identity::store(tmp.path(), &stored).unwrap();
         c.validate().unwrap();
     }
@@ -900,6 +1043,103 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn several_relays_transport_and_tunnels() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut c = valid(tmp.path());
+        c.relays = vec![
+            "https://relay.example:8443".into(),
+            "https://relay-b.example".into(),
+        ];
+        c.validate().unwrap();
+        let endpoints = c.relay_endpoints().unwrap();
+        assert_eq!(endpoints.len(), 2);
+        assert_eq!(
+            endpoints[1].tunnel_url,
+            "wss://relay-b.example/agent/v1/tunnel"
+        );
+        // Onboarding and the identity go to the first.
+        assert_eq!(
+            c.onboard_url().unwrap(),
+            "https://relay.example:8443/agent/v1/onboard"
+        );
+
+        c.relays.push("https://relay-b.example/".into());
+        assert!(matches!(c.validate(), Err(ConfigError::DuplicateRelay(_))));
+        c.relays.clear();
+        assert!(matches!(c.validate(), Err(ConfigError::NoRelay)));
+
+        let mut c = valid(tmp.path());
+        c.tunnels = 0;
+        assert!(matches!(c.validate(), Err(ConfigError::InvalidTunnels(0))));
+        c.tunnels = MAX_TUNNELS + 1;
+        assert!(matches!(c.validate(), Err(ConfigError::InvalidTunnels(_))));
+
+        let mut c = valid(tmp.path());
+        c.quic_reprobe_interval = Duration::from_millis(10);
+        assert!(matches!(c.validate(), Err(ConfigError::InvalidDuration(_))));
+
+        // QUIC cannot go through an HTTP proxy: `quic` is refused, `auto` uses WebSocket for that relay.
+        let mut c = valid(tmp.path());
+        c.proxy = Some(Proxy::parse("http://proxy.corp:3128").unwrap());
+        c.validate().unwrap();
+        assert!(c.relay_endpoints().unwrap()[0].proxied);
+        c.transport = TransportMode::Quic;
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::QuicThroughProxy { .. })
+        ));
+        // Unless the relay bypasses the proxy.
+        c.no_proxy = Some(NoProxy::parse("relay.example").unwrap());
+        c.validate().unwrap();
+        assert!(!c.relay_endpoints().unwrap()[0].proxied);
+    }
+
+    #[test]
+    fn flags_parse_repeatable_relays_transport_and_tunnels() {
+        let command =
+            Config::augment_args(clap::Command::new("tether-agent")).mut_args(|arg| arg.env(None));
+        let matches = command
+            .try_get_matches_from([
+                "tether-agent",
+                "--relay",
+                "https://a.example",
+                "--relay",
+                "https://b.example",
+                "--cluster",
+                "prod",
+                "--transport",
+                "wss",
+                "--tunnels",
+                "3",
+                "--quic-reprobe-interval",
+                "30s",
+            ])
+            .unwrap();
+        let c = Config::from_arg_matches(&matches).unwrap();
+        assert_eq!(c.relays, vec!["https://a.example", "https://b.example"]);
+        assert_eq!(c.transport, TransportMode::Wss);
+        assert_eq!(c.tunnels, 3);
+        assert_eq!(c.quic_reprobe_interval, Duration::from_secs(30));
+        for bad in [
+            &["--transport", "udp"][..],
+            &["--tunnels", "0"][..],
+            &["--tunnels", "17"][..],
+        ] {
+            let command = Config::augment_args(clap::Command::new("tether-agent"))
+                .mut_args(|arg| arg.env(None));
+            let mut args = vec![
+                "tether-agent",
+                "--relay",
+                "https://a.example",
+                "--cluster",
+                "p",
+            ];
+            args.extend_from_slice(bad);
+            assert!(command.try_get_matches_from(args).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! Group overage through the relay's directory: a [`GroupResolver`] that asks the relay over the control
 //! channel (`resolveGroups` → `groups`, matched by `requestId`).
 //!
-//! The resolver lives as long as the agent; control channels come and go with tunnels. Each channel attaches
-//! its outgoing queue once it is up and detaches when it ends, which fails the questions still open on it (the
-//! answer could only come on that channel). Answers are cached briefly per (tenant, user) so that a kubectl
+//! The resolver lives as long as the agent; control channels come and go with tunnels, several at once when
+//! the agent keeps several tunnels. Each channel attaches its outgoing queue once it is up and detaches when
+//! it ends, which fails the questions still open on it (the answer could only come on that channel).
+//! Questions go out on the newest channel attached. Answers are cached briefly per (tenant, user) so that a kubectl
 //! session does not cost one round trip to the relay per request; failures are not cached.
 
 use std::collections::HashMap;
@@ -26,7 +27,7 @@ const CACHE_MAX_ENTRIES: usize = 4096;
 /// Most questions queued for one control channel.
 pub(crate) const QUEUE_LEN: usize = 256;
 
-/// The relay's directory, reached through whichever control channel is up.
+/// The relay's directory, reached through the control channels that are up.
 #[derive(Debug)]
 pub(crate) struct RelayDirectory {
     state: Mutex<State>,
@@ -35,11 +36,12 @@ pub(crate) struct RelayDirectory {
 
 #[derive(Debug, Default)]
 struct State {
-    /// The current control channel's queue and its generation.
-    channel: Option<(u64, mpsc::Sender<Message>)>,
+    /// The control channels' queues and their generations, oldest first.
+    channels: Vec<(u64, mpsc::Sender<Message>)>,
     generation: u64,
     next_request: u64,
-    pending: HashMap<u64, oneshot::Sender<Groups>>,
+    /// Open questions: request id → the generation of the channel it went out on, and who waits.
+    pending: HashMap<u64, (u64, oneshot::Sender<Groups>)>,
     cache: HashMap<(String, String), (Instant, Vec<String>)>,
 }
 
@@ -60,37 +62,29 @@ impl RelayDirectory {
         }
     }
 
-    /// Makes the channel that just came up the way to the relay; returns its generation (for
-    /// [`RelayDirectory::detach`]) and the queue of messages it must send.
+    /// Makes the channel that just came up a way to the relay (the one new questions take); returns its
+    /// generation (for [`RelayDirectory::detach`]) and the queue of messages it must send.
     pub(crate) fn attach(&self) -> (u64, mpsc::Receiver<Message>) {
         let (tx, rx) = mpsc::channel(QUEUE_LEN);
         let mut state = self.lock();
         state.generation += 1;
         let generation = state.generation;
-        state.channel = Some((generation, tx));
-        // Questions asked on an earlier channel cannot be answered on this one.
-        state.pending.clear();
+        state.channels.push((generation, tx));
         (generation, rx)
     }
 
-    /// The channel of `generation` ended: its open questions fail.
+    /// The channel of `generation` ended: its open questions fail (the others' stay open).
     pub(crate) fn detach(&self, generation: u64) {
         let mut state = self.lock();
-        if state
-            .channel
-            .as_ref()
-            .is_some_and(|(g, _)| *g == generation)
-        {
-            state.channel = None;
-            state.pending.clear();
-        }
+        state.channels.retain(|(g, _)| *g != generation);
+        state.pending.retain(|_, (g, _)| *g != generation);
     }
 
     /// Delivers the relay's answer to whoever asked.
     pub(crate) fn answer(&self, groups: Groups) {
         let waiter = self.lock().pending.remove(&groups.request_id);
         match waiter {
-            Some(waiter) => {
+            Some((_, waiter)) => {
                 let _ = waiter.send(groups);
             }
             None => tracing::debug!(
@@ -109,7 +103,7 @@ impl RelayDirectory {
             {
                 return Ok(groups.clone());
             }
-            let Some((_, channel)) = state.channel.clone() else {
+            let Some((generation, channel)) = state.channels.last().cloned() else {
                 return Err("the relay is not connected".to_owned());
             };
             state.next_request += 1;
@@ -123,7 +117,7 @@ impl RelayDirectory {
                 return Err("too many group lookups are waiting for the relay".to_owned());
             }
             let (tx, rx) = oneshot::channel();
-            state.pending.insert(request_id, tx);
+            state.pending.insert(request_id, (generation, tx));
             (request_id, rx)
         };
         let answer = match tokio::time::timeout(self.answer_timeout, answer).await {
@@ -239,7 +233,51 @@ mod tests {
         // A stale detach does not undo a newer attach.
         let (_newer, _queue) = dir.attach();
         dir.detach(generation);
-        assert!(dir.lock().channel.is_some());
+        assert_eq!(dir.lock().channels.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn with_two_channels_losing_one_fails_only_its_questions() {
+        let dir = Arc::new(RelayDirectory::default());
+        let (first, mut first_queue) = dir.attach();
+        let asking_first = tokio::spawn({
+            let dir = dir.clone();
+            async move { dir.groups("t", "a").await }
+        });
+        let on_first = question(first_queue.recv().await);
+        // A second tunnel comes up: new questions take it; the one open on the first stays open.
+        let (second, mut second_queue) = dir.attach();
+        let asking_second = tokio::spawn({
+            let dir = dir.clone();
+            async move { dir.groups("t", "b").await }
+        });
+        let on_second = question(second_queue.recv().await);
+        dir.answer(Groups {
+            request_id: on_first.request_id,
+            groups: Some(vec!["ga".into()]),
+            error: None,
+        });
+        assert_eq!(asking_first.await.unwrap(), Ok(vec!["ga".to_owned()]));
+        // The first tunnel goes; the question on the second is still answered there.
+        dir.detach(first);
+        dir.answer(Groups {
+            request_id: on_second.request_id,
+            groups: Some(vec!["gb".into()]),
+            error: None,
+        });
+        assert_eq!(asking_second.await.unwrap(), Ok(vec!["gb".to_owned()]));
+        // And new questions still go out.
+        let asking = tokio::spawn({
+            let dir = dir.clone();
+            async move { dir.groups("t", "c").await }
+        });
+        let q = question(second_queue.recv().await);
+        assert_eq!(q.oid, "c");
+        dir.detach(second);
+        assert_eq!(
+            asking.await.unwrap(),
+            Err("the connection to the relay was lost".to_owned())
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -494,7 +494,12 @@ async fn relay_checks(
     };
 
     // 5. QUIC over UDP.
-    if target.proxy.is_some() {
+    if config.transport == crate::config::TransportMode::Wss {
+        checks.not_applicable(
+            "quic",
+            "--transport wss: the agent uses WebSocket only".to_owned(),
+        );
+    } else if target.proxy.is_some() {
         checks.not_applicable(
             "quic",
             "a proxy is configured for the relay: the agent uses WebSocket only".to_owned(),
@@ -676,7 +681,7 @@ async fn identity_check(
                 "identity",
                 format!(
                     "no identity for cluster {} at {} in {store} yet: the agent will onboard with the given onboarding token (doctor does not use it: it works once)",
-                    config.cluster, config.relay_url
+                    config.cluster, config.relay_url()
                 ),
             );
             return;
@@ -687,7 +692,7 @@ async fn identity_check(
                 format!(
                     "no identity for cluster {} at {} in {store}{}",
                     config.cluster,
-                    config.relay_url,
+                    config.relay_url(),
                     other_identity(config).unwrap_or_default()
                 ),
                 format!(
@@ -822,9 +827,9 @@ fn other_identity(config: &Config) -> Option<String> {
     ))
 }
 
-/// The relay URLs the agent dials (one; with several `--relay` flags, each would be checked).
+/// The relay URLs the agent dials (each `--relay`).
 fn relay_urls(config: &Config) -> Vec<String> {
-    vec![config.relay_url.clone()]
+    config.relays.clone()
 }
 
 fn target(config: &Config, relay: &str) -> Result<Target, String> {
@@ -891,7 +896,7 @@ async fn load_identity(
     kube: Option<&kube::Client>,
 ) -> Result<Option<Identity>, String> {
     match &config.state_secret {
-        None => identity::load(&config.state_dir, &config.relay_url, &config.cluster)
+        None => identity::load(&config.state_dir, config.relay_url(), &config.cluster)
             .map_err(|e| crate::error_chain(&e)),
         Some(secret) => {
             let Some(client) = kube else {
@@ -900,7 +905,7 @@ async fn load_identity(
                 );
             };
             SecretStore::new(client.clone(), secret)
-                .peek(&config.relay_url, &config.cluster)
+                .peek(config.relay_url(), &config.cluster)
                 .await
                 .map_err(|e| crate::error_chain(&e))
         }

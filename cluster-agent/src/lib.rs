@@ -32,8 +32,11 @@ mod agent;
 pub mod auth_proxy;
 mod config;
 mod control;
+mod dial;
 mod directory;
 pub mod doctor;
+mod error;
+mod event;
 pub mod forward;
 mod guard_push;
 mod health;
@@ -44,9 +47,12 @@ pub mod pool;
 pub mod probes;
 pub mod state_secret;
 mod store;
+mod supervisor;
+mod tunnel;
 
-pub use agent::{AgentError, IDENTITY_EXPIRED_REASON, run};
-pub use config::{Config, ConfigError, EntraConfig, GuardConfig};
+pub use agent::run;
+pub use config::{Config, ConfigError, EntraConfig, GuardConfig, MAX_TUNNELS, TransportMode};
+pub use error::{AgentError, IDENTITY_EXPIRED_REASON};
 pub use tether_api::reconnect::Backoff;
 pub use tether_runtime::Secret;
 

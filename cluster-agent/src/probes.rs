@@ -1,9 +1,10 @@
 //! Kubernetes probes on `--health-listen` (plain HTTP; off unless set — the Helm chart sets `0.0.0.0:8080`):
 //!
-//! - `GET /readyz`: 200 only while a tunnel to the relay is up, else 503;
+//! - `GET /readyz`: 200 while at least one tunnel to the relay is up (the body says how many), else 503;
 //! - `GET /livez`: 200 while the agent runs: a task of the agent's own answers within [`LIVENESS_TIMEOUT`] (a
 //!   runtime too starved to schedule it, or an agent that stopped, is 503);
-//! - `GET /metrics`: Prometheus text with `tether_agent_open_streams`, the tunnel streams being served, and
+//! - `GET /metrics`: Prometheus text with `tether_agent_tunnels{transport}`, the tunnels up by transport
+//!   (`quic`, `wss`), `tether_agent_open_streams`, the tunnel streams being served, and
 //!   `tether_agent_upstream_connections` / `tether_agent_upstream_requests`, the pooled apiserver connections
 //!   with a request open and the requests open on them (what the fault-injection tests watch for leaks).
 //!
@@ -14,7 +15,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -38,7 +39,8 @@ pub const MAX_CONNECTIONS: usize = 16;
 /// What the probes report, shared by the agent loop (which sets it) and the probe server (which reads it).
 #[derive(Clone)]
 pub(crate) struct Probes {
-    tunnel_up: Arc<AtomicBool>,
+    /// Tunnels up over QUIC and over WebSocket.
+    tunnels: Arc<[AtomicUsize; 2]>,
     live: mpsc::Sender<oneshot::Sender<()>>,
     /// Tunnel streams being served (requests in flight, watches, upgraded pipes), for `/metrics`.
     open_streams: Arc<AtomicUsize>,
@@ -74,7 +76,7 @@ impl Probes {
             }
         });
         let probes = Self {
-            tunnel_up: Arc::new(AtomicBool::new(false)),
+            tunnels: Arc::default(),
             live,
             open_streams: Arc::default(),
             upstream: Arc::default(),
@@ -82,9 +84,17 @@ impl Probes {
         (probes, Task(responder))
     }
 
-    /// Records whether a tunnel is up (`/readyz`).
-    pub(crate) fn set_tunnel_up(&self, up: bool) {
-        self.tunnel_up.store(up, Ordering::Relaxed);
+    /// Records how many tunnels are up, over QUIC and over WebSocket (`/readyz`, `/metrics`).
+    pub(crate) fn set_tunnels(&self, quic: usize, wss: usize) {
+        self.tunnels[0].store(quic, Ordering::Relaxed);
+        self.tunnels[1].store(wss, Ordering::Relaxed);
+    }
+
+    fn tunnel_count(&self) -> (usize, usize) {
+        (
+            self.tunnels[0].load(Ordering::Relaxed),
+            self.tunnels[1].load(Ordering::Relaxed),
+        )
     }
 
     /// The apiserver connections whose use `/metrics` reports (the first call wins).
@@ -120,13 +130,18 @@ impl Probes {
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return plain(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
         }
+        let (quic, wss) = self.tunnel_count();
         let ok = match check {
-            Check::Ready => self.tunnel_up.load(Ordering::Relaxed),
+            Check::Ready => quic + wss > 0,
             Check::Live => self.alive().await,
             Check::Metrics => {
                 let usage = self.upstream.get().map(Upstream::usage).unwrap_or_default();
                 let text = format!(
-                    "# HELP tether_agent_open_streams Tunnel streams being served.\n\
+                    "# HELP tether_agent_tunnels Tunnels to the relay that are up, by transport.\n\
+                     # TYPE tether_agent_tunnels gauge\n\
+                     tether_agent_tunnels{{transport=\"quic\"}} {quic}\n\
+                     tether_agent_tunnels{{transport=\"wss\"}} {wss}\n\
+                     # HELP tether_agent_open_streams Tunnel streams being served.\n\
                      # TYPE tether_agent_open_streams gauge\n\
                      tether_agent_open_streams {}\n\
                      # HELP tether_agent_upstream_connections Pooled apiserver connections with a request open.\n\
@@ -145,7 +160,12 @@ impl Probes {
             }
         };
         match (check, ok) {
-            (Check::Ready, true) => plain(StatusCode::OK, "ok: tunnel up\n"),
+            (Check::Ready, true) => {
+                let mut response = plain(StatusCode::OK, "");
+                let text = format!("ok: {} tunnel(s) up ({quic} quic, {wss} wss)\n", quic + wss);
+                *response.body_mut() = Full::new(Bytes::from(text));
+                response
+            }
             (Check::Ready, false) => plain(StatusCode::SERVICE_UNAVAILABLE, "no tunnel\n"),
             (Check::Live, true) => plain(StatusCode::OK, "ok\n"),
             (Check::Live, false) => plain(StatusCode::SERVICE_UNAVAILABLE, "not answering\n"),

@@ -233,9 +233,29 @@ async fn the_agent_charts_default_command_keeps_its_identity_in_a_secret() -> Re
         "the identity Secret is empty"
     );
 
-    // A new pod, empty filesystem: it must come back with the identity from the Secret.
+    // A new pod, empty filesystem: it must come back with the identity from the Secret. It is ready once
+    // its tunnel is up; only then is a request sure to reach it (the killed pods' QUIC tunnels linger at
+    // the relay until the new tunnel replaces them or their idle timeout ends them: a killed process sends
+    // no CONNECTION_CLOSE, unlike a TCP socket the kernel closes).
     let pod = setup.pod("pod-3")?;
     let mut child = setup.spawn(&pod, "pod-3")?;
+    let (path, port, _) = pod.http_probe("readinessProbe")?;
+    wait_until(
+        &mut child,
+        || pod.log("pod-3"),
+        DEADLINE,
+        "ready",
+        || {
+            let path = path.clone();
+            async move {
+                http_get(port, "localhost", &path, None, None)
+                    .await
+                    .ok()
+                    .filter(|(s, _)| *s == 200)
+            }
+        },
+    )
+    .await?;
     setup.wait_connected(&mut child, &pod, "pod-3").await?;
     ensure!(
         !pod.root.join("var/lib/tether-agent").exists(),

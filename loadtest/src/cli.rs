@@ -60,6 +60,35 @@ pub struct CommonArgs {
     /// No progress bars.
     #[arg(long, global = true)]
     pub no_progress: bool,
+    /// The agent transports to measure side by side in `requests`, `bulk` and `hol` (comma-separated or
+    /// repeated: `--transport quic,wss`): one relay and agent (`--transport X`) per transport, labelled
+    /// `tether quic`, `tether wss`, with quic/wss ratios. Default: one agent with its own choice (`auto`,
+    /// QUIC on loopback), labelled `tether`.
+    #[arg(long, global = true, value_enum, value_delimiter = ',')]
+    pub transport: Vec<AgentTransport>,
+}
+
+/// An agent's `--transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AgentTransport {
+    /// QUIC, else WebSocket.
+    Auto,
+    /// QUIC only.
+    Quic,
+    /// WebSocket over TLS only.
+    Wss,
+}
+
+impl AgentTransport {
+    /// As on the agent's command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AgentTransport::Auto => "auto",
+            AgentTransport::Quic => "quic",
+            AgentTransport::Wss => "wss",
+        }
+    }
 }
 
 /// The scenarios.
@@ -295,6 +324,23 @@ pub struct HolArgs {
     /// HTTP version of the GET clients (the stalled reader always has its own HTTP/1.1 connection).
     #[arg(long, value_enum, default_value_t = Protocol::H1)]
     pub protocol: Protocol,
+    /// Drop this share (0–1) of the tunnel's packets, both ways, and of nothing else (iptables' statistic
+    /// match on the relay↔agent connection: root and iptables needed; run it in a network namespace of its
+    /// own, as `scripts/bench.sh hol-loss` does).
+    #[arg(long, value_parser = parse_share)]
+    pub tunnel_loss: Option<f64>,
+}
+
+/// A share between 0 and 1.
+fn parse_share(value: &str) -> Result<f64, String> {
+    let share: f64 = value
+        .parse()
+        .map_err(|_| format!("not a number: {value:?}"))?;
+    if (0.0..=1.0).contains(&share) {
+        Ok(share)
+    } else {
+        Err(format!("a share between 0 and 1, not {share}"))
+    }
 }
 
 impl Default for HolArgs {

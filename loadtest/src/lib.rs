@@ -23,6 +23,7 @@ pub mod certs;
 pub mod cli;
 pub mod client;
 pub mod cluster;
+pub mod loss;
 pub mod peers;
 pub mod plot;
 pub mod procs;

@@ -132,6 +132,41 @@ fn requests_measures_each_path() -> anyhow::Result<()> {
 }
 
 #[test]
+fn transports_are_measured_side_by_side() -> anyhow::Result<()> {
+    let (report, _dir) = run(
+        "requests",
+        &[
+            "--transport",
+            "quic,wss",
+            "--duration",
+            "1s",
+            "--warmup",
+            "300ms",
+            "--concurrency",
+            "2",
+            "--paths",
+            "tether",
+        ],
+    )?;
+    for label in ["tether quic", "tether wss"] {
+        let r =
+            run_labelled(&report, label).with_context(|| format!("no {label} run: {report}"))?;
+        assert!(r["requests"].as_u64().is_some_and(|n| n > 0), "{r}");
+    }
+    for ratio in [
+        "req/s quic/wss",
+        "p50 latency quic/wss",
+        "p99 latency quic/wss",
+    ] {
+        assert!(
+            report["ratios"].to_string().contains(ratio),
+            "{ratio}: {report}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
 fn bulk_counts_bytes_per_stream_count() -> anyhow::Result<()> {
     let (report, _dir) = run(
         "bulk",
@@ -178,6 +213,11 @@ fn hol_runs_three_phases() -> anyhow::Result<()> {
             "2",
             "--stall-size",
             "64MiB",
+            // Few enough for a debug build to keep serving GETs beside them within a second.
+            "--stalled-readers",
+            "8",
+            "--burst-clients",
+            "8",
         ],
     )?;
     for label in [

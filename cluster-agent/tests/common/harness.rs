@@ -59,6 +59,8 @@ impl Env {
             ..Backoff::default()
         };
         config.connect_timeout = Duration::from_secs(5);
+        // The stand-in relay speaks WebSocket only (the real relay's QUIC is tested against the real relay).
+        config.transport = tether_agent::TransportMode::Wss;
         config
     }
 

@@ -24,6 +24,7 @@ use tokio::sync::mpsc;
 
 pub mod harness;
 pub mod idp;
+pub mod netns;
 pub mod proxy;
 pub mod real_relay;
 pub mod relay;

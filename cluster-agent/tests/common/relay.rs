@@ -3,11 +3,16 @@
 //! and the control channel (welcome, renewals, the guard snapshot after each hello, answers to
 //! `resolveGroups` from a small directory, and messages tests push). Tests get each tunnel as a `Connection`
 //! and every control message the agent sent.
+//!
+//! It can also stand in for a relay fleet behind one load balancer: with [`FakeRelay::set_replicas`] each
+//! tunnel is "held" by one of several replica ids (handed out round-robin, after an optional plan), named in
+//! its `welcome` with the fleet's size, and tests push messages to the tunnels of one replica
+//! ([`FakeRelay::send_to_replica`]); [`FakeRelay::tunnel_records`] tells which tunnels the agent still uses.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
@@ -66,11 +71,42 @@ pub struct RelayState {
     pub directory: Mutex<HashMap<String, Vec<String>>>,
     /// How many `resolveGroups` the agents asked.
     pub resolve_requests: AtomicUsize,
-    /// Messages for every live control channel ([`FakeRelay::send_to_agents`]).
-    push: broadcast::Sender<Message>,
+    /// Messages for the live control channels ([`FakeRelay::send_to_agents`]): for every channel, or for
+    /// those of one replica.
+    push: broadcast::Sender<(Option<String>, Message)>,
+    /// The fleet: replica ids handed out round-robin (none: a relay without a fleet).
+    pub replica_ids: Mutex<Vec<String>>,
+    /// Replica ids handed out first, in order, before the round-robin.
+    pub replica_plan: Mutex<VecDeque<String>>,
+    /// Replicas out of the load balancer (draining): the round-robin skips them.
+    pub draining_replicas: Mutex<Vec<String>>,
+    /// How many replicas `welcome` says are live (0: a relay without a fleet says nothing).
+    pub replicas_reported: AtomicU32,
+    next_replica: AtomicUsize,
+    /// Every tunnel established, in order.
+    pub records: Mutex<Vec<TunnelRecord>>,
     ca: Arc<TestCa>,
     tunnels: mpsc::UnboundedSender<Connection>,
     messages: mpsc::UnboundedSender<Message>,
+}
+
+/// One tunnel as the stand-in relay saw it.
+#[derive(Clone)]
+pub struct TunnelRecord {
+    /// The replica that "holds" it (empty without a fleet).
+    pub replica: String,
+    pub conn: Connection,
+    /// The agent stopped taking streams on it (its GOAWAY) or it closed.
+    pub ended: Arc<AtomicBool>,
+    /// Fingerprint of the certificate it was opened with.
+    pub presented: Option<String>,
+}
+
+impl TunnelRecord {
+    /// The agent still takes streams on it.
+    pub fn live(&self) -> bool {
+        !self.ended.load(Ordering::SeqCst) && !self.conn.is_closed()
+    }
 }
 
 pub struct FakeRelay {
@@ -120,6 +156,12 @@ impl FakeRelay {
             directory: Mutex::new(HashMap::new()),
             resolve_requests: AtomicUsize::new(0),
             push: broadcast::channel(64).0,
+            replica_ids: Mutex::new(Vec::new()),
+            replica_plan: Mutex::new(VecDeque::new()),
+            draining_replicas: Mutex::new(Vec::new()),
+            replicas_reported: AtomicU32::new(0),
+            next_replica: AtomicUsize::new(0),
+            records: Mutex::new(Vec::new()),
             ca: ca.clone(),
             tunnels: tx,
             messages: mtx,
@@ -235,6 +277,17 @@ impl FakeRelay {
             directory: Mutex::new(old.directory.lock().map(|d| d.clone()).unwrap_or_default()),
             resolve_requests: AtomicUsize::new(0),
             push: broadcast::channel(64).0,
+            replica_ids: Mutex::new(
+                old.replica_ids
+                    .lock()
+                    .map(|v| v.clone())
+                    .unwrap_or_default(),
+            ),
+            replica_plan: Mutex::new(VecDeque::new()),
+            draining_replicas: Mutex::new(Vec::new()),
+            replicas_reported: AtomicU32::new(old.replicas_reported.load(Ordering::SeqCst)),
+            next_replica: AtomicUsize::new(0),
+            records: Mutex::new(Vec::new()),
             ca: old.ca.clone(),
             tunnels: tx,
             messages: mtx,
@@ -244,7 +297,42 @@ impl FakeRelay {
 
     /// Sends `message` on every control channel open now; how many received it.
     pub fn send_to_agents(&self, message: Message) -> usize {
-        self.state.push.send(message).unwrap_or(0)
+        self.state.push.send((None, message)).unwrap_or(0)
+    }
+
+    /// Sends `message` on the control channels of the tunnels `replica` holds.
+    pub fn send_to_replica(&self, replica: &str, message: Message) {
+        let _ = self.state.push.send((Some(replica.to_owned()), message));
+    }
+
+    /// Makes this relay a fleet of `ids` (welcome reports their number); `plan` is handed out first.
+    pub fn set_replicas(&self, ids: &[&str], plan: &[&str]) {
+        if let Ok(mut v) = self.state.replica_ids.lock() {
+            *v = ids.iter().map(|s| (*s).to_owned()).collect();
+        }
+        if let Ok(mut v) = self.state.replica_plan.lock() {
+            *v = plan.iter().map(|s| (*s).to_owned()).collect();
+        }
+        self.state
+            .replicas_reported
+            .store(ids.len() as u32, Ordering::SeqCst);
+    }
+
+    /// Takes `replica` out of the round-robin (a draining replica takes no new tunnels).
+    pub fn drain_replica(&self, replica: &str) {
+        if let Ok(mut v) = self.state.draining_replicas.lock() {
+            v.push(replica.to_owned());
+        }
+    }
+
+    /// Every tunnel established so far.
+    pub fn tunnel_records(&self) -> Vec<TunnelRecord> {
+        self.state.tunnel_records()
+    }
+
+    /// The replicas of the tunnels the agent still uses, sorted.
+    pub fn live_replicas(&self) -> Vec<String> {
+        self.state.live_replicas()
     }
 
     /// Sets the snapshot sent after each `hello` and sends it to the agents connected now.
@@ -291,6 +379,54 @@ pub fn pem_fingerprint(pem: &str) -> Option<String> {
 }
 
 impl RelayState {
+    /// Every tunnel established so far.
+    pub fn tunnel_records(&self) -> Vec<TunnelRecord> {
+        self.records.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// The replicas of the tunnels the agent still uses, sorted.
+    pub fn live_replicas(&self) -> Vec<String> {
+        let mut live: Vec<String> = self
+            .tunnel_records()
+            .into_iter()
+            .filter(TunnelRecord::live)
+            .map(|r| r.replica)
+            .collect();
+        live.sort();
+        live
+    }
+
+    /// The replica the next tunnel lands on: the plan first, then round-robin over the replicas not draining.
+    fn next_replica(&self) -> String {
+        if let Some(next) = self
+            .replica_plan
+            .lock()
+            .ok()
+            .and_then(|mut p| p.pop_front())
+        {
+            return next;
+        }
+        let draining = self
+            .draining_replicas
+            .lock()
+            .map(|d| d.clone())
+            .unwrap_or_default();
+        let ids: Vec<String> = self
+            .replica_ids
+            .lock()
+            .map(|ids| {
+                ids.iter()
+                    .filter(|id| !draining.contains(id))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        if ids.is_empty() {
+            return String::new();
+        }
+        ids[self.next_replica.fetch_add(1, Ordering::SeqCst) % ids.len()].clone()
+    }
+
     /// Signs `csr` for cluster `prod` (CN and SAN URI, backdated 5 minutes like the real relay) and makes it
     /// the accepted identity, keeping the previous one acceptable too.
     fn issue(&self, csr: &str) -> Result<(String, String), String> {
@@ -431,7 +567,16 @@ async fn handle(
                         TokioIo::new(upgraded),
                         SessionConfig::new(Role::Server),
                     );
-                    tokio::spawn(serve_control(conn.clone(), state.clone()));
+                    let record = TunnelRecord {
+                        replica: state.next_replica(),
+                        conn: conn.clone(),
+                        ended: Arc::default(),
+                        presented,
+                    };
+                    if let Ok(mut records) = state.records.lock() {
+                        records.push(record.clone());
+                    }
+                    tokio::spawn(serve_control(record, state.clone()));
                     let _ = state.tunnels.send(conn);
                 }
             });
@@ -442,9 +587,11 @@ async fn handle(
     }
 }
 
-/// Accepts the agent's control streams on `conn`: answers `hello` with `welcome`, `renew` per the renew
-/// mode, and forwards every message to the test.
-async fn serve_control(conn: Connection, state: Arc<RelayState>) {
+/// Accepts the agent's control streams on the tunnel: answers `hello` with `welcome`, `renew` per the renew
+/// mode, and forwards every message to the test. Marks the tunnel ended when the agent stops taking streams.
+async fn serve_control(record: TunnelRecord, state: Arc<RelayState>) {
+    let conn = record.conn.clone();
+    let replica = record.replica.clone();
     while let Some(incoming) = conn.accept().await {
         if incoming.kind != kind::CONTROL {
             incoming.refuse(
@@ -460,6 +607,7 @@ async fn serve_control(conn: Connection, state: Arc<RelayState>) {
             streams.push(stream.control());
         }
         let state = state.clone();
+        let replica = replica.clone();
         let mut pushed = state.push.subscribe();
         tokio::spawn(async move {
             let (read, mut write) = tokio::io::split(stream);
@@ -471,7 +619,8 @@ async fn serve_control(conn: Connection, state: Arc<RelayState>) {
                         _ => return,
                     },
                     pushed = pushed.recv() => match pushed {
-                        Ok(message) => {
+                        Ok((Some(to), _)) if to != replica => continue,
+                        Ok((_, message)) => {
                             if control::send(&mut write, &message).await.is_err() {
                                 return;
                             }
@@ -508,7 +657,8 @@ async fn serve_control(conn: Connection, state: Arc<RelayState>) {
                     let welcome = Message::Welcome(Welcome {
                         heartbeat_interval_seconds: state.heartbeat_seconds.load(Ordering::SeqCst),
                         latest_agent_version: Some("9.9.9".to_owned()),
-                        ..Welcome::default()
+                        replica: replica.clone(),
+                        replicas: state.replicas_reported.load(Ordering::SeqCst),
                     });
                     if control::send(&mut write, &welcome).await.is_err() {
                         return;
@@ -562,4 +712,5 @@ async fn serve_control(conn: Connection, state: Arc<RelayState>) {
             }
         });
     }
+    record.ended.store(true, Ordering::SeqCst);
 }

@@ -7,7 +7,7 @@ use crate::cli::BulkArgs;
 use crate::client::{self, Kind, LoadPlan};
 use crate::peers;
 use crate::report::{Figure, Report, TargetCheck};
-use crate::scenario::{CpuMeter, Env, stop_upstream};
+use crate::scenario::{CpuMeter, Env, stop_upstream, transport_labels};
 use crate::upstream::paths;
 
 /// The label of a bulk run.
@@ -102,6 +102,22 @@ pub async fn run(env: &Env, args: &BulkArgs) -> anyhow::Result<Report> {
 }
 
 fn ratios_and_targets(report: &mut Report, streams: &[usize]) {
+    let suffix = |n: usize| format!(" ×{n}");
+    let mut tether: Vec<String> = report
+        .runs
+        .iter()
+        .filter(|r| r.label.starts_with("tether"))
+        .filter_map(|r| {
+            streams
+                .iter()
+                .find_map(|&n| r.label.strip_suffix(&suffix(n)).map(str::to_owned))
+        })
+        .collect();
+    tether.sort();
+    tether.dedup();
+    if tether.is_empty() {
+        tether.push("tether".to_owned());
+    }
     for &n in streams {
         let mbps = |r: &Report, path: &str| r.run(&label(path, n)).map(|x| x.mb_per_sec);
         let iperf = report
@@ -109,23 +125,33 @@ fn ratios_and_targets(report: &mut Report, streams: &[usize]) {
             .iter()
             .find(|f| f.name == format!("iperf3 ×{n}"))
             .map(|f| f.value);
-        let (t, d, r) = (
-            mbps(report, "tether"),
-            mbps(report, "direct"),
-            mbps(report, "rathole"),
-        );
-        report.ratio(&format!("MB/s ×{n} tether/direct"), t, d);
-        let vs_rathole = report.ratio(&format!("MB/s ×{n} tether/rathole"), t, r);
-        report.ratio(&format!("MB/s ×{n} tether/iperf3"), t, iperf);
+        let (d, r) = (mbps(report, "direct"), mbps(report, "rathole"));
+        for path in &tether {
+            let t = mbps(report, path);
+            report.ratio(&format!("MB/s ×{n} {path}/direct"), t, d);
+            let vs_rathole = report.ratio(&format!("MB/s ×{n} {path}/rathole"), t, r);
+            report.ratio(&format!("MB/s ×{n} {path}/iperf3"), t, iperf);
+            let who = match path.as_str() {
+                "tether" => String::new(),
+                path => format!("{path}: "),
+            };
+            report.targets.push(TargetCheck::compare(
+                format!("{who}bulk ×{n} ≥ 1.0× rathole"),
+                vs_rathole,
+                1.0,
+                true,
+                "×",
+            ));
+        }
         report.ratio(&format!("MB/s ×{n} direct/iperf3"), d, iperf);
         report.ratio(&format!("MB/s ×{n} rathole/iperf3"), r, iperf);
-        report.targets.push(TargetCheck::compare(
-            format!("bulk ×{n} ≥ 1.0× rathole"),
-            vs_rathole,
-            1.0,
-            true,
-            "×",
-        ));
+        if let (Some(quic), Some(wss)) = transport_labels(report) {
+            report.ratio(
+                &format!("MB/s ×{n} quic/wss"),
+                mbps(report, &quic),
+                mbps(report, &wss),
+            );
+        }
     }
 }
 
@@ -133,6 +159,28 @@ fn ratios_and_targets(report: &mut Report, streams: &[usize]) {
 mod tests {
     use super::*;
     use crate::report::RunResult;
+
+    #[test]
+    fn each_transport_gets_its_ratios_once() {
+        let mut r = Report::new("bulk");
+        for (l, mbps) in [
+            ("tether quic ×1", 300.0),
+            ("tether wss ×1", 200.0),
+            ("tether quic ×8", 400.0),
+            ("tether wss ×8", 400.0),
+        ] {
+            r.runs.push(RunResult {
+                label: l.into(),
+                mb_per_sec: mbps,
+                ..RunResult::default()
+            });
+        }
+        ratios_and_targets(&mut r, &[1, 8]);
+        let names: Vec<&str> = r.ratios.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(names, ["MB/s ×1 quic/wss", "MB/s ×8 quic/wss"], "{names:?}");
+        assert_eq!(r.ratios[0].value, 1.5);
+        assert_eq!(r.targets.len(), 4);
+    }
 
     #[test]
     fn ratios_use_matching_stream_counts() {

@@ -11,7 +11,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
 use crate::certs::ServerTls;
-use crate::cli::{CommonArgs, PathKind};
+use crate::cli::{AgentTransport, CommonArgs, PathKind};
 use crate::client::{self, HttpClient, Protocol, Target};
 use crate::peers::Rathole;
 use crate::procs::{self, Proc};
@@ -170,10 +170,20 @@ impl Env {
         })
     }
 
-    /// Starts a relay and an agent for cluster `loadtest` in front of `up`.
-    pub async fn tether_path(&self, up: &UpstreamProcess) -> anyhow::Result<TetherPath> {
+    /// Starts a relay and an agent for cluster `loadtest` in front of `up`, the agent with `--transport
+    /// transport` when given; `label` names the path in reports.
+    pub async fn tether_path(
+        &self,
+        up: &UpstreamProcess,
+        transport: Option<AgentTransport>,
+        label: String,
+    ) -> anyhow::Result<TetherPath> {
         let bins = self.binaries()?;
-        let relay = self.relay("relay", None).await?;
+        let name = match transport {
+            Some(t) => format!("relay-{}", t.as_str()),
+            None => "relay".to_owned(),
+        };
+        let relay = self.relay(&name, None).await?;
         let token = relay.register("loadtest").await?;
         let kubeconfig = up.dir.join("kubeconfig");
         crate::tether::write_kubeconfig(&kubeconfig, &format!("https://{}", up.addr), &up.ca_pem)?;
@@ -183,15 +193,38 @@ impl Env {
             "loadtest",
             &token,
             &kubeconfig,
-            &self.dir("agent")?,
+            &self.dir(&name.replace("relay", "agent"))?,
             &AgentOptions {
                 wrapper: self.common.agent_wrapper.clone(),
                 log_level: self.common.log_level.clone(),
-                extra_args: Vec::new(),
+                extra_args: transport
+                    .map(|t| vec!["--transport".to_owned(), t.as_str().to_owned()])
+                    .unwrap_or_default(),
             },
         )
         .await?;
-        Ok(TetherPath { relay, agent })
+        Ok(TetherPath {
+            label,
+            relay,
+            agent,
+        })
+    }
+
+    /// The Tether paths to measure: one per `--transport`, or one with the agent's default.
+    pub async fn tether_paths(&self, up: &UpstreamProcess) -> anyhow::Result<Vec<TetherPath>> {
+        let mut transports = self.common.transport.clone();
+        transports.dedup();
+        if transports.is_empty() {
+            return Ok(vec![self.tether_path(up, None, "tether".to_owned()).await?]);
+        }
+        let mut paths = Vec::new();
+        for t in transports {
+            paths.push(
+                self.tether_path(up, Some(t), format!("tether {}", t.as_str()))
+                    .await?,
+            );
+        }
+        Ok(paths)
     }
 
     /// Starts rathole in front of `up`, or explains why not.
@@ -231,7 +264,7 @@ impl Env {
         for kind in wanted {
             match kind {
                 PathKind::Direct => paths.direct = true,
-                PathKind::Tether => paths.tether = Some(self.tether_path(up).await?),
+                PathKind::Tether => paths.tether = self.tether_paths(up).await?,
                 PathKind::Rathole => match self.rathole(up).await {
                     Ok(r) => paths.rathole = Some(r),
                     Err(note) => report.notes.push(note),
@@ -258,6 +291,8 @@ pub struct UpstreamProcess {
 /// Relay and agent in front of the upstream.
 #[derive(Debug)]
 pub struct TetherPath {
+    /// The path's label in reports (`tether`, or `tether quic`, `tether wss`).
+    pub label: String,
     /// The relay.
     pub relay: RelayProcess,
     /// The agent for cluster `loadtest`.
@@ -269,8 +304,8 @@ pub struct TetherPath {
 pub struct Paths {
     /// Straight to the upstream.
     pub direct: bool,
-    /// Through relay and agent.
-    pub tether: Option<TetherPath>,
+    /// Through relay and agent: one per measured agent transport.
+    pub tether: Vec<TetherPath>,
     /// Through rathole.
     pub rathole: Option<Rathole>,
 }
@@ -289,10 +324,10 @@ impl Paths {
                 vec![upstream.clone()],
             ));
         }
-        if let Some(t) = &self.tether {
+        for t in &self.tether {
             out.push((
                 Target {
-                    label: "tether".into(),
+                    label: t.label.clone(),
                     base: format!("{}/clusters/loadtest", t.relay.url),
                 },
                 vec![
@@ -321,7 +356,7 @@ impl Paths {
     /// The CAs a client must trust to reach every target.
     pub fn client(&self, up: &UpstreamProcess, protocol: Protocol) -> anyhow::Result<HttpClient> {
         let mut cas = vec![up.ca_pem.as_str()];
-        if let Some(t) = &self.tether {
+        for t in &self.tether {
             cas.push(&t.relay.ca_pem);
         }
         client::http_client(&cas, protocol)
@@ -329,7 +364,7 @@ impl Paths {
 
     /// Stops every process.
     pub async fn stop(self) {
-        if let Some(t) = self.tether {
+        for t in self.tether {
             t.agent.stop(Duration::from_secs(5)).await;
             t.relay.stop(Duration::from_secs(5)).await;
         }
@@ -337,6 +372,19 @@ impl Paths {
             r.stop().await;
         }
     }
+}
+
+/// The labels of the Tether runs in `report` that measure one agent transport each (`tether quic`, …).
+pub fn transport_labels(report: &Report) -> (Option<String>, Option<String>) {
+    let find = |t: &str| {
+        let label = format!("tether {t}");
+        report
+            .runs
+            .iter()
+            .any(|r| r.label == label || r.label.starts_with(&format!("{label} ")))
+            .then_some(label)
+    };
+    (find("quic"), find("wss"))
 }
 
 /// CPU time of a set of processes (and of this one) over a measured period.

@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::cli::RequestsArgs;
 use crate::client::{self, Kind, LoadPlan};
 use crate::report::{Figure, Report, TargetCheck};
-use crate::scenario::{CpuMeter, Env, stop_upstream};
+use crate::scenario::{CpuMeter, Env, stop_upstream, transport_labels};
 use crate::upstream::paths;
 
 /// The request kinds of a mix.
@@ -81,17 +81,22 @@ pub async fn run(env: &Env, args: &RequestsArgs) -> anyhow::Result<Report> {
         meter.per_request_figures(&mut report, &target.label, result.requests);
         report.runs.push(result);
     }
-    if let Some(t) = &paths.tether {
+    for t in &paths.tether {
+        // "agent RSS after the run" with the default agent, "tether quic: agent RSS …" per transport.
+        let prefix = match t.label.as_str() {
+            "tether" => String::new(),
+            label => format!("{label}: "),
+        };
         if let Some(kib) = t.agent.process().rss_kib() {
             report.figures.push(Figure::new(
-                "agent RSS after the run",
+                format!("{prefix}agent RSS after the run"),
                 kib as f64 / 1024.0,
                 "MiB",
             ));
         }
         if let Some(kib) = t.relay.process().rss_kib() {
             report.figures.push(Figure::new(
-                "relay RSS after the run",
+                format!("{prefix}relay RSS after the run"),
                 kib as f64 / 1024.0,
                 "MiB",
             ));
@@ -107,42 +112,64 @@ fn ratios_and_targets(report: &mut Report) {
     let rps = |r: &Report, l: &str| r.run(l).map(|x| x.requests_per_sec);
     let p50 = |r: &Report, l: &str| r.run(l).and_then(|x| x.latency.as_ref()).map(|s| s.p50_ms);
     let p99 = |r: &Report, l: &str| r.run(l).and_then(|x| x.latency.as_ref()).map(|s| s.p99_ms);
-    let (t, d, r) = (
-        rps(report, "tether"),
-        rps(report, "direct"),
-        rps(report, "rathole"),
-    );
-    let vs_direct = report.ratio("req/s tether/direct", t, d);
-    let vs_rathole = report.ratio("req/s tether/rathole", t, r);
+    let tether: Vec<String> = report
+        .runs
+        .iter()
+        .map(|r| r.label.clone())
+        .filter(|l| l.starts_with("tether"))
+        .collect();
+    let (d, r) = (rps(report, "direct"), rps(report, "rathole"));
+    for label in &tether {
+        let t = rps(report, label);
+        let vs_direct = report.ratio(&format!("req/s {label}/direct"), t, d);
+        let vs_rathole = report.ratio(&format!("req/s {label}/rathole"), t, r);
+        let (tp50, dp50, rp50) = (
+            p50(report, label),
+            p50(report, "direct"),
+            p50(report, "rathole"),
+        );
+        report.ratio(&format!("p50 latency {label}/direct"), tp50, dp50);
+        report.ratio(&format!("p50 latency {label}/rathole"), tp50, rp50);
+        let (tp99, dp99, rp99) = (
+            p99(report, label),
+            p99(report, "direct"),
+            p99(report, "rathole"),
+        );
+        report.ratio(&format!("p99 latency {label}/direct"), tp99, dp99);
+        report.ratio(&format!("p99 latency {label}/rathole"), tp99, rp99);
+        let who = match label.as_str() {
+            "tether" => String::new(),
+            label => format!("{label}: "),
+        };
+        report.targets.push(TargetCheck::compare(
+            format!("{who}requests ≥ 1.0× rathole"),
+            vs_rathole,
+            1.0,
+            true,
+            "×",
+        ));
+        report.targets.push(TargetCheck::compare(
+            format!("{who}requests ≥ 0.5× the direct path"),
+            vs_direct,
+            0.5,
+            true,
+            "×",
+        ));
+    }
     report.ratio("req/s rathole/direct", r, d);
-    let (tp50, dp50, rp50) = (
-        p50(report, "tether"),
-        p50(report, "direct"),
-        p50(report, "rathole"),
-    );
-    report.ratio("p50 latency tether/direct", tp50, dp50);
-    report.ratio("p50 latency tether/rathole", tp50, rp50);
-    let (tp99, dp99, rp99) = (
-        p99(report, "tether"),
-        p99(report, "direct"),
-        p99(report, "rathole"),
-    );
-    report.ratio("p99 latency tether/direct", tp99, dp99);
-    report.ratio("p99 latency tether/rathole", tp99, rp99);
-    report.targets.push(TargetCheck::compare(
-        "requests ≥ 1.0× rathole",
-        vs_rathole,
-        1.0,
-        true,
-        "×",
-    ));
-    report.targets.push(TargetCheck::compare(
-        "requests ≥ 0.5× the direct path",
-        vs_direct,
-        0.5,
-        true,
-        "×",
-    ));
+    if let (Some(quic), Some(wss)) = transport_labels(report) {
+        report.ratio("req/s quic/wss", rps(report, &quic), rps(report, &wss));
+        report.ratio(
+            "p50 latency quic/wss",
+            p50(report, &quic),
+            p50(report, &wss),
+        );
+        report.ratio(
+            "p99 latency quic/wss",
+            p99(report, &quic),
+            p99(report, &wss),
+        );
+    }
 }
 
 #[cfg(test)]
@@ -178,5 +205,27 @@ mod tests {
                 .iter()
                 .any(|f| f.name == "req/s tether/direct" && (f.value - 0.6).abs() < 1e-9)
         );
+    }
+
+    #[test]
+    fn transports_measured_side_by_side_get_their_ratio() {
+        let mut r = Report::new("requests");
+        for (label, rps) in [
+            ("direct", 1000.0),
+            ("tether quic", 700.0),
+            ("tether wss", 500.0),
+        ] {
+            r.runs.push(RunResult {
+                label: label.into(),
+                requests_per_sec: rps,
+                ..RunResult::default()
+            });
+        }
+        ratios_and_targets(&mut r);
+        let get = |n: &str| r.ratios.iter().find(|f| f.name == n).map(|f| f.value);
+        assert_eq!(get("req/s quic/wss"), Some(1.4));
+        assert_eq!(get("req/s tether quic/direct"), Some(0.7));
+        assert_eq!(get("req/s tether wss/direct"), Some(0.5));
+        assert_eq!(r.targets.len(), 4);
     }
 }

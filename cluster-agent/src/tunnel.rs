@@ -1,0 +1,226 @@
+//! One tunnel's life in the agent, from connected to closed: its control channel ([`crate::control`]), the
+//! HTTP streams the relay opens (each served by [`crate::forward`] in a task of the tunnel's own), and its
+//! end.
+//!
+//! A tunnel ends in one of two ways:
+//! - **down**: the relay sent GOAWAY or closed it, or its control channel ended. The supervisor hears it at
+//!   once ([`Event::Down`], after a `draining` that arrives within [`DRAINING_WAIT`] of a GOAWAY) and dials
+//!   again; the streams already accepted keep running while the connection lasts.
+//! - **retired** by the supervisor ([`Tunnel::retire`]): a replacement is up (make-before-break), the tunnel
+//!   is a surplus one, or the agent shuts down. The agent sends GOAWAY (the relay opens nothing new on it;
+//!   a stream it opened meanwhile is refused with SHUTDOWN, retryable on another tunnel), ends the control
+//!   channel, lets the open streams finish for up to the drain timeout, cuts the rest and closes.
+//!
+//! Either way the task ends with [`Event::Finished`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tether_api::reconnect::DRAINING_WAIT;
+use tether_tunnel::{Connection, Incoming, code, kind};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::control;
+use crate::event::{Event, Events, TunnelId};
+use crate::forward::{Upstream, serve_stream};
+use crate::probes::Probes;
+
+/// How long a retired tunnel whose streams are done may take to close by itself.
+const CLOSE_LINGER: Duration = Duration::from_secs(2);
+
+/// Why the supervisor retires a tunnel: the GOAWAY code and reason.
+#[derive(Debug, Clone)]
+pub(crate) struct Retire {
+    pub(crate) code: u32,
+    pub(crate) reason: String,
+}
+
+/// The supervisor's handle on a running tunnel.
+pub(crate) struct Tunnel {
+    pub(crate) conn: Connection,
+    retire: watch::Sender<Option<Retire>>,
+}
+
+impl Tunnel {
+    /// GOAWAY, drain, close (once; later calls are ignored).
+    pub(crate) fn retire(&self, code: u32, reason: impl Into<String>) {
+        let reason = reason.into();
+        self.retire.send_if_modified(|current| {
+            if current.is_some() {
+                return false;
+            }
+            *current = Some(Retire { code, reason });
+            true
+        });
+    }
+
+    /// Closes at once (every stream fails): for a fatal error.
+    pub(crate) fn close(&self, reason: &str) {
+        self.conn.close(code::CANCEL, reason);
+    }
+}
+
+/// What every tunnel task needs.
+#[derive(Clone)]
+pub(crate) struct Context {
+    pub(crate) upstream: Upstream,
+    pub(crate) probes: Probes,
+    pub(crate) shared: Arc<control::Shared>,
+    pub(crate) events: Events,
+    pub(crate) drain_timeout: Duration,
+}
+
+/// Starts serving `conn` as tunnel `id`.
+pub(crate) fn spawn(id: TunnelId, conn: Connection, cx: Context) -> Tunnel {
+    let (retire, retired) = watch::channel(None);
+    tokio::spawn(run(id, conn.clone(), cx, retired));
+    Tunnel { conn, retire }
+}
+
+async fn run(
+    id: TunnelId,
+    conn: Connection,
+    cx: Context,
+    mut retired: watch::Receiver<Option<Retire>>,
+) {
+    let mut streams = JoinSet::new();
+    let mut control = Box::pin(control::run(&conn, &cx.shared, id, &cx.events));
+    let retire = loop {
+        tokio::select! {
+            incoming = conn.accept() => match incoming {
+                Some(incoming) => handle_incoming(incoming, &conn, &cx, &mut streams),
+                None => {
+                    // GOAWAY or closed. A relay that is going away says on the control channel when to come
+                    // back (`draining`), right after GOAWAY; give that message a moment to arrive.
+                    let _ = tokio::time::timeout(DRAINING_WAIT, &mut control).await;
+                    let reason = if conn.is_closed() {
+                        match conn.closed().await.error {
+                            Some(error) => error.to_string(),
+                            None => "the relay closed the tunnel".to_owned(),
+                        }
+                    } else {
+                        "the relay sent GOAWAY".to_owned()
+                    };
+                    cx.events.send(Event::Down { tunnel: id, reason });
+                    break None;
+                }
+            },
+            // Reap finished streams so the set does not grow.
+            Some(_) = streams.join_next(), if !streams.is_empty() => {}
+            reason = &mut control => {
+                let reason = format!("control channel ended: {reason}");
+                if !conn.is_closed() {
+                    conn.close(code::NO_ERROR, "control channel ended");
+                }
+                cx.events.send(Event::Down { tunnel: id, reason });
+                break None;
+            }
+            Ok(()) = retired.changed() => {
+                if let Some(retire) = retired.borrow_and_update().clone() {
+                    break Some(retire);
+                }
+            }
+        }
+    };
+    // The control channel ends with the tunnel's service (a replacement, if any, has its own).
+    drop(control);
+    // Streams already accepted keep running while the connection lasts, until the agent retires the tunnel.
+    let retire = match retire {
+        Some(retire) => Some(retire),
+        None => loop {
+            tokio::select! {
+                done = streams.join_next() => if done.is_none() { break None },
+                Ok(()) = retired.changed() => {
+                    if let Some(retire) = retired.borrow_and_update().clone() {
+                        break Some(retire);
+                    }
+                }
+                _ = conn.closed() => {
+                    // The streams see the close and end at once.
+                    while streams.join_next().await.is_some() {}
+                    break None;
+                }
+            }
+        },
+    };
+    if let Some(Retire { code, reason }) = retire {
+        tracing::debug!(tunnel = id, open_streams = streams.len(), %reason, "retiring the tunnel: GOAWAY, then draining its streams");
+        conn.go_away(code, &reason);
+        drain(&mut streams, cx.drain_timeout).await;
+        // After GOAWAY the connection closes by itself once its last stream is done on both sides; closing
+        // it outright could cut the last bytes of a stream that just finished.
+        if tokio::time::timeout(CLOSE_LINGER, conn.closed())
+            .await
+            .is_err()
+        {
+            conn.close(code::NO_ERROR, &reason);
+        }
+    }
+    cx.events.send(Event::Finished { tunnel: id });
+}
+
+/// Waits up to `drain_timeout` for the streams to finish, then cuts the rest.
+async fn drain(streams: &mut JoinSet<()>, drain_timeout: Duration) {
+    if streams.is_empty() {
+        return;
+    }
+    let drained = tokio::time::timeout(drain_timeout, async {
+        while streams.join_next().await.is_some() {}
+    });
+    if drained.await.is_err() {
+        tracing::warn!(
+            open_streams = streams.len(),
+            "drain timeout reached; cutting the remaining streams"
+        );
+        streams.shutdown().await;
+    }
+}
+
+fn handle_incoming(incoming: Incoming, conn: &Connection, cx: &Context, streams: &mut JoinSet<()>) {
+    if incoming.kind != kind::HTTP {
+        tracing::debug!(
+            kind = incoming.kind,
+            "refusing a stream of unsupported kind"
+        );
+        incoming.refuse(
+            code::UNSUPPORTED_KIND,
+            "this agent serves only HTTP streams",
+        );
+        return;
+    }
+    let stream = match incoming.accept(Bytes::new()) {
+        Ok(stream) => stream,
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot accept a stream");
+            return;
+        }
+    };
+    let upstream = cx.upstream.clone();
+    let conn = conn.clone();
+    let control = stream.control();
+    let counted = cx.probes.stream_opened();
+    streams.spawn(async move {
+        let _counted = counted;
+        let id = stream.id();
+        // A stream whose tunnel is gone ends with it: otherwise a response waiting on the apiserver (a quiet
+        // watch, `logs -f`) would hold its upstream connection until the apiserver next sends something.
+        // Likewise a stream the relay reset (its user left, or its request deadline passed): cancelling the
+        // task drops the upstream request, so one still waiting for an upstream connection or stream is
+        // never sent, and one in flight is cancelled.
+        tokio::select! {
+            result = serve_stream(stream, upstream) => {
+                if let Err(e) = result {
+                    tracing::debug!(stream = ?id, error = %e, "stream ended with an error");
+                }
+            }
+            _ = conn.closed() => {
+                tracing::debug!(stream = ?id, "tunnel closed; stream cut");
+            }
+            why = control.failed() => {
+                tracing::debug!(stream = ?id, error = %why, "stream reset; request cut");
+            }
+        }
+    });
+}
