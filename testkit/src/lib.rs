@@ -32,6 +32,7 @@ pub mod dev_issuer;
 mod exec;
 mod flags;
 mod handlers;
+pub mod haproxy;
 pub mod idp;
 mod kinds;
 pub mod kubectl;
