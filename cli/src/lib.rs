@@ -3,13 +3,16 @@
 //! Every subcommand is a thin client of the relay's admin REST API (`docs/API.md`), except `tether up`, which runs
 //! a relay, a cluster agent and (unless a real cluster is given) the testkit's sample apiserver in one process.
 //! The [`up`] module is also the harness the end-to-end tests use, so the quickstart and the tests exercise the
-//! same wiring.
+//! same wiring; `fleet` (`tether up --replicas N`: relay processes on PostgreSQL behind HAProxy) is the harness
+//! of the relay-fleet tests and of `tether-loadtest failover`.
 //!
 //! It does not talk to clusters itself: kubectl does, through the relay.
 
 pub mod args;
 pub mod client;
 pub mod config;
+#[cfg(feature = "quickstart")]
+pub mod fleet;
 mod helm;
 pub mod kubeconfig;
 mod output;

@@ -262,6 +262,9 @@ impl HaProxy {
             .stdin(Stdio::null())
             .stdout(file)
             .stderr(stderr)
+            // Not in the caller's process group: a Ctrl-C meant for the caller must not stop the load balancer
+            // under connections the caller still drains.
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| error(format!("cannot start {}: {e}", binary.display())))?;
@@ -388,11 +391,9 @@ fn render(options: &HaProxyOptions, listen: SocketAddr, stats: SocketAddr) -> St
         "# Written by Tether (local relay fleet); rewritten on every start.\n\
          # TCP mode: TLS passes through to the relays, which see the agents' client certificates.\n\
          global\n\
-         \x20   log stderr format raw local0 notice\n\
          \x20   stats socket {stats_bind} level user\n\
          \n\
          defaults\n\
-         \x20   log global\n\
          \x20   mode tcp\n\
          \x20   timeout connect 1s\n\
          \x20   # Watches, logs -f, exec sessions and agent tunnels are long-lived; tunnels ping every 15 s.\n\
