@@ -57,6 +57,7 @@ mod store;
 mod target;
 pub mod tools;
 mod tour;
+pub mod traffic;
 mod util;
 pub mod wait;
 pub mod webhook;
