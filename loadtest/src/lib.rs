@@ -6,11 +6,14 @@
 //! (large streamed responses over one stream and many), `tunnels` (M idle tunnels on one relay: RSS, heartbeat
 //! CPU, connect rate), `reconnect` (the relay restarted under M agents), `hol` (a stalled reader beside
 //! parallel GETs on the same tunnel), `churn` (stream open/close cycles: relay and agent RSS and stream tables
-//! before and after). Each writes a [`report::Report`] as JSON, a readable table and SVG plots.
+//! before and after), `failover` (a local relay fleet under GETs and watches: a replica killed, then all
+//! rolled). Each writes a [`report::Report`] as JSON, a readable table and SVG plots.
 //!
 //! Tether is driven through its binaries (`tether-relay`, `tether-agent`), its admin REST API and its agent
 //! endpoints, never by linking the relay or agent crates; simulated agents (for thousands of tunnels) use
-//! `tether_tunnel` to dial. The upstream is a minimal HTTPS server in this crate ([`upstream`]) that does no
+//! `tether_tunnel` to dial. `failover` runs the fleet of `tether up --replicas N` (`tether_cli::fleet`: relay and
+//! agent processes, a real PostgreSQL and HAProxy, the sample apiserver in this process) and its traffic from
+//! `tether_testkit::traffic`. The upstream is a minimal HTTPS server in this crate ([`upstream`]) that does no
 //! work, run as a child process. Everything runs on 127.0.0.1, bounded in time and count, and every child
 //! process is killed at the end.
 //!
@@ -55,6 +58,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<Vec<Report>> {
         }
         Command::Hol(a) => reports.push(finish(&env, scenario::hol::run(&env, a).await?)?),
         Command::Churn(a) => reports.push(finish(&env, scenario::churn::run(&env, a).await?)?),
+        Command::Failover(a) => {
+            reports.push(finish(&env, scenario::failover::run(&env, a).await?)?)
+        }
         Command::All => {
             reports.push(finish(
                 &env,
