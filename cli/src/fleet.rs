@@ -263,6 +263,8 @@ pub struct Replica {
     child: Option<Child>,
     pid: Option<u32>,
     started: Option<Instant>,
+    /// The supervisor (foreground command) starts it again no earlier than this.
+    not_before: Option<Instant>,
 }
 
 impl Replica {
@@ -306,8 +308,11 @@ pub struct Fleet {
     guard: Option<GuardRuntime>,
     entra: Option<Entra>,
     cluster_kubeconfig: PathBuf,
-    /// The URL of the database the replicas share.
+    /// The URL of the database the replicas share (with the password of a kept database: a secret; given to the
+    /// replicas in their environment, never on their command line).
     pub database_url: String,
+    /// The same URL without the password, to show.
+    pub database_shown: String,
     postgres: Option<Postgres>,
     replicas: Vec<Replica>,
     haproxy: Option<HaProxy>,
@@ -340,6 +345,7 @@ impl Fleet {
         let features = Features::probe(&options.binaries).await;
 
         let (postgres, database_url) = start_postgres(&dir, &options.database).await?;
+        let database_shown = postgres.url_without_password(DATABASE);
         let (sample, issuer, guard, entra, cluster_kubeconfig, user_token) =
             up::Up::start_cluster(&dir, &options.up).await?;
         let lb_addr = options.up.listen;
@@ -357,6 +363,7 @@ impl Fleet {
             entra,
             cluster_kubeconfig,
             database_url,
+            database_shown,
             postgres: Some(postgres),
             replicas: Vec::new(),
             haproxy: None,
@@ -400,6 +407,7 @@ impl Fleet {
                 child: None,
                 pid: None,
                 started: None,
+                not_before: None,
             });
         }
         for i in 0..self.replicas.len() {
@@ -544,8 +552,6 @@ impl Fleet {
             replica.addr.to_string(),
             "--data-dir".into(),
             path_arg(&replica.data_dir),
-            "--database-url".into(),
-            self.database_url.clone(),
             "--admin-token-file".into(),
             path_arg(&dir.join("relay").join("admin-token")),
             "--no-quic".into(),
@@ -595,6 +601,10 @@ impl Fleet {
         let args = self.replica_args(self.replica(i)?);
         let program = self.options.binaries.relay.clone();
         let log_level = self.options.log_level.clone();
+        // The database URL carries the password: in the environment (readable by this user only), not in the
+        // arguments (readable by every user of the machine).
+        let url = self.database_url.clone();
+        let env = [("TETHER_RELAY_DATABASE_URL", url.as_str())];
         let replica = self.replica_mut(i)?;
         if replica.child.is_some() {
             return Err(UpError::Replica {
@@ -602,11 +612,12 @@ impl Fleet {
                 message: "it is running already".into(),
             });
         }
-        let child =
-            spawn(&program, &args, &replica.log, &log_level).map_err(|e| UpError::Replica {
+        let child = spawn(&program, &args, &env, &replica.log, &log_level).map_err(|e| {
+            UpError::Replica {
                 id: replica.id.clone(),
                 message: e,
-            })?;
+            }
+        })?;
         replica.pid = child.id();
         replica.child = Some(child);
         replica.started = Some(Instant::now());
@@ -888,6 +899,7 @@ impl Fleet {
         let child = spawn(
             &self.options.binaries.agent,
             &args,
+            &[],
             &self.agent_log(),
             &self.options.log_level,
         )
@@ -1006,7 +1018,8 @@ impl Fleet {
                 "config": self.haproxy.as_ref().map(|h| h.config_path().to_path_buf()),
                 "log": self.haproxy.as_ref().map(|h| h.log_path().to_path_buf()),
             },
-            "database": self.database_url,
+            "database": self.database_shown,
+            "databasePassword": self.postgres.as_ref().and_then(Postgres::password_file),
             "databaseLog": self.postgres.as_ref().map(Postgres::log_path),
             "replicas": replicas,
             "agent": { "pid": self.agent_pid, "log": self.agent_log() },
@@ -1072,23 +1085,38 @@ impl Fleet {
     }
 
     /// For the foreground command: starts again every replica whose process exited (a replica killed or
-    /// stopped from outside comes back, as a Deployment's would); one line per replica restarted or failing.
+    /// stopped from outside comes back, as a Deployment's would) — a second after it exited, or 5 s when it ran
+    /// for less than 10 s or failed to start; one line per event.
     async fn supervise(&mut self) -> Vec<String> {
         let mut lines = Vec::new();
         for i in 0..self.replicas.len() {
-            let exited = match self.replica_exit(i) {
-                Ok(Some(status)) => status,
-                Ok(None) => continue,
-                Err(e) => {
-                    lines.push(e.to_string());
-                    continue;
+            match self.replica_exit(i) {
+                Ok(Some(status)) => {
+                    let replica = &mut self.replicas[i];
+                    let brief = replica
+                        .started
+                        .is_some_and(|s| s.elapsed() < Duration::from_secs(10));
+                    let wait = Duration::from_secs(if brief { 5 } else { 1 });
+                    replica.not_before = Some(Instant::now() + wait);
+                    lines.push(format!(
+                        "{} exited ({status}); starting it again in {wait:?}",
+                        replica.id
+                    ));
                 }
-            };
-            let id = self.replicas[i].id.clone();
-            lines.push(format!("{id} exited ({exited}); starting it again"));
+                Ok(None) => {}
+                Err(e) => lines.push(e.to_string()),
+            }
+            let replica = &self.replicas[i];
+            if self.replica_running(i) || replica.not_before.is_some_and(|t| Instant::now() < t) {
+                continue;
+            }
+            let id = replica.id.clone();
             match self.start_replica(i).await {
                 Ok(()) => lines.push(format!("{id} is ready again")),
-                Err(e) => lines.push(format!("{e}")),
+                Err(e) => {
+                    lines.push(format!("{e}"));
+                    self.replicas[i].not_before = Some(Instant::now() + Duration::from_secs(5));
+                }
             }
         }
         lines
@@ -1203,9 +1231,15 @@ fn duration_arg(d: Duration) -> String {
     }
 }
 
-/// Spawns `program args…` with stdout and stderr appended to `log`, killed if the handle is dropped. The
-/// caller's `TETHER_*` variables are not passed on: every setting comes from the command line.
-fn spawn(program: &Path, args: &[String], log: &Path, log_level: &str) -> Result<Child, String> {
+/// Spawns `program args…` with `env` added, stdout and stderr appended to `log`, killed if the handle is
+/// dropped. The caller's `TETHER_*` variables are not passed on: every setting comes from here.
+fn spawn(
+    program: &Path,
+    args: &[String],
+    env: &[(&str, &str)],
+    log: &Path,
+    log_level: &str,
+) -> Result<Child, String> {
     let file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -1221,6 +1255,7 @@ fn spawn(program: &Path, args: &[String], log: &Path, log_level: &str) -> Result
             command.env_remove(key);
         }
     }
+    command.envs(env.iter().copied());
     if std::env::var_os("RUST_LOG").is_none() {
         command.env("RUST_LOG", log_level);
     }
@@ -1277,10 +1312,15 @@ pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
     tokio::pin!(stop);
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
+        // Ctrl-C is heard while a replica starts too (what started is stopped by the shutdown).
+        let supervised = async {
+            tick.tick().await;
+            fleet.supervise().await
+        };
         tokio::select! {
             () = &mut stop => break,
-            _ = tick.tick() => {
-                for line in fleet.supervise().await {
+            lines = supervised => {
+                for line in lines {
                     println!("{line}");
                 }
             }
@@ -1309,7 +1349,7 @@ fn print_summary(fleet: &Fleet) {
             r.log.display()
         );
     }
-    println!("  database:      {}", fleet.database_url);
+    println!("  database:      {}", fleet.database_shown);
     match &fleet.sample {
         Some(sample) => println!(
             "  cluster:       \"{}\" — the sample apiserver at {}, its agent (pid {}) connected through the load \

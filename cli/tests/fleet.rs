@@ -313,6 +313,23 @@ async fn a_second_run_reuses_the_fleets_data() -> anyhow::Result<()> {
     let identity = fleet_dir.join("agent").join("identity.json");
 
     let first = Fleet::start(options(binaries.clone())).await?;
+    // The kept database has a password; no process shows it in its arguments (which every user can read).
+    let listed: Value =
+        serde_json::from_str(&std::fs::read_to_string(fleet_dir.join("fleet.json"))?)?;
+    let password_file = listed["databasePassword"]
+        .as_str()
+        .context("fleet.json names the database's password file")?;
+    let password = std::fs::read_to_string(password_file)?;
+    anyhow::ensure!(password.trim().len() >= 32 && !listed.to_string().contains(password.trim()));
+    for replica in first.replicas() {
+        let pid = replica.pid().context("running")?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))?;
+        anyhow::ensure!(
+            !String::from_utf8_lossy(&cmdline).contains(password.trim()),
+            "{} shows the database password in its arguments",
+            replica.id
+        );
+    }
     let assignment = first
         .client()?
         .assign_role("Viewer", &object_id(ALICE), "demo", Some("default"))

@@ -4,7 +4,8 @@
 //!
 //! [`Postgres::start_kept`] is the same server with its data kept in a directory of the caller's (the local
 //! relay fleet of `tether up --replicas N`): `initdb` the first time, the same data on every later start, stopped
-//! on drop but never removed.
+//! on drop but never removed. It lives longer than a test and other users of the machine can reach its port, so
+//! it requires a password (SCRAM), generated at `initdb` into `DIR/password` (0600).
 //!
 //! The binaries are found in `$TETHER_PG_BINDIR`, else `pg_config --bindir`, else the newest
 //! `/usr/lib/postgresql/NN/bin` (Debian's layout), else `PATH`. PostgreSQL refuses to run as root, so when the
@@ -19,7 +20,8 @@
 //! # let _ = url; Ok(()) }
 //! ```
 //!
-//! Authentication is `trust` on loopback: the server is reachable only from this machine, for the test's life.
+//! Authentication of the temporary server is `trust` on loopback: it is reachable only from this machine, for the
+//! test's life.
 
 use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -43,7 +45,12 @@ pub struct Postgres {
     port: u16,
     /// Run the PostgreSQL binaries as this user (`runuser`), when the tests run as root.
     run_as: Option<String>,
+    /// The superuser's password (kept servers); `None`: `trust`.
+    password: Option<tether_runtime::Secret>,
 }
+
+/// The file of a kept server's directory holding its superuser's password.
+const PASSWORD_FILE: &str = "password";
 
 /// Where a server's files live.
 #[derive(Debug)]
@@ -95,6 +102,27 @@ impl Postgres {
 
     fn start_home(bindir: PathBuf, home: Home) -> Result<Postgres, PostgresError> {
         let run_as = is_root().then(|| SUPERUSER.to_owned());
+        let password_file = home.path().join(PASSWORD_FILE);
+        let initialized = home.path().join("data").join("PG_VERSION").is_file();
+        let password = match &home {
+            Home::Temporary(_) => None,
+            Home::Kept(_) if initialized => match std::fs::read_to_string(&password_file) {
+                Ok(text) => Some(tether_runtime::Secret::new(text.trim())),
+                // Made before passwords (trust): it stays so.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => {
+                    return Err(harness(format!(
+                        "cannot read {}: {e}",
+                        password_file.display()
+                    )));
+                }
+            },
+            Home::Kept(_) => {
+                let text = format!("{:032x}", rand::random::<u128>());
+                write_private(&password_file, &text)?;
+                Some(tether_runtime::Secret::new(text))
+            }
+        };
         if run_as.is_some() {
             // PostgreSQL will not run as root; its directory must belong to the user it runs as.
             run(Command::new("chown")
@@ -107,6 +135,7 @@ impl Postgres {
             home,
             port: 0,
             run_as,
+            password,
         };
         if pg.run_as.is_some() {
             // A directory the server's user cannot reach fails later with a confusing message: say why here.
@@ -124,26 +153,19 @@ impl Postgres {
             }
         }
         let data = pg.data_dir();
-        if data.join("PG_VERSION").is_file() {
+        if initialized {
             pg.start_on_a_free_port()?;
             return Ok(pg);
         }
-        pg.run_tool(
-            "initdb",
-            &[
-                "--pgdata",
-                path_str(&data)?,
-                "--username",
-                SUPERUSER,
-                "--auth",
-                "trust",
-                "--encoding",
-                "UTF8",
-                "--locale",
-                "C",
-                "--no-sync",
-            ],
-        )?;
+        let pwfile = format!("--pwfile={}", path_str(&password_file)?);
+        let auth: Vec<&str> = match pg.password {
+            Some(_) => vec!["--auth", "scram-sha-256", &pwfile],
+            None => vec!["--auth", "trust"],
+        };
+        let mut args = vec!["--pgdata", path_str(&data)?, "--username", SUPERUSER];
+        args.extend(auth);
+        args.extend(["--encoding", "UTF8", "--locale", "C", "--no-sync"]);
+        pg.run_tool("initdb", &args)?;
         pg.start_on_a_free_port()?;
         Ok(pg)
     }
@@ -215,9 +237,28 @@ impl Postgres {
         self.port
     }
 
-    /// The URL of `database` on this server, as the superuser.
+    /// The URL of `database` on this server, as the superuser (with the password of a kept server: a secret).
     pub fn url(&self, database: &str) -> String {
+        match &self.password {
+            Some(password) => format!(
+                "postgres://{SUPERUSER}:{}@127.0.0.1:{}/{database}",
+                password.expose(),
+                self.port
+            ),
+            None => self.url_without_password(database),
+        }
+    }
+
+    /// The URL of `database` without the password, to show.
+    pub fn url_without_password(&self, database: &str) -> String {
         format!("postgres://{SUPERUSER}@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// Where a kept server's password is (`None` for a temporary server, which trusts loopback).
+    pub fn password_file(&self) -> Option<PathBuf> {
+        self.password
+            .as_ref()
+            .map(|_| self.home.path().join(PASSWORD_FILE))
     }
 
     /// Creates a database and returns its URL.
@@ -280,8 +321,18 @@ impl Postgres {
         }
     }
 
-    /// Runs one of the PostgreSQL binaries (as the server's user), failing with its output on error.
+    /// Runs one of the PostgreSQL binaries (as the server's user, with the password), failing with its output on
+    /// error.
     fn run_tool(&self, tool: &str, args: &[&str]) -> Result<Output, PostgresError> {
+        self.run_tool_with(tool, args, self.password.as_ref())
+    }
+
+    fn run_tool_with(
+        &self,
+        tool: &str,
+        args: &[&str],
+        password: Option<&tether_runtime::Secret>,
+    ) -> Result<Output, PostgresError> {
         let program = self.bindir.join(tool);
         let mut command = match &self.run_as {
             Some(user) => {
@@ -301,6 +352,10 @@ impl Postgres {
             .env_remove("PGPASSWORD")
             .env("LC_ALL", "C")
             .current_dir(self.home.path());
+        if let Some(password) = password {
+            // The environment of a process is readable by its user only (unlike its arguments).
+            command.env("PGPASSWORD", password.expose());
+        }
         run(&mut command)
     }
 }
@@ -324,6 +379,20 @@ pub fn kept_dir_for(dir: &Path) -> PathBuf {
     let digest = Sha256::digest(canonical.as_os_str().as_encoded_bytes());
     let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
     PathBuf::from("/var/lib/tether-up").join(format!("postgres-{hash}"))
+}
+
+/// Writes `text` to a new 0600 file at `path`.
+fn write_private(path: &Path, text: &str) -> Result<(), PostgresError> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| harness(format!("cannot create {}: {e}", path.display())))?;
+    file.write_all(text.as_bytes())
+        .map_err(|e| harness(format!("cannot write {}: {e}", path.display())))
 }
 
 /// Sets `dir`'s permissions to 0700 (PostgreSQL refuses a data directory others can read).
@@ -499,6 +568,34 @@ mod tests {
             first.create_database("kept").is_err(),
             "createdb again fails"
         );
+        // Another user of the machine, without the password, is refused.
+        let port = first.port().to_string();
+        let args = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port,
+            "--username",
+            SUPERUSER,
+            "--no-password",
+            "stranger",
+        ];
+        let refused = first.run_tool_with("createdb", &args, None).err();
+        let refused = refused.map(|e| e.to_string()).unwrap_or_default();
+        assert!(refused.contains("password"), "{refused}");
+        let password_file = first.password_file().expect("a kept server has a password");
+        let password = std::fs::read_to_string(&password_file).expect("password file");
+        assert!(
+            url.contains(password.trim()),
+            "the URL carries the password"
+        );
+        assert!(!first.url_without_password("kept").contains(password.trim()));
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&password_file)
+                .expect("password file")
+                .permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o600);
         drop(first);
         assert!(
             dir.join("data").join("PG_VERSION").is_file(),
