@@ -94,6 +94,7 @@ pub fn init_tracing(verbose: bool) {
 pub async fn run(cli: Cli) -> Result<(), CliError> {
     tether_runtime::tls::install_crypto_provider();
     match cli.command {
+        Command::Up(args) if args.replicas > 1 => up_fleet(args).await,
         Command::Up(args) => up::run_foreground(args).await.map_err(CliError::from),
         Command::Cluster { command } => {
             let config = ResolvedConfig::resolve(&cli.global)?;
@@ -122,6 +123,21 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Token(args) => token_command(&cli.global, &args),
     }
+}
+
+/// `tether up --replicas N`: the local relay fleet.
+#[cfg(feature = "quickstart")]
+async fn up_fleet(args: args::UpArgs) -> Result<(), CliError> {
+    fleet::run_foreground(args).await.map_err(CliError::from)
+}
+
+#[cfg(not(feature = "quickstart"))]
+async fn up_fleet(_args: args::UpArgs) -> Result<(), CliError> {
+    Err(ConfigError::Invalid(format!(
+        "--replicas: {} (the local fleet runs PostgreSQL and HAProxy through the test kit)",
+        up::WITHOUT_QUICKSTART
+    ))
+    .into())
 }
 
 /// The longest lifetime `tether token` gives a development token.

@@ -962,20 +962,14 @@ fn bearer_token_of(path: &Path) -> Result<Option<String>, UpError> {
     Ok(None)
 }
 
-/// `tether up` in the foreground: start, print what to try, run until Ctrl-C or SIGTERM, shut down. With
-/// `--replicas N` (N ≥ 2), the local relay fleet instead ([`crate::fleet`]).
+/// `tether up` in the foreground: start, print what to try, run until Ctrl-C or SIGTERM, shut down. (With
+/// `--replicas N`, N ≥ 2, `tether up` runs the local relay fleet instead: `crate::fleet`.)
 pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
-    match args.replicas {
-        0 => return Err(UpError::Config("--replicas must be at least 1".into())),
-        1 => {}
-        #[cfg(feature = "quickstart")]
-        _ => return crate::fleet::run_foreground(args).await,
-        #[cfg(not(feature = "quickstart"))]
-        _ => {
-            return Err(UpError::Config(format!(
-                "--replicas: {WITHOUT_QUICKSTART} (the local fleet runs PostgreSQL and HAProxy through it)"
-            )));
-        }
+    if args.replicas != 1 {
+        return Err(UpError::Config(format!(
+            "--replicas {}: 1 runs one relay, 2 to 9 a local fleet",
+            args.replicas
+        )));
     }
     let up = Up::start(args.into()).await?;
     let kubeconfig = up.kubeconfig_path.display().to_string();

@@ -799,3 +799,41 @@ async fn a_role_assignment_made_at_replica_a_takes_effect_through_replica_c_with
     env.fleet.shutdown().await?;
     Ok(())
 }
+
+/// `tether up` refuses replica and tunnel counts it cannot run, with exit status 64, before starting anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tether_up_refuses_bad_replica_and_tunnel_counts() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    for (args, says) in [
+        (
+            &["--replicas", "0"][..],
+            "1 runs one relay, 2 to 9 a local fleet",
+        ),
+        (&["--replicas", "10"][..], "2 to 9 replicas"),
+        (
+            &["--replicas", "3", "--tunnels", "0"][..],
+            "--tunnels must be at least 1",
+        ),
+    ] {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tether"))
+            .arg("up")
+            .arg("--dir")
+            .arg(dir.path().join("up"))
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output()
+            .await?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        anyhow::ensure!(
+            out.status.code() == Some(64) && stderr.contains(says),
+            "tether up {args:?}: {:?} {stderr}",
+            out.status
+        );
+        anyhow::ensure!(
+            !dir.path().join("up").join("relay").exists(),
+            "nothing started"
+        );
+    }
+    Ok(())
+}
