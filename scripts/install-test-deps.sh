@@ -10,6 +10,8 @@ command -v python3 >/dev/null 2>&1 || missing+=(python3)
 command -v tinyproxy >/dev/null 2>&1 || [ -x /usr/bin/tinyproxy ] || [ -x /usr/sbin/tinyproxy ] || missing+=(tinyproxy)
 # The store suite (and the relay-fleet tests) start their own PostgreSQL server from the Debian package.
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
+# The relay-fleet tests (and `tether up --replicas N`) put a real HAProxy in front of the relays.
+command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
 have_kubectl=1
 command -v kubectl >/dev/null 2>&1 || ls /usr/lib/google-cloud-sdk/bin/kubectl.1.* >/dev/null 2>&1 || have_kubectl=0
 
@@ -30,6 +32,10 @@ if [ ${#missing[@]} -gt 0 ] || [ $have_kubectl -eq 0 ]; then
   # Likewise PostgreSQL: the tests run initdb in a temporary directory; the package's own cluster is not wanted.
   if [[ " ${missing[*]:-} " == *" postgresql "* ]] && command -v systemctl >/dev/null 2>&1; then
     systemctl disable --now postgresql >/dev/null 2>&1 || true
+  fi
+  # And HAProxy: the tests and `tether up --replicas N` run their own, with a configuration of their own.
+  if [[ " ${missing[*]:-} " == *" haproxy "* ]] && command -v systemctl >/dev/null 2>&1; then
+    systemctl disable --now haproxy >/dev/null 2>&1 || true
   fi
   if [ $have_kubectl -eq 0 ]; then
     apt-get install -y -qq --no-install-recommends kubectl || apt-get install -y -qq --no-install-recommends kubernetes-client

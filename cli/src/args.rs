@@ -488,6 +488,17 @@ pub struct UpArgs {
     /// Do not wire in guard and the development token issuer (kubectl tokens then only pass through).
     #[arg(long)]
     pub no_guard: bool,
+    /// Run a relay fleet instead of one relay: this many `tether-relay` processes (2 to 9) on one local
+    /// PostgreSQL, behind HAProxy listening on --listen. Needs tether-relay and tether-agent beside tether, and
+    /// the Debian packages postgresql and haproxy.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub replicas: usize,
+    /// With --replicas: how many tunnels the agent keeps, each to a distinct replica.
+    #[arg(long, default_value_t = 2, value_name = "K")]
+    pub tunnels: u32,
+    /// With --replicas: how long a replica stopping (SIGTERM) lets watches, `logs -f` and exec sessions run.
+    #[arg(long, default_value = "30s", value_name = "DURATION", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
 }
 
 #[cfg(test)]

@@ -191,6 +191,16 @@ impl RelayClient {
         self.call(Method::GET, &cluster_path(name)?, NO_BODY).await
     }
 
+    /// Shows one cluster as the relay's JSON, fields this client's types do not name included.
+    pub async fn show_cluster_json(&self, name: &str) -> Result<Value, ClientError> {
+        self.call(Method::GET, &cluster_path(name)?, NO_BODY).await
+    }
+
+    /// `GET path` (a probe such as `/readyz`): the status and the body, whatever the status.
+    pub async fn get_raw(&self, path: &str) -> Result<(StatusCode, Bytes), ClientError> {
+        self.send(Method::GET, path, Bytes::new()).await
+    }
+
     /// Deletes a cluster.
     pub async fn delete_cluster(&self, name: &str) -> Result<(), ClientError> {
         self.delete(&cluster_path(name)?).await
@@ -331,13 +341,32 @@ impl RelayClient {
         path: &str,
         body: Option<&(impl Serialize + ?Sized)>,
     ) -> Result<T, ClientError> {
-        let url = format!("{}{}", self.base, path);
         let body = match body {
             Some(v) => Bytes::from(
                 serde_json::to_vec(v).map_err(|e| ClientError::InvalidRequest(e.to_string()))?,
             ),
             None => Bytes::new(),
         };
+        let (status, bytes) = self.send(method, path, body).await?;
+        if !status.is_success() {
+            let message = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .and_then(|v| v.get("message").and_then(Value::as_str).map(str::to_string))
+                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).chars().take(500).collect());
+            return Err(ClientError::Status { status, message });
+        }
+        let bytes: &[u8] = if bytes.is_empty() { b"null" } else { &bytes };
+        serde_json::from_slice(bytes).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    /// Sends one request with the admin token; the status and the whole answer (bounded).
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Bytes,
+    ) -> Result<(StatusCode, Bytes), ClientError> {
+        let url = format!("{}{}", self.base, path);
         let request = Request::builder()
             .method(method)
             .uri(&url)
@@ -364,15 +393,7 @@ impl RelayClient {
             .map_err(|_| unreachable(format!("answer not complete within {TIMEOUT:?}")))?
             .map_err(|e| ClientError::Decode(e.to_string()))?
             .to_bytes();
-        if !status.is_success() {
-            let message = serde_json::from_slice::<Value>(&bytes)
-                .ok()
-                .and_then(|v| v.get("message").and_then(Value::as_str).map(str::to_string))
-                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).chars().take(500).collect());
-            return Err(ClientError::Status { status, message });
-        }
-        let bytes: &[u8] = if bytes.is_empty() { b"null" } else { &bytes };
-        serde_json::from_slice(bytes).map_err(|e| ClientError::Decode(e.to_string()))
+        Ok((status, bytes))
     }
 }
 

@@ -3,13 +3,16 @@
 //! Every subcommand is a thin client of the relay's admin REST API (`docs/API.md`), except `tether up`, which runs
 //! a relay, a cluster agent and (unless a real cluster is given) the testkit's sample apiserver in one process.
 //! The [`up`] module is also the harness the end-to-end tests use, so the quickstart and the tests exercise the
-//! same wiring.
+//! same wiring; `fleet` (`tether up --replicas N`: relay processes on PostgreSQL behind HAProxy) is the harness
+//! of the relay-fleet tests and of `tether-loadtest failover`.
 //!
 //! It does not talk to clusters itself: kubectl does, through the relay.
 
 pub mod args;
 pub mod client;
 pub mod config;
+#[cfg(feature = "quickstart")]
+pub mod fleet;
 mod helm;
 pub mod kubeconfig;
 mod output;
@@ -91,6 +94,7 @@ pub fn init_tracing(verbose: bool) {
 pub async fn run(cli: Cli) -> Result<(), CliError> {
     tether_runtime::tls::install_crypto_provider();
     match cli.command {
+        Command::Up(args) if args.replicas > 1 => up_fleet(args).await,
         Command::Up(args) => up::run_foreground(args).await.map_err(CliError::from),
         Command::Cluster { command } => {
             let config = ResolvedConfig::resolve(&cli.global)?;
@@ -119,6 +123,21 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Token(args) => token_command(&cli.global, &args),
     }
+}
+
+/// `tether up --replicas N`: the local relay fleet.
+#[cfg(feature = "quickstart")]
+async fn up_fleet(args: args::UpArgs) -> Result<(), CliError> {
+    fleet::run_foreground(args).await.map_err(CliError::from)
+}
+
+#[cfg(not(feature = "quickstart"))]
+async fn up_fleet(_args: args::UpArgs) -> Result<(), CliError> {
+    Err(ConfigError::Invalid(format!(
+        "--replicas: {} (the local fleet runs PostgreSQL and HAProxy through the test kit)",
+        up::WITHOUT_QUICKSTART
+    ))
+    .into())
 }
 
 /// The longest lifetime `tether token` gives a development token.

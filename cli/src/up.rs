@@ -81,6 +81,23 @@ pub enum UpError {
     /// Guard or the development issuer failed to start.
     #[error("guard: {0}")]
     Guard(String),
+    /// The local fleet's PostgreSQL could not be found or started.
+    #[error("PostgreSQL: {0}")]
+    Postgres(String),
+    /// The local fleet's load balancer (HAProxy) could not be found or started.
+    #[error("load balancer: {0}")]
+    LoadBalancer(String),
+    /// A program the local fleet runs as a process is missing.
+    #[error("{0}")]
+    MissingProgram(String),
+    /// A relay replica of the local fleet failed to start, stop or answer.
+    #[error("relay replica {id}: {message}")]
+    Replica {
+        /// The replica's id.
+        id: String,
+        /// What went wrong (with the end of its log).
+        message: String,
+    },
 }
 
 /// Where `tether up` keeps the development issuer (under its directory); `tether token` reads it.
@@ -213,12 +230,12 @@ pub struct Up {
 
 #[cfg(feature = "quickstart")]
 /// tether-guard in process: its engine, where it listens, and what the agent needs to push to it.
-struct GuardRuntime {
-    guard: Arc<tether_guard::Guard>,
+pub(crate) struct GuardRuntime {
+    pub(crate) guard: Arc<tether_guard::Guard>,
     addr: SocketAddr,
     server: tether_guard::ServerConfig,
     push_token: tether_runtime::Secret,
-    dir: PathBuf,
+    pub(crate) dir: PathBuf,
     issuer_authority: String,
     issuer_ca: Vec<u8>,
     audience: String,
@@ -361,7 +378,7 @@ impl GuardRuntime {
         self.running = Some(Running { shutdown: tx, join });
     }
 
-    async fn stop(&mut self) -> Result<(), UpError> {
+    pub(crate) async fn stop(&mut self) -> Result<(), UpError> {
         match self.running.take() {
             Some(r) => r.stop().await.map_err(UpError::Guard),
             None => Ok(()),
@@ -369,7 +386,7 @@ impl GuardRuntime {
     }
 
     /// Starts again on the same address with a new engine that loads the snapshot from disk.
-    async fn restart(&mut self) -> Result<(), UpError> {
+    pub(crate) async fn restart(&mut self) -> Result<(), UpError> {
         self.stop().await?;
         self.guard = Self::engine(
             &self.dir,
@@ -384,7 +401,7 @@ impl GuardRuntime {
         Ok(())
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("https://{}", display_addr(self.addr))
     }
 }
@@ -485,10 +502,10 @@ impl Up {
     }
 
     /// The cluster side of the quickstart: the development issuer and guard (unless `--no-guard`), and the
-    /// sample apiserver unless a kubeconfig was given.
+    /// sample apiserver unless a kubeconfig was given. The local fleet (`crate::fleet`) starts the same.
     #[cfg(feature = "quickstart")]
     #[allow(clippy::type_complexity)]
-    async fn start_cluster(
+    pub(crate) async fn start_cluster(
         dir: &Path,
         options: &UpOptions,
     ) -> Result<
@@ -817,13 +834,17 @@ impl Up {
 
 /// The Entra-style token settings shared by the relay and the agent (the development issuer's).
 #[derive(Debug, Clone)]
-struct Entra {
-    authority: String,
-    authority_ca: PathBuf,
-    audience: String,
+pub(crate) struct Entra {
+    pub(crate) authority: String,
+    pub(crate) authority_ca: PathBuf,
+    pub(crate) audience: String,
 }
 
-fn relay_config(dir: &Path, options: &UpOptions, entra: Option<&Entra>) -> tether_relay::Config {
+pub(crate) fn relay_config(
+    dir: &Path,
+    options: &UpOptions,
+    entra: Option<&Entra>,
+) -> tether_relay::Config {
     let mut config = tether_relay::Config::new(dir.join("relay"));
     let mut hostnames = vec![
         "localhost".to_string(),
@@ -884,14 +905,14 @@ async fn bind_retrying(addr: SocketAddr) -> Result<tokio::net::TcpListener, UpEr
     }
 }
 
-fn display_addr(addr: SocketAddr) -> String {
+pub(crate) fn display_addr(addr: SocketAddr) -> String {
     match addr {
         SocketAddr::V4(a) => a.to_string(),
         SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
     }
 }
 
-fn validate_name(name: &str) -> Result<(), UpError> {
+pub(crate) fn validate_name(name: &str) -> Result<(), UpError> {
     let ok = !name.is_empty()
         && name.len() <= 63
         && name
@@ -908,7 +929,7 @@ fn validate_name(name: &str) -> Result<(), UpError> {
     }
 }
 
-fn create_private_dir(dir: &Path) -> Result<(), UpError> {
+pub(crate) fn create_private_dir(dir: &Path) -> Result<(), UpError> {
     std::fs::create_dir_all(dir).map_err(|source| UpError::Io {
         path: dir.to_path_buf(),
         source,
@@ -965,8 +986,15 @@ fn bearer_token_of(path: &Path) -> Result<Option<String>, UpError> {
     Ok(None)
 }
 
-/// `tether up` in the foreground: start, print what to try, run until Ctrl-C or SIGTERM, shut down.
+/// `tether up` in the foreground: start, print what to try, run until Ctrl-C or SIGTERM, shut down. (With
+/// `--replicas N`, N ≥ 2, `tether up` runs the local relay fleet instead: `crate::fleet`.)
 pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
+    if args.replicas != 1 {
+        return Err(UpError::Config(format!(
+            "--replicas {}: 1 runs one relay, 2 to 9 a local fleet",
+            args.replicas
+        )));
+    }
     let up = Up::start(args.into()).await?;
     let kubeconfig = up.kubeconfig_path.display().to_string();
     println!("Tether is up.");

@@ -110,6 +110,9 @@ pub enum Command {
     /// processes, the relay's product bounds, many principals): GET latency beside them, memory per watch,
     /// upstream connections, the agent's memory after, and how fast every watch ends when the agent is killed.
     Watches(WatchesArgs),
+    /// A local relay fleet (replicas on PostgreSQL behind HAProxy) under GETs and watches: one replica killed,
+    /// then all rolled; failed requests, recovery time, routes of the dead replica, how each watch ended.
+    Failover(FailoverArgs),
     /// Every scenario in turn, with its defaults (`churn` excepted: a million cycles take a while).
     All,
     /// Internal: serve the upstream (used as a child process by the scenarios).
@@ -262,6 +265,47 @@ pub enum StopSignal {
     Term,
     /// SIGKILL: a crash.
     Kill,
+}
+
+/// `failover` options.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct FailoverArgs {
+    /// Relay replicas behind the load balancer.
+    #[arg(long, default_value_t = 3)]
+    pub replicas: usize,
+    /// Tunnels the agent keeps, on distinct replicas (K).
+    #[arg(long, default_value_t = 2)]
+    pub tunnels: u32,
+    /// Clients GETting in a loop through the load balancer: half keep their HTTP/2 connection (client-go),
+    /// half open a new one per request (kubectl runs).
+    #[arg(long, default_value_t = 8)]
+    pub clients: usize,
+    /// Pause after each GET of one client.
+    #[arg(long, default_value = "25ms", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub pause: Duration,
+    /// Open watches (each lists, watches, and lists again when its watch ends, as an informer does).
+    #[arg(long, default_value_t = 100)]
+    pub watches: usize,
+    /// How long a replica stopping lets watches run (the replicas' --drain-timeout).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub drain_timeout: Duration,
+    /// Load kept on before the kill, after it, and after the roll.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub settle: Duration,
+    /// Give up on one step (a replica exiting, coming back, the tunnels moving) after this long.
+    #[arg(long, default_value = "90s", value_parser = parse_duration)]
+    #[serde(serialize_with = "ser_duration")]
+    pub step_timeout: Duration,
+}
+
+impl Default for FailoverArgs {
+    /// The command line's defaults.
+    fn default() -> Self {
+        defaults()
+    }
 }
 
 /// `reconnect` options.

@@ -7,13 +7,18 @@
 //! CPU, connect rate), `reconnect` (the relay restarted under M agents), `hol` (a stalled reader beside
 //! parallel GETs on the same tunnel), `churn` (stream open/close cycles: relay and agent RSS and stream tables
 //! before and after), `watches` (thousands of open watches from many principals through one tunnel to the
-//! sample apiserver: latency beside them, memory per watch, the agent killed under them). Each writes a [`report::Report`] as JSON, a readable table and SVG plots.
+//! sample apiserver: latency beside them, memory per watch, the agent killed under them), `failover` (a local
+//! relay fleet under GETs and watches: a replica killed, then all rolled). Each writes a [`report::Report`] as
+//! JSON, a readable table and SVG plots.
 //!
 //! Tether is driven through its binaries (`tether-relay`, `tether-agent`), its admin REST API and its agent
 //! endpoints, never by linking the relay or agent crates; simulated agents (for thousands of tunnels) use
 //! `tether_tunnel` to dial. The upstream is a minimal HTTPS server in this crate ([`upstream`]) that does no
 //! work, run as a child process; `watches` uses the test kit's sample apiserver instead ([`cluster`]), for
-//! watches that behave like kube-apiserver's, and its development issuer for principals of their own. Everything runs on 127.0.0.1, bounded in time and count, and every child
+//! watches that behave like kube-apiserver's, and its development issuer for principals of their own.
+//! `failover` runs the fleet of `tether up --replicas N` (`tether_cli::fleet`: relay and agent processes, a real
+//! PostgreSQL and HAProxy, the sample apiserver in this process) and its traffic from `tether_testkit::traffic`.
+//! Everything runs on 127.0.0.1, bounded in time and count, and every child
 //! process is killed at the end.
 //!
 //! What it does not do: assert anything about timings (it measures; the targets are reported, not enforced),
@@ -61,6 +66,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<Vec<Report>> {
         Command::Hol(a) => reports.push(finish(&env, scenario::hol::run(&env, a).await?)?),
         Command::Churn(a) => reports.push(finish(&env, scenario::churn::run(&env, a).await?)?),
         Command::Watches(a) => reports.push(finish(&env, scenario::watches::run(&env, a).await?)?),
+        Command::Failover(a) => {
+            reports.push(finish(&env, scenario::failover::run(&env, a).await?)?)
+        }
         Command::All => {
             reports.push(finish(
                 &env,

@@ -21,6 +21,7 @@ use crate::upstream;
 
 pub mod bulk;
 pub mod churn;
+pub mod failover;
 pub mod hol;
 pub mod reconnect;
 pub mod requests;
