@@ -879,6 +879,11 @@ impl Fleet {
                 path_arg(&dir.join(GUARD_DIR).join("push-token")),
                 "--guard-ca".into(),
                 path_arg(&dir.join(GUARD_DIR).join("ca.pem")),
+                // Guard takes pushes only with the agent's push certificate besides the token.
+                "--guard-client-cert".into(),
+                path_arg(&dir.join(GUARD_DIR).join("push.crt")),
+                "--guard-client-key".into(),
+                path_arg(&dir.join(GUARD_DIR).join("push.key")),
             ]);
         }
         if self.features.agent_tunnels {

@@ -41,7 +41,13 @@ impl Setup {
             SampleApiserver::start(SampleOptions::new(dir.path().join("apiserver"))).await?;
         // The bearer token RelayProcess::user_get sends; the sample apiserver allows what it authenticates.
         sample.add_token("user-token", "alice", &[]);
-        let relay = RelayProcess::start(&dir.path().join("relay"), "127.0.0.1:0".parse()?).await?;
+        // A killed pod's QUIC tunnels are ended by the tunnel timeout (no kernel closes them): short here.
+        let relay =
+            RelayProcess::start_with(&dir.path().join("relay"), "127.0.0.1:0".parse()?, |c| {
+                c.tunnel_keepalive = Duration::from_millis(500);
+                c.tunnel_timeout = Duration::from_secs(2);
+            })
+            .await?;
         let values = chart_dir("tether-agent").join(values);
         let file: Value = serde_yaml::from_str(&std::fs::read_to_string(&values)?)?;
         let cluster = str_at(&file, &["clusterName"])
@@ -234,9 +240,9 @@ async fn the_agent_charts_default_command_keeps_its_identity_in_a_secret() -> Re
     );
 
     // A new pod, empty filesystem: it must come back with the identity from the Secret. It is ready once
-    // its tunnel is up; only then is a request sure to reach it (the killed pods' QUIC tunnels linger at
-    // the relay until the new tunnel replaces them or their idle timeout ends them: a killed process sends
-    // no CONNECTION_CLOSE, unlike a TCP socket the kernel closes).
+    // tunnel is up; a request is sure to reach it once the killed pods' QUIC tunnels are gone (they linger at
+    // the relay until the tunnel timeout ends them: a killed process sends no CONNECTION_CLOSE, unlike a TCP
+    // socket the kernel closes; meanwhile requests prefer tunnels that answer).
     let pod = setup.pod("pod-3")?;
     let mut child = setup.spawn(&pod, "pod-3")?;
     let (path, port, _) = pod.http_probe("readinessProbe")?;
@@ -253,6 +259,23 @@ async fn the_agent_charts_default_command_keeps_its_identity_in_a_secret() -> Re
                     .ok()
                     .filter(|(s, _)| *s == 200)
             }
+        },
+    )
+    .await?;
+    // The killed pods' tunnels gone: every tunnel the relay holds is the new pod's.
+    wait_until(
+        &mut child,
+        || pod.log("pod-3"),
+        DEADLINE,
+        "only the new pod's tunnels at the relay",
+        || async {
+            let cluster = setup.relay.cluster(&setup.cluster).await.ok()?;
+            let instances: std::collections::BTreeSet<&str> = cluster["tunnels"]
+                .as_array()?
+                .iter()
+                .map(|t| t["agentInstance"].as_str().unwrap_or_default())
+                .collect();
+            (instances.len() == 1).then_some(())
         },
     )
     .await?;

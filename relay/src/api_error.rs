@@ -41,6 +41,9 @@ pub(crate) struct ApiError {
     pub(crate) message: String,
     pub(crate) origin: Origin,
     pub(crate) retryable: bool,
+    /// The tunnel the request went on is going away (the agent retiring or moving it, the tunnel closing)
+    /// before the cluster answered: another tunnel of the cluster can take a safe request again.
+    pub(crate) tunnel_gone: bool,
     /// Sent as `Retry-After` (and `details.retryAfterSeconds`); clients such as client-go retry on it.
     pub(crate) retry_after: Option<Duration>,
 }
@@ -58,6 +61,7 @@ impl ApiError {
             message: message.into(),
             origin,
             retryable: false,
+            tunnel_gone: false,
             retry_after: None,
         }
     }
@@ -214,6 +218,12 @@ impl ApiError {
     /// Whether the failure is the tunnel's doing and retrying may help.
     pub(crate) fn mark_retryable(self) -> Self {
         self.retryable()
+    }
+
+    /// Marks the error as the tunnel going away under the request ([`ApiError::tunnel_gone`]).
+    pub(crate) fn mark_tunnel_gone(mut self) -> Self {
+        self.tunnel_gone = true;
+        self
     }
 
     /// The Kubernetes `Status` object for this error (the body of [`ApiError::into_response`]; for QUIC

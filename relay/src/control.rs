@@ -162,6 +162,8 @@ where
     // Subscribed before hello, so no change between the first snapshot and the loop is missed.
     let mut changes = shared.guard.subscribe(&cluster);
     let mut hub_open = true;
+    let mut live = shared.fleet.subscribe_live();
+    live.mark_unchanged();
     let mut state = State::default();
     loop {
         if state.snapshot_due && state.retry_at.is_none() {
@@ -184,6 +186,13 @@ where
                 Err(_) => hub_open = false,
             },
             () = sleep_until_some(retry_at), if retry_at.is_some() => state.retry_at = None,
+            // The fleet grew or shrank: the agent keeps as many tunnels as there are live replicas (up to its
+            // K), so it is told again.
+            Ok(()) = live.changed(), if state.welcomed => {
+                let replicas = *live.borrow_and_update();
+                wire::send(wr, &welcome(&shared)).await?;
+                tracing::debug!(%cluster, replicas, "told the agent the fleet's new size");
+            }
             // The relay drains with peers to move to: the agent opens its replacement tunnel elsewhere, then
             // sends GOAWAY on this one; meanwhile this tunnel and its control channel carry on.
             () = moving.cancelled(), if !asked_to_move && state.welcomed => {
@@ -198,6 +207,16 @@ where
             }
         }
     }
+}
+
+/// The `welcome` this replica says now.
+fn welcome(shared: &Shared) -> Message {
+    Message::Welcome(Welcome {
+        heartbeat_interval_seconds: shared.config.heartbeat_interval.as_secs(),
+        latest_agent_version: Some(shared.config.latest_agent_version.clone()),
+        replica: shared.fleet.replica_id.clone(),
+        replicas: shared.fleet.live_replicas(),
+    })
 }
 
 async fn sleep_until_some(at: Option<Instant>) {
@@ -298,13 +317,7 @@ where
                 return Err(ChannelError::Protocol("the cluster was deleted"));
             }
             shared.activity.agent_version(&cluster, version, now);
-            let welcome = Message::Welcome(Welcome {
-                heartbeat_interval_seconds: shared.config.heartbeat_interval.as_secs(),
-                latest_agent_version: Some(shared.config.latest_agent_version.clone()),
-                replica: shared.fleet.replica_id.clone(),
-                replicas: shared.fleet.live_replicas(),
-            });
-            wire::send(wr, &welcome).await?;
+            wire::send(wr, &welcome(&shared)).await?;
             state.welcomed = true;
             // Every hello gets the current snapshot, even one this channel sent before.
             state.last_sent = None;

@@ -45,7 +45,7 @@ pub(crate) fn is_json(headers: &HeaderMap) -> bool {
 
 /// The final event of a watch whose path broke: a `Status` 503 (the watch may be retried; informers
 /// relist or resume) naming the cluster and the cause.
-pub(crate) fn error_event(cluster: &str, cause: &str) -> Bytes {
+pub(crate) fn error_event(cluster: &str, cause: &str, at_line_start: bool) -> Bytes {
     let status = json!({
         "kind": "Status",
         "apiVersion": "v1",
@@ -56,8 +56,13 @@ pub(crate) fn error_event(cluster: &str, cause: &str) -> Bytes {
         "code": 503,
     });
     let event = json!({"type": "ERROR", "object": status});
-    // Starts on a line of its own: the event stream is newline-delimited JSON.
-    Bytes::from(format!("\n{event}\n"))
+    // Starts on a line of its own (the event stream is newline-delimited JSON), without an empty line before
+    // it when the last event was whole: strict line readers take an empty line for a broken event.
+    if at_line_start {
+        Bytes::from(format!("{event}\n"))
+    } else {
+        Bytes::from(format!("\n{event}\n"))
+    }
 }
 
 /// A watch's response body that turns a failure of the path into [`error_event`] and a clean end.
@@ -67,6 +72,12 @@ pub(crate) struct WatchBody<B> {
     /// Describes a failure of the inner body in the user's terms.
     explain: fn(&str, &BoxError) -> String,
     done: bool,
+    /// The last byte passed on was a newline (or none was): the next event starts a line.
+    at_line_start: bool,
+    /// Resolves when the watch is to end cleanly at its next event boundary ([`WatchBody::ending_with`]).
+    end: Option<Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>>,
+    /// `end` resolved.
+    ending: bool,
 }
 
 impl<B> WatchBody<B> {
@@ -77,7 +88,16 @@ impl<B> WatchBody<B> {
             cluster: cluster.to_owned(),
             explain,
             done: false,
+            at_line_start: true,
+            end: None,
+            ending: false,
         }
+    }
+
+    /// Ends the watch cleanly (the body just ends, at an event boundary) once `end` is cancelled.
+    pub(crate) fn ending_with(mut self, end: Option<&tokio_util::sync::CancellationToken>) -> Self {
+        self.end = end.map(|t| Box::pin(t.clone().cancelled_owned()));
+        self
     }
 }
 
@@ -96,14 +116,31 @@ where
         if self.done {
             return Poll::Ready(None);
         }
+        if !self.ending
+            && let Some(end) = self.end.as_mut()
+            && end.as_mut().poll(cx).is_ready()
+        {
+            self.ending = true;
+        }
+        if self.ending && self.at_line_start {
+            self.done = true;
+            tracing::debug!(cluster = %self.cluster, "watch ended cleanly: this replica stops serving");
+            return Poll::Ready(None);
+        }
         match ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
-            Some(Ok(frame)) => Poll::Ready(Some(Ok(frame))),
+            Some(Ok(frame)) => {
+                if let Some(&last) = frame.data_ref().and_then(|d| d.last()) {
+                    self.at_line_start = last == b'\n';
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
             Some(Err(e)) => {
                 self.done = true;
                 let e: BoxError = e.into();
                 let cause = (self.explain)(&self.cluster, &e);
                 tracing::info!(cluster = %self.cluster, %cause, "watch ended by a broken path; sent an ERROR event");
-                Poll::Ready(Some(Ok(Frame::data(error_event(&self.cluster, &cause)))))
+                let event = error_event(&self.cluster, &cause, self.at_line_start);
+                Poll::Ready(Some(Ok(Frame::data(event))))
             }
             None => {
                 self.done = true;
@@ -254,6 +291,31 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_watch_ends_cleanly_at_an_event_boundary_when_the_replica_stops_serving()
+    -> anyhow::Result<()> {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        let inner = StreamBody::new(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)));
+        let end = tokio_util::sync::CancellationToken::new();
+        let body = WatchBody::new(inner, "prod", |_, e| e.to_string()).ending_with(Some(&end));
+        let read = tokio::spawn(body.collect());
+        // Half an event when the replica stops serving: the rest of it still goes out, then the body ends.
+        tx.send(Ok(Frame::data(Bytes::from_static(b"{\"type\":\"ADDED\","))))
+            .await?;
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        end.cancel();
+        tx.send(Ok(Frame::data(Bytes::from_static(b"\"object\":{}}\n"))))
+            .await?;
+        let all = tokio::time::timeout(std::time::Duration::from_secs(5), read)
+            .await??
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .to_bytes();
+        assert_eq!(&all[..], b"{\"type\":\"ADDED\",\"object\":{}}\n");
+        // The inner body is still open (the sender lives): the end came from the token, with no ERROR event.
+        drop(tx);
+        Ok(())
+    }
+
+    #[tokio::test]
     async fn a_broken_watch_ends_with_an_error_event_naming_cluster_and_cause() -> anyhow::Result<()>
     {
         let chunks: Vec<Result<Frame<Bytes>, BoxError>> = vec![
@@ -273,9 +335,9 @@ mod tests {
             .map_err(|e| anyhow::anyhow!("{e}"))?
             .to_bytes();
         let text = String::from_utf8(all.to_vec())?;
+        // Every line is an event: no empty line before the ERROR event after a whole one.
         let events: Vec<serde_json::Value> = text
             .lines()
-            .filter(|l| !l.trim().is_empty())
             .map(serde_json::from_str)
             .collect::<Result<_, _>>()?;
         assert_eq!(events.len(), 2, "{text}");

@@ -26,6 +26,9 @@ pub(crate) struct Fleet {
     pub(crate) peer_address: Option<String>,
     /// Replicas whose lease ran at the last renewal, this one included (at least 1).
     live_replicas: AtomicU32,
+    /// The same count for the control channels, which tell their agents when it changes (a `welcome` again):
+    /// an agent that connected while it was lower keeps fewer tunnels than it should until told.
+    live_changes: tokio::sync::watch::Sender<u32>,
     /// Whether a replica other than this one was live, not draining and reachable over the peer link at the
     /// last renewal (a draining replica's agents have somewhere to move to).
     peers_available: AtomicBool,
@@ -44,6 +47,7 @@ impl Fleet {
             replica_id,
             peer_address,
             live_replicas: AtomicU32::new(1),
+            live_changes: tokio::sync::watch::Sender::new(1),
             peers_available: AtomicBool::new(false),
             dirty: AtomicBool::new(false),
             routes: Mutex::default(),
@@ -62,6 +66,11 @@ impl Fleet {
         self.live_replicas.load(Ordering::Relaxed).max(1)
     }
 
+    /// Wakes when the count of live replicas changes.
+    pub(crate) fn subscribe_live(&self) -> tokio::sync::watch::Receiver<u32> {
+        self.live_changes.subscribe()
+    }
+
     /// True when another live replica, not draining, has a peer link.
     pub(crate) fn peers_available(&self) -> bool {
         self.peers_available.load(Ordering::Relaxed)
@@ -69,7 +78,13 @@ impl Fleet {
 
     /// What the last lease renewal saw.
     pub(crate) fn set_live(&self, replicas: u32, peers_available: bool) {
-        self.live_replicas.store(replicas.max(1), Ordering::Relaxed);
+        let replicas = replicas.max(1);
+        self.live_replicas.store(replicas, Ordering::Relaxed);
+        self.live_changes.send_if_modified(|live| {
+            let changed = *live != replicas;
+            *live = replicas;
+            changed
+        });
         self.peers_available
             .store(peers_available, Ordering::Relaxed);
     }

@@ -52,6 +52,9 @@ pub(crate) struct Target<'a> {
     /// reset (so the agent drops the request, sent or not). The body of a response whose head arrived is not
     /// bounded (watch, `logs -f`, upgraded pipes).
     pub(crate) request_timeout: Duration,
+    /// Cancelled when this replica stops serving (the end of a drain's first part): a JSON watch then ends
+    /// cleanly at its next event boundary, so its client watches again through the load balancer elsewhere.
+    pub(crate) watches_end: Option<&'a tokio_util::sync::CancellationToken>,
 }
 
 /// Sends `req` over `io` as HTTP/1.1 and returns the response to give the user. `accepted` resolves when
@@ -168,7 +171,11 @@ where
         && ends::is_json(resp.headers())
     {
         let cluster = target.cluster;
-        return Ok(resp.map(|b| ends::WatchBody::new(b, cluster, explain_body_error).boxed()));
+        return Ok(resp.map(|b| {
+            ends::WatchBody::new(b, cluster, explain_body_error)
+                .ending_with(target.watches_end)
+                .boxed()
+        }));
     }
     Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
 }
@@ -475,7 +482,8 @@ pub(crate) fn tunnel_error(e: TunnelError, target: Target<'_>) -> ApiError {
             "ServiceUnavailable",
             format!("the agent of cluster {cluster} is shutting down: {reason}"),
         )
-        .retry_after(Duration::from_secs(1)),
+        .retry_after(Duration::from_secs(1))
+        .mark_tunnel_gone(),
         TunnelError::Refused { reason, code } => ApiError::tunnel(
             StatusCode::BAD_GATEWAY,
             "BadGateway",
@@ -490,18 +498,26 @@ pub(crate) fn tunnel_error(e: TunnelError, target: Target<'_>) -> ApiError {
             ),
         )
         .mark_retryable(),
-        TunnelError::Reset(code) => ApiError::tunnel(
-            StatusCode::BAD_GATEWAY,
-            "BadGateway",
-            format!("the agent of cluster {cluster} reset the request stream (code {code})"),
-        )
-        .mark_retryable(),
+        TunnelError::Reset(code) => {
+            let e = ApiError::tunnel(
+                StatusCode::BAD_GATEWAY,
+                "BadGateway",
+                format!("the agent of cluster {cluster} reset the request stream (code {code})"),
+            )
+            .mark_retryable();
+            if code == code::SHUTDOWN {
+                e.mark_tunnel_gone()
+            } else {
+                e
+            }
+        }
         TunnelError::Closed(why) => ApiError::tunnel(
             StatusCode::SERVICE_UNAVAILABLE,
             "ServiceUnavailable",
             format!("the tunnel to cluster {cluster} closed: {why}"),
         )
-        .mark_retryable(),
+        .mark_retryable()
+        .mark_tunnel_gone(),
     }
 }
 
@@ -526,6 +542,7 @@ mod tests {
             path_and_query: "/api/v1/pods?watch=1",
             open_timeout: Duration::from_secs(10),
             request_timeout: Duration::from_secs(60),
+            watches_end: None,
         }
     }
 

@@ -143,7 +143,8 @@ pub(crate) async fn serve(
     stop_quic.cancel();
     drain(&shared, deadline).await;
 
-    // No tunnel is left here (or the timeout is reached): stop accepting, and let what is in flight finish.
+    // No tunnel here takes new requests (or the timeout is reached): stop accepting, and let what is in flight
+    // finish; watches end cleanly at once (below).
     stop_accepting.cancel();
     let mut connections = Vec::new();
     if let Ok(draining) = users.await {
@@ -157,12 +158,17 @@ pub(crate) async fn serve(
     for c in &connections {
         c.begin();
     }
+    // Watches would otherwise run until the cut and end with an ERROR event; ended cleanly now, their
+    // clients watch again (from their last resourceVersion) on a new connection, which the load balancer
+    // sends to a ready replica.
+    shared.watches_end.cancel();
     shared.tasks.close();
     let drained = tokio::time::timeout_at(deadline, async {
         for c in &connections {
             c.wait().await;
         }
         shared.tasks.wait().await;
+        shared.registry.until_empty().await;
     })
     .await;
     if drained.is_err() {
@@ -212,7 +218,7 @@ pub(crate) async fn serve(
     Ok(())
 }
 
-/// The first part of a drain, until no tunnel is left here or `deadline`:
+/// The first part of a drain, until no tunnel here takes new requests or `deadline`:
 /// 1. `/readyz` answers 503 and new tunnels are refused (the load balancer and the agents go elsewhere), and
 ///    the store marks this replica draining (its peers route elsewhere first);
 /// 2. with another live replica to move to, each agent is asked to move its tunnel (`draining` with make
@@ -242,18 +248,28 @@ async fn drain(shared: &Arc<Shared>, deadline: tokio::time::Instant) {
             tunnel.go_away(code::SHUTDOWN, "relay shutting down");
         }
     }
-    if tokio::time::timeout_at(deadline, shared.registry.until_empty())
-        .await
-        .is_err()
-    {
+    // Moved (or told to come back): a tunnel that got GOAWAY takes no new request; the streams still on it
+    // (watches, logs -f, exec) are what is left to end.
+    let moved = async {
+        while shared.registry.all().iter().any(|(_, t)| t.is_usable()) {
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+    };
+    if tokio::time::timeout_at(deadline, moved).await.is_err() {
         tracing::warn!(
             tunnels = shared.registry.len(),
-            "tunnels still open at the drain timeout"
+            "tunnels still taking requests at the drain timeout"
         );
     } else {
-        tracing::info!("drained: no tunnel left at this replica");
+        tracing::info!(
+            tunnels = shared.registry.len(),
+            "drained: no tunnel here takes new requests; ending watches and connections"
+        );
     }
 }
+
+/// How often the first part of a drain looks whether every tunnel here has moved.
+const DRAIN_POLL: Duration = Duration::from_millis(50);
 
 /// Writes batched heartbeats every `last_seen_interval`, and once more when stopped.
 async fn flush_activity(shared: Arc<Shared>, stop: CancellationToken) {

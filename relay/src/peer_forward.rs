@@ -107,15 +107,17 @@ fn explain_peer_break(cluster: &str, e: &BoxError) -> String {
 
 /// Sends `req` for `target.cluster` to the first of `candidates` that takes it. `guard` is kept as long as
 /// an upgraded pipe runs.
-pub(crate) async fn forward<G>(
+pub(crate) async fn forward<G, B>(
     shared: &Shared,
     candidates: Vec<Candidate>,
-    mut req: Request<Incoming>,
+    mut req: Request<B>,
     target: Target<'_>,
     guard: G,
 ) -> Result<Response<Body>, ApiError>
 where
     G: Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + Sync + 'static,
+    B::Error: Into<BoxError>,
 {
     let cluster = target.cluster;
     let peers = &shared.fleet.peers;
@@ -140,9 +142,8 @@ where
         .map_or("/", |p| p.as_str())
         .to_owned();
     let bodyless = http_body::Body::is_end_stream(&body);
-    let slot: Arc<Mutex<Option<Body>>> = Arc::new(Mutex::new(Some(
-        body.map_err(|e| Box::new(e) as BoxError).boxed(),
-    )));
+    let slot: Arc<Mutex<Option<Body>>> =
+        Arc::new(Mutex::new(Some(body.map_err(Into::into).boxed())));
     let mut last: Option<ApiError> = None;
     let mut tried: Vec<String> = Vec::new();
     let mut queue: VecDeque<Candidate> = candidates.into();
@@ -299,7 +300,11 @@ where
         && ends::is_watch_request(target.path_and_query)
         && ends::is_json(resp.headers())
     {
-        return Ok(resp.map(|b| ends::WatchBody::new(b, cluster, explain_peer_break).boxed()));
+        return Ok(resp.map(|b| {
+            ends::WatchBody::new(b, cluster, explain_peer_break)
+                .ending_with(target.watches_end)
+                .boxed()
+        }));
     }
     Ok(resp.map(BodyExt::boxed))
 }

@@ -3,12 +3,15 @@
 //! established one: past the bound it is refused before it is upgraded ([`Registry::reserve`]).
 //!
 //! User requests go to the least-loaded usable tunnel ([`Registry::usable`]): one that has not gone away
-//! (GOAWAY from either side: the agent moving it elsewhere, the relay draining) and is not closed.
+//! (GOAWAY from either side: the agent moving it elsewhere, the relay draining) and is not closed. A tunnel
+//! that has sent and heard nothing back for a while (a killed agent's QUIC tunnel: no kernel closes it, only
+//! the tunnel timeout ends it) goes after the tunnels that answer, whatever its load.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 use tether_tunnel::Connection;
 use time::OffsetDateTime;
@@ -33,7 +36,23 @@ pub(crate) struct TunnelInfo {
     replaced: AtomicBool,
     /// Cancelled when the relay drains and asks the agent to move this tunnel (make before break).
     pub(crate) moving: CancellationToken,
+    /// What was sent and received when last looked at, for [`TunnelInfo::unanswered_for`].
+    liveness: Mutex<Liveness>,
 }
+
+/// The tunnel's frame (or datagram) counters when last looked at, and since when it has sent without
+/// hearing anything back.
+#[derive(Debug, Default)]
+struct Liveness {
+    seen_in: u64,
+    seen_out: u64,
+    waiting_since: Option<Instant>,
+}
+
+/// How long a tunnel may send without hearing back before requests prefer the cluster's other tunnels: this,
+/// or four round trips if longer. A live agent answers every stream it is offered (ACCEPT or a QUIC ACK) and
+/// every keepalive within a round trip.
+const UNANSWERED_AFTER: Duration = Duration::from_secs(1);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // The values hold no invariant a panicking holder could break half-way.
@@ -51,7 +70,24 @@ impl TunnelInfo {
             fingerprint: Mutex::new(fingerprint.to_owned()),
             replaced: AtomicBool::new(false),
             moving: CancellationToken::new(),
+            liveness: Mutex::new(Liveness::default()),
         }
+    }
+
+    /// How long the tunnel has been sending (`frames_out` grew) without receiving anything (`frames_in` did
+    /// not), as far as the counters seen at each call tell; zero once anything came in.
+    fn unanswered_for(&self, frames_in: u64, frames_out: u64, now: Instant) -> Duration {
+        let mut l = lock(&self.liveness);
+        if frames_in != l.seen_in {
+            l.seen_in = frames_in;
+            l.seen_out = frames_out;
+            l.waiting_since = None;
+        } else if frames_out != l.seen_out {
+            l.seen_out = frames_out;
+            l.waiting_since.get_or_insert(now);
+        }
+        l.waiting_since
+            .map_or(Duration::ZERO, |since| now.saturating_duration_since(since))
     }
 
     /// The agent process's id, when known.
@@ -127,6 +163,20 @@ impl Tunnel {
     /// True while new streams may go on this tunnel.
     pub(crate) fn is_usable(&self) -> bool {
         !self.info.is_going_away() && !self.conn.is_closed()
+    }
+
+    /// True when the tunnel has sent for longer than [`UNANSWERED_AFTER`] (or four round trips) and heard
+    /// nothing back.
+    fn is_unanswered(&self, now: Instant) -> bool {
+        let stats = self.conn.stats();
+        let waited = self
+            .info
+            .unanswered_for(stats.frames_in, stats.frames_out, now);
+        let patience = self
+            .conn
+            .rtt()
+            .map_or(UNANSWERED_AFTER, |rtt| (rtt * 4).max(UNANSWERED_AFTER));
+        waited > patience
     }
 }
 
@@ -249,16 +299,18 @@ impl Registry {
         let _ = count.wait_for(|n| *n == 0).await;
     }
 
-    /// The cluster's usable tunnels, least loaded (fewest open streams) first.
+    /// The cluster's usable tunnels, least loaded (fewest open streams) first, tunnels that stopped answering
+    /// last.
     pub(crate) fn usable(&self, cluster: &str) -> Vec<Tunnel> {
-        let mut usable: Vec<(usize, Tunnel)> = self
+        let now = Instant::now();
+        let mut usable: Vec<((bool, usize), Tunnel)> = self
             .lock()
             .get(cluster)
             .map(|e| {
                 e.tunnels
                     .iter()
                     .filter(|t| t.is_usable())
-                    .map(|t| (t.conn.open_streams(), t.clone()))
+                    .map(|t| ((t.is_unanswered(now), t.conn.open_streams()), t.clone()))
                     .collect()
             })
             .unwrap_or_default();
@@ -359,5 +411,21 @@ mod tests {
         assert!(c.is_ok(), "a dropped reservation frees its place");
         drop((b, c));
         assert!(registry.lock().is_empty(), "nothing left behind");
+    }
+
+    #[test]
+    fn a_tunnel_that_sends_and_hears_nothing_back_is_unanswered_until_it_hears() {
+        let info = TunnelInfo::new("127.0.0.1:1".parse().expect("address"), "", "");
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        assert_eq!(info.unanswered_for(0, 0, t0), Duration::ZERO);
+        // Idle both ways: nothing is owed.
+        assert_eq!(info.unanswered_for(0, 0, t0 + s(30)), Duration::ZERO);
+        // A stream offered (or a keepalive sent) and no answer: the wait counts from when it was seen.
+        assert_eq!(info.unanswered_for(0, 1, t0 + s(31)), Duration::ZERO);
+        assert_eq!(info.unanswered_for(0, 3, t0 + s(33)), s(2));
+        // Anything heard back ends the wait.
+        assert_eq!(info.unanswered_for(1, 3, t0 + s(34)), Duration::ZERO);
+        assert_eq!(info.unanswered_for(5, 9, t0 + s(40)), Duration::ZERO);
     }
 }

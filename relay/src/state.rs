@@ -46,6 +46,9 @@ pub(crate) struct Shared {
     /// Cancelled when the drain timeout is reached: what this replica forwards to its peers (watches, upgraded
     /// pipes) is cut, as its tunnels are closed.
     pub(crate) cut: CancellationToken,
+    /// Cancelled when this replica stops accepting during a drain: JSON watches end cleanly at their next
+    /// event boundary (their clients watch again through the load balancer, at another replica).
+    pub(crate) watches_end: CancellationToken,
 }
 
 impl Shared {
@@ -73,6 +76,7 @@ impl Shared {
             shutting_down: AtomicBool::new(false),
             reconnect_window_ms: AtomicU64::new(0),
             cut: CancellationToken::new(),
+            watches_end: CancellationToken::new(),
         }
     }
 

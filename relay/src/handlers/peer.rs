@@ -48,6 +48,21 @@ pub(crate) async fn handle(
         path_and_query: &path_and_query,
         open_timeout: shared.config.open_timeout,
         request_timeout: shared.config.request_timeout,
+        watches_end: Some(&shared.watches_end),
     };
+    if user::is_safe_and_bodyless(&req) {
+        // The tunnels here going away under it (the agent moving them): the replica that sent it tries the
+        // next route, as for a replica without the tunnel.
+        let (parts, _) = req.into_parts();
+        return match user::forward_safe(shared, &tunnels, &parts, target, ctx.permit).await {
+            Err(e) if e.tunnel_gone => {
+                let mut resp = e.into_response();
+                resp.headers_mut()
+                    .insert(NO_ROUTE_HEADER, HeaderValue::from_static("gone"));
+                Ok(resp)
+            }
+            resp => resp,
+        };
+    }
     user::forward_local(shared, &tunnels, req, target, ctx.permit).await
 }

@@ -84,6 +84,7 @@ pub(crate) async fn handle(
         path_and_query: &path_and_query,
         open_timeout: shared.config.open_timeout,
         request_timeout: shared.config.request_timeout,
+        watches_end: Some(&shared.watches_end),
     };
     // Per-client bounds: only this principal or address is refused; the slot lives as long as the response.
     let slot = shared
@@ -99,6 +100,28 @@ pub(crate) async fn handle(
         let slot = Arc::new(slot);
         let guard = (ctx.permit, ctx.principal, Arc::clone(&slot));
         let resp = peer_forward::forward(shared, peers, req, target, guard).await;
+        (resp, slot)
+    } else if is_safe_and_bodyless(&req) {
+        // From here on, the user dropping the request before it completes is a cancellation.
+        slot.arm();
+        let slot = Arc::new(slot);
+        let guard = (ctx.permit, ctx.principal, Arc::clone(&slot));
+        let (parts, _) = req.into_parts();
+        let resp = match forward_safe(shared, &tunnels, &parts, target, guard.clone()).await {
+            // Every tunnel here went away under it (this replica drains, the agent moved them): a replica
+            // holding the cluster's new tunnel takes it.
+            Err(e) if e.tunnel_gone => match peer_forward::candidates(shared, name).await {
+                Ok(peers) if !peers.is_empty() => {
+                    tracing::debug!(
+                        cluster = name,
+                        "the tunnels here went away under a safe request; forwarding to a peer"
+                    );
+                    peer_forward::forward(shared, peers, again(&parts), target, guard).await
+                }
+                _ => Err(e),
+            },
+            resp => resp,
+        };
         (resp, slot)
     } else {
         let stream = open_stream(shared, &tunnels, target)?;
@@ -162,6 +185,63 @@ pub(crate) async fn forward_local<G: Send + 'static>(
     let stream = open_stream(shared, tunnels, target)?;
     tracing::debug!(cluster = target.cluster, method = %req.method(), path = req.uri().path(), stream = ?stream.id(), "forwarding for a peer");
     forward_stream(stream, req, target, guard).await
+}
+
+/// A GET or HEAD without a body that asks for no upgrade: sending it again changes nothing in the cluster.
+pub(crate) fn is_safe_and_bodyless<B: http_body::Body>(req: &Request<B>) -> bool {
+    matches!(*req.method(), http::Method::GET | http::Method::HEAD)
+        && req.body().is_end_stream()
+        && !forward::is_upgrade_request(req)
+}
+
+/// Serves a safe, bodyless request (see [`is_safe_and_bodyless`]) over `tunnels`, least loaded first: when the
+/// tunnel it went on goes away before the cluster answers (the agent retiring a surplus tunnel or moving it to
+/// another replica refuses or resets its streams with SHUTDOWN; the tunnel closes), the next tunnel takes it.
+pub(crate) async fn forward_safe<G: Send + Clone + 'static>(
+    shared: &Shared,
+    tunnels: &[Tunnel],
+    parts: &http::request::Parts,
+    target: Target<'_>,
+    guard: G,
+) -> Result<Response<Body>, ApiError> {
+    let mut last = None;
+    for (i, tunnel) in tunnels.iter().enumerate() {
+        let stream = match open_stream(shared, std::slice::from_ref(tunnel), target) {
+            Ok(stream) => stream,
+            Err(e) => {
+                last = Some(e);
+                continue;
+            }
+        };
+        tracing::debug!(cluster = target.cluster, method = %parts.method, path = parts.uri.path(), stream = ?stream.id(), attempt = i + 1, "forwarding");
+        let control = stream.control();
+        let result = forward::forward(
+            stream,
+            async move { control.accepted().await },
+            again(parts),
+            target,
+            guard.clone(),
+        )
+        .await;
+        match result {
+            Err(e) if e.tunnel_gone => {
+                tracing::debug!(cluster = target.cluster, error = %e.message, "the tunnel went away under a safe request; trying the next");
+                last = Some(e);
+            }
+            result => return result,
+        }
+    }
+    Err(last.unwrap_or_else(|| ApiError::not_connected(target.cluster)))
+}
+
+/// A bodyless request made again from `parts` (without the incoming connection's extensions).
+pub(crate) fn again(parts: &http::request::Parts) -> Request<http_body_util::Empty<Bytes>> {
+    let mut again = Request::new(http_body_util::Empty::<Bytes>::new());
+    *again.method_mut() = parts.method.clone();
+    *again.uri_mut() = parts.uri.clone();
+    *again.version_mut() = parts.version;
+    *again.headers_mut() = parts.headers.clone();
+    again
 }
 
 /// Opens a stream on the first of `tunnels` (least loaded first) that takes one: a tunnel that went away
