@@ -592,6 +592,9 @@ impl Fleet {
                 duration_arg(self.options.lease_ttl),
                 "--drain-timeout".into(),
                 duration_arg(self.options.drain_timeout),
+                // HAProxy checks /readyz every check interval and takes a replica out at the first 503.
+                "--drain-delay".into(),
+                duration_arg((self.options.check_interval * 4).min(self.options.drain_timeout / 2)),
             ]);
         }
         args

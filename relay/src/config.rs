@@ -233,6 +233,12 @@ pub struct Limits {
     /// (watches end with an ERROR event).
     #[arg(long = "drain-timeout", env = "TETHER_RELAY_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
+    /// In a fleet, how long a draining replica keeps accepting new connections at least after `/readyz` went
+    /// 503 (e.g. 5s): the time load balancers and Service endpoints take to stop sending users here. Users
+    /// reaching it meanwhile are served (through the peer link once its tunnels moved). At most half of
+    /// `--drain-timeout`.
+    #[arg(long, env = "TETHER_RELAY_DRAIN_DELAY", default_value = "5s", value_parser = parse_duration)]
+    pub drain_delay: Duration,
     /// Most tunnels one cluster may hold at this replica (its agent's K tunnels, several agent replicas sharing
     /// one identity, tunnels being moved). A tunnel past it is refused (429, and a warning naming the cluster,
     /// the agent instance and its address); the established ones are never displaced.

@@ -158,10 +158,18 @@ pub(crate) async fn serve(
     for c in &connections {
         c.begin();
     }
-    // Watches would otherwise run until the cut and end with an ERROR event; ended cleanly now, their
-    // clients watch again (from their last resourceVersion) on a new connection, which the load balancer
-    // sends to a ready replica.
-    shared.watches_end.cancel();
+    // Watches would otherwise run until the cut and end with an ERROR event; ended cleanly, their clients
+    // watch again (from their last resourceVersion) on a new connection, which the load balancer sends to a
+    // ready replica. A moment after the GOAWAY above, so that HTTP/2 clients have read it and do not send the
+    // new watch (or its re-list) on this connection just as it closes.
+    let end_watches = {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + WATCHES_END_AFTER))
+                .await;
+            shared.watches_end.cancel();
+        })
+    };
     shared.tasks.close();
     let drained = tokio::time::timeout_at(deadline, async {
         for c in &connections {
@@ -196,6 +204,7 @@ pub(crate) async fn serve(
             tracing::warn!("some tasks did not stop after being cut; leaving them");
         }
     }
+    end_watches.abort();
     if let Some((quic, task)) = quic {
         let _ = task.await;
         quic_listener::close(&quic, code::SHUTDOWN, "relay stopped");
@@ -248,11 +257,22 @@ async fn drain(shared: &Arc<Shared>, deadline: tokio::time::Instant) {
             tunnel.go_away(code::SHUTDOWN, "relay shutting down");
         }
     }
-    // Moved (or told to come back): a tunnel that got GOAWAY takes no new request; the streams still on it
-    // (watches, logs -f, exec) are what is left to end.
+    // With a replica to move to: until every tunnel here has moved (a tunnel that got GOAWAY takes no new
+    // request; the streams still on it — watches, logs -f, exec — are what is left to end, and new users are
+    // better served by the load balancer's other replicas). Alone: until no tunnel is left (GOAWAY ended its
+    // watches cleanly; the users still reaching this relay get a 503 that says it is shutting down, not a
+    // refused connection).
+    let with_peers = shared.fleet.peers_available();
     let moved = async {
-        while shared.registry.all().iter().any(|(_, t)| t.is_usable()) {
-            tokio::time::sleep(DRAIN_POLL).await;
+        if with_peers {
+            // And not before the load balancer had time to see the readiness change.
+            let limits = &shared.config.limits;
+            tokio::time::sleep(limits.drain_delay.min(limits.shutdown_grace / 2)).await;
+            while shared.registry.all().iter().any(|(_, t)| t.is_usable()) {
+                tokio::time::sleep(DRAIN_POLL).await;
+            }
+        } else {
+            shared.registry.until_empty().await;
         }
     };
     if tokio::time::timeout_at(deadline, moved).await.is_err() {
@@ -267,6 +287,9 @@ async fn drain(shared: &Arc<Shared>, deadline: tokio::time::Instant) {
         );
     }
 }
+
+/// How long after user connections were told to close (HTTP/2 GOAWAY) their watches are ended.
+const WATCHES_END_AFTER: Duration = Duration::from_secs(1);
 
 /// How often the first part of a drain looks whether every tunnel here has moved.
 const DRAIN_POLL: Duration = Duration::from_millis(50);

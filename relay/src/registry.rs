@@ -36,6 +36,10 @@ pub(crate) struct TunnelInfo {
     replaced: AtomicBool,
     /// Cancelled when the relay drains and asks the agent to move this tunnel (make before break).
     pub(crate) moving: CancellationToken,
+    /// Cancelled when the tunnel takes no new streams (GOAWAY either way), or when the replica stops serving
+    /// (a child of [`crate::state::Shared::watches_end`]): its JSON watches end cleanly at their next event
+    /// boundary, and their clients watch again on a tunnel that takes requests.
+    pub(crate) gone: CancellationToken,
     /// What was sent and received when last looked at, for [`TunnelInfo::unanswered_for`].
     liveness: Mutex<Liveness>,
 }
@@ -61,7 +65,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl TunnelInfo {
     /// A tunnel from `peer`, authenticated with the certificate `fingerprint`.
-    pub(crate) fn new(peer: SocketAddr, instance: &str, fingerprint: &str) -> Self {
+    pub(crate) fn new(
+        peer: SocketAddr,
+        instance: &str,
+        fingerprint: &str,
+        gone: CancellationToken,
+    ) -> Self {
         Self {
             peer,
             going_away: AtomicBool::new(false),
@@ -70,6 +79,7 @@ impl TunnelInfo {
             fingerprint: Mutex::new(fingerprint.to_owned()),
             replaced: AtomicBool::new(false),
             moving: CancellationToken::new(),
+            gone,
             liveness: Mutex::new(Liveness::default()),
         }
     }
@@ -125,7 +135,9 @@ impl TunnelInfo {
 
     /// Marks the tunnel as going away; true if it was not already.
     pub(crate) fn mark_going_away(&self) -> bool {
-        !self.going_away.swap(true, Ordering::AcqRel)
+        let first = !self.going_away.swap(true, Ordering::AcqRel);
+        self.gone.cancel();
+        first
     }
 
     /// Marks the tunnel as holding a replaced certificate; true the first time.
@@ -415,7 +427,12 @@ mod tests {
 
     #[test]
     fn a_tunnel_that_sends_and_hears_nothing_back_is_unanswered_until_it_hears() {
-        let info = TunnelInfo::new("127.0.0.1:1".parse().expect("address"), "", "");
+        let info = TunnelInfo::new(
+            "127.0.0.1:1".parse().expect("address"),
+            "",
+            "",
+            CancellationToken::new(),
+        );
         let t0 = Instant::now();
         let s = Duration::from_secs;
         assert_eq!(info.unanswered_for(0, 0, t0), Duration::ZERO);

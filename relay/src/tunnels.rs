@@ -102,7 +102,12 @@ pub(crate) async fn run(shared: &Arc<Shared>, new: NewTunnel, conn: Connection) 
         reservation,
     } = new;
     let cluster = cluster.as_str();
-    let info = TunnelInfo::new(peer, &instance, &cert.fingerprint);
+    let info = TunnelInfo::new(
+        peer,
+        &instance,
+        &cert.fingerprint,
+        shared.watches_end.child_token(),
+    );
     let tunnel = shared.registry.insert(reservation, conn.clone(), info);
     let id = tunnel.id;
     // A delete that ran between authentication and registration must still win.

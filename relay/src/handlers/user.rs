@@ -124,7 +124,11 @@ pub(crate) async fn handle(
         };
         (resp, slot)
     } else {
-        let stream = open_stream(shared, &tunnels, target)?;
+        let (stream, tunnel) = open_stream(shared, &tunnels, target)?;
+        let target = Target {
+            watches_end: Some(&tunnel.info.gone),
+            ..target
+        };
         tracing::debug!(cluster = name, method = %req.method(), path = req.uri().path(), stream = ?stream.id(), "forwarding");
         // From here on, the user dropping the request before it completes is a cancellation.
         slot.arm();
@@ -182,7 +186,11 @@ pub(crate) async fn forward_local<G: Send + 'static>(
     target: Target<'_>,
     guard: G,
 ) -> Result<Response<Body>, ApiError> {
-    let stream = open_stream(shared, tunnels, target)?;
+    let (stream, tunnel) = open_stream(shared, tunnels, target)?;
+    let target = Target {
+        watches_end: Some(&tunnel.info.gone),
+        ..target
+    };
     tracing::debug!(cluster = target.cluster, method = %req.method(), path = req.uri().path(), stream = ?stream.id(), "forwarding for a peer");
     forward_stream(stream, req, target, guard).await
 }
@@ -207,13 +215,18 @@ pub(crate) async fn forward_safe<G: Send + Clone + 'static>(
     let mut last = None;
     for (i, tunnel) in tunnels.iter().enumerate() {
         let stream = match open_stream(shared, std::slice::from_ref(tunnel), target) {
-            Ok(stream) => stream,
+            Ok((stream, _)) => stream,
             Err(e) => {
                 last = Some(e);
                 continue;
             }
         };
         tracing::debug!(cluster = target.cluster, method = %parts.method, path = parts.uri.path(), stream = ?stream.id(), attempt = i + 1, "forwarding");
+        // A watch ends cleanly once its tunnel goes away (or this replica stops serving).
+        let target = Target {
+            watches_end: Some(&tunnel.info.gone),
+            ..target
+        };
         let control = stream.control();
         let result = forward::forward(
             stream,
@@ -246,11 +259,11 @@ pub(crate) fn again(parts: &http::request::Parts) -> Request<http_body_util::Emp
 
 /// Opens a stream on the first of `tunnels` (least loaded first) that takes one: a tunnel that went away
 /// since it was picked is skipped.
-fn open_stream(
+fn open_stream<'t>(
     shared: &Shared,
-    tunnels: &[Tunnel],
+    tunnels: &'t [Tunnel],
     target: Target<'_>,
-) -> Result<tether_tunnel::Stream, ApiError> {
+) -> Result<(tether_tunnel::Stream, &'t Tunnel), ApiError> {
     let mut last = None;
     for tunnel in tunnels {
         let opened = tunnel.conn.open(OpenOptions {
@@ -260,7 +273,7 @@ fn open_stream(
             metadata: Bytes::new(),
         });
         match opened {
-            Ok(stream) => return Ok(stream),
+            Ok(stream) => return Ok((stream, tunnel)),
             // Going away, closed, or full: the next tunnel may take it.
             Err(e @ (TunnelError::Closed(_) | TunnelError::TooManyStreams)) => last = Some(e),
             Err(e) => return Err(forward::tunnel_error(e, target)),
