@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, StatusCode, header};
+use http::{Request, Response, StatusCode, header};
 use http_body_util::{BodyExt as _, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -101,6 +101,38 @@ fn get(target: &Target, path_and_query: &str) -> Result<Request<Empty<Bytes>>, S
         .map_err(|e| e.to_string())
 }
 
+/// Sends a GET of `path_and_query`, once more if the server refused it unprocessed by closing the HTTP/2
+/// connection gracefully as it was sent (GOAWAY with NO_ERROR or REFUSED_STREAM: a replica draining), as
+/// client-go and kubectl do.
+async fn send(
+    client: &HttpClient,
+    target: &Target,
+    path_and_query: &str,
+) -> Result<Response<hyper::body::Incoming>, String> {
+    let mut retried = false;
+    loop {
+        match client.request(get(target, path_and_query)?).await {
+            Err(e) if !retried && refused_by_goaway(&e) => retried = true,
+            result => return result.map_err(|e| chain(&e)),
+        }
+    }
+}
+
+/// Whether `e` is an HTTP/2 stream the server did not process because the connection went away gracefully.
+fn refused_by_goaway(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(h2) = err.downcast_ref::<h2::Error>() {
+            return matches!(
+                h2.reason(),
+                Some(h2::Reason::NO_ERROR | h2::Reason::REFUSED_STREAM)
+            ) && (h2.is_go_away() || h2.is_reset());
+        }
+        cur = err.source();
+    }
+    false
+}
+
 /// One request's outcome.
 #[derive(Debug, Clone)]
 pub struct Outcome {
@@ -123,8 +155,7 @@ impl Outcome {
 async fn get_once(client: &HttpClient, target: &Target, path: &str) -> (Outcome, Option<Bytes>) {
     let started = Instant::now();
     let attempt = async {
-        let request = get(target, path)?;
-        let response = client.request(request).await.map_err(|e| chain(&e))?;
+        let response = send(client, target, path).await?;
         let status = response.status();
         let body = http_body_util::Limited::new(response.into_body(), MAX_LIST)
             .collect()
@@ -533,19 +564,11 @@ async fn watch_once(
         how
     };
     let opened = Instant::now();
-    let request = match get(target, &query) {
-        Ok(r) => r,
-        Err(e) => {
-            state.failed_opens.fetch_add(1, Ordering::SeqCst);
-            record(opened, WatchEnd::Broken(e), 0);
-            return None;
-        }
-    };
-    let response = match tokio::time::timeout(REQUEST_TIMEOUT, client.request(request)).await {
+    let response = match tokio::time::timeout(REQUEST_TIMEOUT, send(client, target, &query)).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             state.failed_opens.fetch_add(1, Ordering::SeqCst);
-            record(opened, WatchEnd::Broken(chain(&e)), 0);
+            record(opened, WatchEnd::Broken(e), 0);
             return None;
         }
         Err(_) => {
