@@ -40,7 +40,6 @@ use tokio::time::Instant;
 
 use crate::args::UpArgs;
 use crate::client::RelayClient;
-use crate::config::ConfigFile;
 use crate::kubeconfig::{self, KubeconfigSpec};
 use crate::up::{
     self, Entra, GUARD_DIR, GuardRuntime, UpError, UpOptions, create_private_dir, display_addr,
@@ -982,24 +981,14 @@ impl Fleet {
     }
 
     fn write_files(&self) -> Result<(), UpError> {
-        let text = kubeconfig::render(&KubeconfigSpec {
-            relay_url: &self.lb_url,
-            cluster: self.cluster(),
-            ca_pem: Some(self.ca_pem.as_bytes()),
-            token: self.user_token.as_deref(),
-        })?;
-        kubeconfig::write_private(&self.kubeconfig_path, &text)?;
-        let config = ConfigFile {
-            relay: Some(self.lb_url.clone()),
-            ca_file: Some(PathBuf::from("relay/ca.pem")),
-            admin_token_file: Some(PathBuf::from("relay/admin-token")),
-        };
-        config
-            .save(&self.config_path)
-            .map_err(|source| UpError::Io {
-                path: self.config_path.clone(),
-                source,
-            })?;
+        crate::up::write_client_files(
+            &self.lb_url,
+            self.cluster(),
+            &self.ca_pem,
+            self.user_token.as_deref(),
+            &self.kubeconfig_path,
+            &self.config_path,
+        )?;
         self.write_fleet_json()
     }
 

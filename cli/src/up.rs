@@ -793,24 +793,14 @@ impl Up {
     }
 
     fn write_files(&self) -> Result<(), UpError> {
-        let text = kubeconfig::render(&KubeconfigSpec {
-            relay_url: &self.relay_url,
-            cluster: &self.options.cluster,
-            ca_pem: Some(self.ca_pem.as_bytes()),
-            token: self.user_token.as_deref(),
-        })?;
-        kubeconfig::write_private(&self.kubeconfig_path, &text)?;
-        let config = ConfigFile {
-            relay: Some(self.relay_url.clone()),
-            ca_file: Some(PathBuf::from("relay/ca.pem")),
-            admin_token_file: Some(PathBuf::from("relay/admin-token")),
-        };
-        config
-            .save(&self.config_path)
-            .map_err(|source| UpError::Io {
-                path: self.config_path.clone(),
-                source,
-            })
+        write_client_files(
+            &self.relay_url,
+            &self.options.cluster,
+            &self.ca_pem,
+            self.user_token.as_deref(),
+            &self.kubeconfig_path,
+            &self.config_path,
+        )
     }
 
     /// Stops everything: agent (drain), relay, sample apiserver, guard, the development issuer.
@@ -1069,6 +1059,34 @@ pub async fn run_foreground(args: UpArgs) -> Result<(), UpError> {
     tether_runtime::process::shutdown_signal().await;
     println!("Shutting down…");
     up.shutdown().await
+}
+
+/// The kubeconfig (`relay_url`, its CA, `token`) and the `tether` config file (the relay, its CA and admin token
+/// files under the directory) that `tether up` and the local fleet write for their users.
+pub(crate) fn write_client_files(
+    relay_url: &str,
+    cluster: &str,
+    ca_pem: &str,
+    token: Option<&str>,
+    kubeconfig_path: &Path,
+    config_path: &Path,
+) -> Result<(), UpError> {
+    let text = kubeconfig::render(&KubeconfigSpec {
+        relay_url,
+        cluster,
+        ca_pem: Some(ca_pem.as_bytes()),
+        token,
+    })?;
+    kubeconfig::write_private(kubeconfig_path, &text)?;
+    let config = ConfigFile {
+        relay: Some(relay_url.to_owned()),
+        ca_file: Some(PathBuf::from("relay/ca.pem")),
+        admin_token_file: Some(PathBuf::from("relay/admin-token")),
+    };
+    config.save(config_path).map_err(|source| UpError::Io {
+        path: config_path.to_path_buf(),
+        source,
+    })
 }
 
 #[cfg(test)]

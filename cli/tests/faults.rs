@@ -18,12 +18,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
-use common::netns::{Netns, can_make_namespaces};
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt as _, Full};
 use tether_cli::client::RelayClient;
 use tether_runtime::Secret;
 use tether_testkit::kubectl::Kubectl;
+use tether_testkit::netns::{self, Netns};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 /// A deadline for each step (a bound on waiting, not a timing assertion).
@@ -869,14 +869,14 @@ fn set_partition(netns: &Netns, relay: SocketAddr, on: bool) -> anyhow::Result<(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn network_partition_is_detected_users_get_503_and_the_agent_reconnects_after_healing()
 -> anyhow::Result<()> {
-    if let Err(reason) = can_make_namespaces() {
+    if let Err(reason) = netns::available() {
         tether_testkit::tools::skip_or_fail::<()>(&format!(
             "cannot make network namespaces here: {reason}"
         ));
         return Ok(());
     }
     tether_runtime::tls::install_crypto_provider();
-    let netns = Netns::create("tfp", HOST_IP, CLUSTER_IP)?;
+    let netns = Netns::refusing_inbound("tfp", HOST_IP, CLUSTER_IP)?;
     let dir = tempfile::tempdir()?;
     // The cluster (apiserver and agent) in the namespace; the relay outside, on the veth's host end.
     let sample = Sample::start(dir.path(), Some(&netns)).await?;

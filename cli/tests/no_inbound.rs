@@ -16,9 +16,9 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::netns::{Netns, can_make_namespaces};
 use tether_cli::client::RelayClient;
 use tether_cli::kubeconfig::{self, KubeconfigSpec};
+use tether_testkit::netns::{self, Netns};
 
 const HOST_IP: Ipv4Addr = Ipv4Addr::new(10, 231, 0, 1);
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 231, 0, 2);
@@ -29,7 +29,7 @@ async fn wait_for_file(path: &Path, limit: Duration) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubectl_reaches_a_cluster_that_accepts_no_inbound_connection() -> anyhow::Result<()> {
-    if let Err(reason) = can_make_namespaces() {
+    if let Err(reason) = netns::available() {
         // CI must be able to make them: there the proof is not optional.
         tether_testkit::tools::skip_or_fail::<()>(&format!(
             "cannot make network namespaces here: {reason}"
@@ -39,7 +39,7 @@ async fn kubectl_reaches_a_cluster_that_accepts_no_inbound_connection() -> anyho
     tether_runtime::tls::install_crypto_provider();
     let agent_bin = common::sibling_binary("tether-agent")?;
     let sample_bin = common::sibling_binary("tether-sample-apiserver")?;
-    let netns = Netns::create("tth", HOST_IP, CLUSTER_IP)?;
+    let netns = Netns::refusing_inbound("tth", HOST_IP, CLUSTER_IP)?;
     let dir = tempfile::tempdir()?;
 
     // The relay, reachable from the namespace at HOST_IP.

@@ -19,9 +19,9 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::netns::{Netns, can_make_namespaces};
 use tether_cli::client::RelayClient;
 use tether_cli::kubeconfig::{self, KubeconfigSpec};
+use tether_testkit::netns::{self, Netns};
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 
 const PROXY_USER: &str = "tether";
@@ -303,7 +303,7 @@ impl Fixture {
         host_ip: Ipv4Addr,
         cluster_ip: Ipv4Addr,
     ) -> anyhow::Result<Option<Fixture>> {
-        let tinyproxy = match can_make_namespaces().and_then(|()| tinyproxy()) {
+        let tinyproxy = match netns::available().and_then(|()| tinyproxy()) {
             Ok(path) => path,
             Err(reason) => {
                 return Ok(tether_testkit::tools::skip_or_fail(&format!(
@@ -314,7 +314,7 @@ impl Fixture {
         tether_runtime::tls::install_crypto_provider();
         let agent_bin = common::sibling_binary("tether-agent")?;
         let sample_bin = common::sibling_binary("tether-sample-apiserver")?;
-        let netns = Netns::create(tag, host_ip, cluster_ip)?;
+        let netns = Netns::refusing_inbound(tag, host_ip, cluster_ip)?;
         let dir = tempfile::tempdir()?;
 
         let relay =

@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail, ensure};
 use common::TestApiserver;
-use common::netns;
 use common::proxy::ConnectProxy;
 use common::real_relay::RelayProcess;
 use serde_json::Value;
+use tether_testkit::netns;
 
 const DEADLINE: Duration = Duration::from_secs(30);
 

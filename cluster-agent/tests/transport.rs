@@ -21,12 +21,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail, ensure};
 use base64::Engine as _;
 use bytes::Bytes;
-use common::netns;
 use common::real_relay::RelayProcess;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tether_testkit::kubectl::Kubectl;
+use tether_testkit::netns;
 use tether_testkit::tools::{self, Tool};
 use tether_testkit::{SampleApiserver, SampleOptions};
 

@@ -37,6 +37,7 @@ pub mod idp;
 mod kinds;
 pub mod kubectl;
 mod logs;
+pub mod netns;
 mod objects;
 mod openapi;
 mod patch;

@@ -8,8 +8,6 @@ use std::time::{Duration, Instant};
 
 use tether_cli::up::{Up, UpOptions};
 
-pub mod netns;
-
 /// A quickstart in a temporary directory.
 pub struct Env {
     pub up: Up,

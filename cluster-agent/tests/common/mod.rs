@@ -24,7 +24,6 @@ use tokio::sync::mpsc;
 
 pub mod harness;
 pub mod idp;
-pub mod netns;
 pub mod proxy;
 pub mod real_relay;
 pub mod relay;

@@ -1,11 +1,12 @@
-//! A network namespace joined to the root namespace by a veth pair (a /30), its INPUT chain dropping every
-//! connection it did not open itself: a cluster that accepts no inbound connection. Needs root, `ip` and
-//! `iptables`.
+//! Test support: a network namespace joined to the root namespace by a veth pair (a /30), for tests that put
+//! the agent behind a firewall — one that accepts no inbound connection ([`Netns::refusing_inbound`]), or one
+//! whose rules the test adds (UDP to the relay dropped, say). Needs root, `ip` and `iptables`.
 
 use std::net::Ipv4Addr;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
+/// Runs `args`; it must succeed.
 pub fn sh(args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new(args[0])
         .args(&args[1..])
@@ -21,7 +22,7 @@ pub fn sh(args: &[&str]) -> anyhow::Result<()> {
 }
 
 /// Why namespaces cannot be made here, if they cannot.
-pub fn can_make_namespaces() -> Result<(), String> {
+pub fn available() -> Result<(), String> {
     if Command::new("ip").arg("-V").output().is_err() {
         return Err("`ip` (iproute2) is not installed".into());
     }
@@ -47,6 +48,7 @@ pub fn can_make_namespaces() -> Result<(), String> {
 
 /// The namespace and veth pair; removed on drop.
 pub struct Netns {
+    /// The namespace's name (`ip netns exec NAME …`).
     pub name: String,
     host_if: String,
 }
@@ -93,7 +95,17 @@ impl Netns {
         ])?;
         netns.exec_ok(&["ip", "link", "set", &cluster_if, "up"])?;
         netns.exec_ok(&["ip", "link", "set", "lo", "up"])?;
-        // The firewall of a cluster that accepts no inbound connection.
+        Ok(netns)
+    }
+
+    /// [`Netns::create`] with the firewall of a cluster that accepts no inbound connection: its INPUT chain
+    /// drops every connection it did not open itself.
+    pub fn refusing_inbound(
+        tag: &str,
+        host_ip: Ipv4Addr,
+        cluster_ip: Ipv4Addr,
+    ) -> anyhow::Result<Netns> {
+        let netns = Self::create(tag, host_ip, cluster_ip)?;
         netns.exec_ok(&["iptables", "-A", "INPUT", "-i", "lo", "-j", "ACCEPT"])?;
         netns.exec_ok(&[
             "iptables",
