@@ -296,19 +296,28 @@ mod tests {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
         let inner = StreamBody::new(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)));
         let end = tokio_util::sync::CancellationToken::new();
-        let body = WatchBody::new(inner, "prod", |_, e| e.to_string()).ending_with(Some(&end));
-        let read = tokio::spawn(body.collect());
-        // Half an event when the replica stops serving: the rest of it still goes out, then the body ends.
+        let mut body = WatchBody::new(inner, "prod", |_, e| e.to_string()).ending_with(Some(&end));
+        // Half an event is through when the replica stops serving: the rest of it still goes out, then the
+        // body ends.
         tx.send(Ok(Frame::data(Bytes::from_static(b"{\"type\":\"ADDED\","))))
             .await?;
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let first = body
+            .frame()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("no first frame"))?
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         end.cancel();
         tx.send(Ok(Frame::data(Bytes::from_static(b"\"object\":{}}\n"))))
             .await?;
-        let all = tokio::time::timeout(std::time::Duration::from_secs(5), read)
-            .await??
+        let rest = tokio::time::timeout(std::time::Duration::from_secs(5), body.collect())
+            .await?
             .map_err(|e| anyhow::anyhow!("{e}"))?
             .to_bytes();
+        let mut all = first
+            .into_data()
+            .map_err(|_| anyhow::anyhow!("not data"))?
+            .to_vec();
+        all.extend_from_slice(&rest);
         assert_eq!(&all[..], b"{\"type\":\"ADDED\",\"object\":{}}\n");
         // The inner body is still open (the sender lives): the end came from the token, with no ERROR event.
         drop(tx);
