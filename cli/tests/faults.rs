@@ -610,14 +610,12 @@ async fn agent_sigkill_ends_exec_and_watch_clearly_and_new_requests_get_not_conn
 }
 
 /// Over QUIC nothing tells the relay (a killed process sends no CONNECTION_CLOSE and QUIC does not act on
-/// ICMP): the tunnel's idle timeout does, so both sides run a short one here.
+/// ICMP): the QUIC tunnel's idle timeout does, short by default (`--quic-timeout`, 3 s, with keepalives every
+/// `--quic-keepalive`, 1 s), so this runs with the defaults of both sides.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn agent_sigkill_over_quic_is_found_by_the_tunnel_timeout_and_ends_exec_and_watch_clearly()
+async fn agent_sigkill_over_quic_is_found_by_the_quic_timeout_and_ends_exec_and_watch_clearly()
 -> anyhow::Result<()> {
-    let timeouts = ["--tunnel-keepalive", "1s", "--tunnel-timeout", "3s"];
-    let mut agent = vec!["--transport", "quic"];
-    agent.extend(timeouts);
-    agent_sigkill(&timeouts, &agent).await
+    agent_sigkill(&[], &["--transport", "quic"]).await
 }
 
 async fn agent_sigkill(relay_flags: &[&str], agent_flags: &[&str]) -> anyhow::Result<()> {
@@ -885,6 +883,10 @@ async fn network_partition_is_detected_users_get_503_and_the_agent_reconnects_af
         KEEPALIVE,
         "--tunnel-timeout",
         TUNNEL_TIMEOUT,
+        "--quic-keepalive",
+        KEEPALIVE,
+        "--quic-timeout",
+        TUNNEL_TIMEOUT,
     ];
     relay_flags.extend(UNBOUNDED_CLIENT);
     let relay = RelayProc::start(dir.path(), HOST_IP, &relay_flags).await?;
@@ -897,6 +899,10 @@ async fn network_partition_is_detected_users_get_503_and_the_agent_reconnects_af
             "--tunnel-keepalive",
             KEEPALIVE,
             "--tunnel-timeout",
+            TUNNEL_TIMEOUT,
+            "--quic-keepalive",
+            KEEPALIVE,
+            "--quic-timeout",
             TUNNEL_TIMEOUT,
             "--connect-timeout",
             "2s",

@@ -157,6 +157,7 @@ pub async fn run(
             config.tunnel_keepalive,
             config.tunnel_timeout,
         ),
+        quic_liveness: (config.quic_keepalive, config.quic_timeout),
         connect_timeout: config.connect_timeout,
         proxy: proxy_config.clone(),
     });

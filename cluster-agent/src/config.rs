@@ -142,6 +142,16 @@ pub struct Config {
     /// dead and the agent reconnects (e.g. 45s, 2s).
     #[arg(long, env = "TETHER_TUNNEL_TIMEOUT", default_value = "45s", value_parser = parse_duration)]
     pub tunnel_timeout: Duration,
+    /// A QUIC tunnel the agent has sent nothing on this long gets a PING (QUIC's own, one small datagram;
+    /// e.g. 1s, 250ms). Replaces --tunnel-keepalive for QUIC tunnels.
+    #[arg(long, env = "TETHER_QUIC_KEEPALIVE", default_value = "1s", value_parser = parse_duration)]
+    pub quic_keepalive: Duration,
+    /// A QUIC tunnel the relay has been silent on this long is dead and the agent reconnects (e.g. 3s, 1s).
+    /// Short, because UDP has no connection reset: a relay that was killed or lost is noticed only by its
+    /// silence. QUIC uses the shorter of the two sides' timeouts, and never less than three round trips.
+    /// Replaces --tunnel-timeout for QUIC tunnels.
+    #[arg(long, env = "TETHER_QUIC_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
+    pub quic_timeout: Duration,
     /// How the connections to the apiserver grow with load (`--upstream-*`, [`crate::pool`]).
     #[command(flatten)]
     pub upstream: PoolOptions,
@@ -578,6 +588,16 @@ impl Config {
         if self.tunnel_timeout <= self.tunnel_keepalive {
             return Err(ConfigError::InvalidDuration(
                 "the tunnel timeout must be longer than the tunnel keepalive",
+            ));
+        }
+        if self.quic_keepalive < Duration::from_millis(100) {
+            return Err(ConfigError::InvalidDuration(
+                "the QUIC keepalive must be at least 100ms",
+            ));
+        }
+        if self.quic_timeout <= self.quic_keepalive {
+            return Err(ConfigError::InvalidDuration(
+                "the QUIC timeout must be longer than the QUIC keepalive",
             ));
         }
         if let Some(entra) = &self.entra {

@@ -74,6 +74,9 @@ pub(crate) struct Dialer {
     pub(crate) headers: HeaderMap,
     /// The tunnel's session settings (streams, keepalive, idle timeout).
     pub(crate) session: SessionConfig,
+    /// A QUIC tunnel's keepalive and idle timeout, which replace the session's: QUIC tunnels learn of a dead
+    /// peer only by its silence (see `--quic-timeout`).
+    pub(crate) quic_liveness: (Duration, Duration),
     /// Bound of each transport's attempt.
     pub(crate) connect_timeout: Duration,
     pub(crate) proxy: Option<ProxyConfig>,
@@ -269,6 +272,7 @@ impl Dialer {
     ) -> Result<Connection, Failure> {
         let mut session = self.session.clone();
         session.handshake_timeout = self.connect_timeout;
+        (session.keepalive_interval, session.idle_timeout) = self.quic_liveness;
         let connecting = quic::connect(&relay.url, tls, self.headers.clone(), session);
         // quic::connect bounds the tunnel handshake; this bounds the name lookup too.
         match tokio::time::timeout(self.connect_timeout, connecting).await {

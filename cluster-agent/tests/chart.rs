@@ -41,11 +41,14 @@ impl Setup {
             SampleApiserver::start(SampleOptions::new(dir.path().join("apiserver"))).await?;
         // The bearer token RelayProcess::user_get sends; the sample apiserver allows what it authenticates.
         sample.add_token("user-token", "alice", &[]);
-        // A killed pod's QUIC tunnels are ended by the tunnel timeout (no kernel closes them): short here.
+        // A killed pod's QUIC tunnels are ended by the QUIC timeout (no kernel closes them): shorter here
+        // than the 3 s default.
         let relay =
             RelayProcess::start_with(&dir.path().join("relay"), "127.0.0.1:0".parse()?, |c| {
                 c.tunnel_keepalive = Duration::from_millis(500);
                 c.tunnel_timeout = Duration::from_secs(2);
+                c.quic_keepalive = Duration::from_millis(500);
+                c.quic_timeout = Duration::from_secs(2);
             })
             .await?;
         let values = chart_dir("tether-agent").join(values);

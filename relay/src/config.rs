@@ -69,6 +69,16 @@ pub struct Config {
     /// agent) is declared dead: its requests end and new ones get 503 "not connected" (e.g. 45s, 2s).
     #[arg(long, env = "TETHER_RELAY_TUNNEL_TIMEOUT", default_value = "45s", value_parser = parse_duration)]
     pub tunnel_timeout: Duration,
+    /// A QUIC tunnel the relay has sent nothing on this long gets a PING (QUIC's own, one small datagram;
+    /// e.g. 1s, 250ms). Replaces --tunnel-keepalive for QUIC tunnels.
+    #[arg(long, env = "TETHER_RELAY_QUIC_KEEPALIVE", default_value = "1s", value_parser = parse_duration)]
+    pub quic_keepalive: Duration,
+    /// A QUIC tunnel the agent has been silent on this long is dead: its requests end with a `Status` naming
+    /// the cluster (e.g. 3s, 1s). Short, because UDP has no connection reset: a killed agent is noticed only
+    /// by its silence (over WebSocket its kernel closes the TCP connection). QUIC uses the shorter of the two
+    /// sides' timeouts, and never less than three round trips. Replaces --tunnel-timeout for QUIC tunnels.
+    #[arg(long, env = "TETHER_RELAY_QUIC_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
+    pub quic_timeout: Duration,
     /// How often agents send heartbeats (whole seconds, e.g. 30s).
     #[arg(long, env = "TETHER_RELAY_HEARTBEAT_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub heartbeat_interval: Duration,
@@ -409,6 +419,18 @@ impl Config {
         session
     }
 
+    /// The session settings a QUIC tunnel runs with: [`Config::tunnel_session`] with the QUIC keepalive and
+    /// timeout, and a handshake bounded by the TLS handshake timeout.
+    pub fn quic_session(&self) -> SessionConfig {
+        let mut session = self.tunnel_session();
+        session.keepalive_interval = self.quic_keepalive;
+        session.idle_timeout = self.quic_timeout;
+        session.handshake_timeout = session
+            .handshake_timeout
+            .min(self.limits.tls_handshake_timeout);
+        session
+    }
+
     /// The defaults written on the fields (the environment is not read), with `data_dir`.
     pub fn new(data_dir: PathBuf) -> Self {
         let command = Self::command().mut_args(|arg| arg.env(None::<&str>));
@@ -569,7 +591,7 @@ impl Config {
                 why: "must be greater than zero",
             });
         }
-        let settings: [(&'static str, bool, &'static str); 5] = [
+        let settings: [(&'static str, bool, &'static str); 7] = [
             (
                 "tunnel keepalive",
                 self.tunnel_keepalive < Duration::from_millis(100),
@@ -579,6 +601,16 @@ impl Config {
                 "tunnel timeout",
                 self.tunnel_timeout <= self.tunnel_keepalive,
                 "must be longer than the tunnel keepalive",
+            ),
+            (
+                "QUIC keepalive",
+                self.quic_keepalive < Duration::from_millis(100),
+                "must be at least 100ms",
+            ),
+            (
+                "QUIC timeout",
+                self.quic_timeout <= self.quic_keepalive,
+                "must be longer than the QUIC keepalive",
             ),
             (
                 "heartbeat interval",

@@ -34,11 +34,7 @@ pub(crate) fn bind(
         (None, Some(addr)) => (addr, false),
         (None, None) => return Ok(None),
     };
-    let mut session = config.tunnel.clone();
-    session.handshake_timeout = session
-        .handshake_timeout
-        .min(config.limits.tls_handshake_timeout);
-    match Listener::bind(addr, tls, session) {
+    match Listener::bind(addr, tls, config.quic_session()) {
         Ok(listener) => Ok(Some(listener)),
         Err(e) if !explicit => {
             tracing::warn!(%addr, error = %e, "cannot listen for QUIC tunnels on the HTTPS port number; agents will use WebSocket (set --quic-listen or --no-quic)");
