@@ -148,7 +148,8 @@ pub struct Config {
     pub quic_keepalive: Duration,
     /// A QUIC tunnel the relay has been silent on this long is dead and the agent reconnects (e.g. 3s, 1s).
     /// Short, because UDP has no connection reset: a relay that was killed or lost is noticed only by its
-    /// silence. QUIC uses the shorter of the two sides' timeouts, and never less than three round trips.
+    /// silence. QUIC uses the shorter of the two sides' timeouts, and never less than three round trips; a dead peer is noticed about
+    /// --quic-keepalive + --quic-timeout after it went silent.
     /// Replaces --tunnel-timeout for QUIC tunnels.
     #[arg(long, env = "TETHER_QUIC_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
     pub quic_timeout: Duration,

@@ -57,13 +57,17 @@ pub struct CommonArgs {
     /// A command line to run the agent under.
     #[arg(long, global = true)]
     pub agent_wrapper: Option<String>,
+    /// An extra argument for the agent, as `--agent-arg=--FLAG=VALUE` (repeatable), e.g.
+    /// `--agent-arg=--quic-timeout=1s`.
+    #[arg(long = "agent-arg", global = true, allow_hyphen_values = true)]
+    pub agent_args: Vec<String>,
     /// No progress bars.
     #[arg(long, global = true)]
     pub no_progress: bool,
     /// The agent transports to measure side by side in `requests`, `bulk` and `hol` (comma-separated or
     /// repeated: `--transport quic,wss`): one relay and agent (`--transport X`) per transport, labelled
     /// `tether quic`, `tether wss`, with quic/wss ratios. Default: one agent with its own choice (`auto`,
-    /// QUIC on loopback), labelled `tether`.
+    /// QUIC on loopback), labelled `tether`. `watches` runs its one agent with the first one given.
     #[arg(long, global = true, value_enum, value_delimiter = ',')]
     pub transport: Vec<AgentTransport>,
 }

@@ -76,7 +76,8 @@ pub struct Config {
     /// A QUIC tunnel the agent has been silent on this long is dead: its requests end with a `Status` naming
     /// the cluster (e.g. 3s, 1s). Short, because UDP has no connection reset: a killed agent is noticed only
     /// by its silence (over WebSocket its kernel closes the TCP connection). QUIC uses the shorter of the two
-    /// sides' timeouts, and never less than three round trips. Replaces --tunnel-timeout for QUIC tunnels.
+    /// sides' timeouts, and never less than three round trips; a dead peer is noticed about
+    /// --quic-keepalive + --quic-timeout after it went silent. Replaces --tunnel-timeout for QUIC tunnels.
     #[arg(long, env = "TETHER_RELAY_QUIC_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
     pub quic_timeout: Duration,
     /// How often agents send heartbeats (whole seconds, e.g. 30s).

@@ -171,6 +171,15 @@ impl Env {
         })
     }
 
+    /// The agent's extra flags: `--transport transport` when given, then every `--agent-arg`.
+    pub fn agent_args(&self, transport: Option<AgentTransport>) -> Vec<String> {
+        let mut args: Vec<String> = transport
+            .map(|t| vec!["--transport".to_owned(), t.as_str().to_owned()])
+            .unwrap_or_default();
+        args.extend(self.common.agent_args.iter().cloned());
+        args
+    }
+
     /// Starts a relay and an agent for cluster `loadtest` in front of `up`, the agent with `--transport
     /// transport` when given; `label` names the path in reports.
     pub async fn tether_path(
@@ -198,9 +207,7 @@ impl Env {
             &AgentOptions {
                 wrapper: self.common.agent_wrapper.clone(),
                 log_level: self.common.log_level.clone(),
-                extra_args: transport
-                    .map(|t| vec!["--transport".to_owned(), t.as_str().to_owned()])
-                    .unwrap_or_default(),
+                extra_args: self.agent_args(transport),
             },
         )
         .await?;

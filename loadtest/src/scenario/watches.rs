@@ -68,13 +68,20 @@ pub async fn run(env: &Env, args: &WatchesArgs) -> anyhow::Result<Report> {
     report.setting("get_rate", args.get_rate);
     report.setting("duration", format!("{:?}", args.duration));
     report.setting("settle", format!("{:?}", args.settle));
+    report.setting("relay_args", env.common.relay_args.join(" "));
+    report.setting(
+        "agent_args",
+        env.agent_args(env.common.transport.first().copied())
+            .join(" "),
+    );
     let bins = env.binaries()?;
     let mut cluster = SampleCluster::start(
         &bins,
         &env.dir("watches")?,
         &ClusterOptions {
             log_level: env.common.log_level.clone(),
-            ..ClusterOptions::default()
+            relay_args: env.common.relay_args.clone(),
+            agent_args: env.agent_args(env.common.transport.first().copied()),
         },
     )
     .await?;
