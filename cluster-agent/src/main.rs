@@ -25,16 +25,37 @@ struct Cli {
     /// Log format: text or json.
     #[arg(long, env = "TETHER_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
+    /// Worker threads of the async runtime; 0: one per CPU. One (the default) spends about a fifth less CPU
+    /// per request than two, and carries a cluster's API traffic on one core (docs/BENCHMARKS.md); raise it
+    /// for heavy bulk traffic (`kubectl cp`, logs) on more cores.
+    #[arg(long, env = "TETHER_WORKER_THREADS", default_value_t = 1)]
+    worker_threads: usize,
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if args.get(1).is_some_and(|a| a == "doctor") {
         args.remove(1);
-        return doctor(tether_runtime::cli::parse_from(args)).await;
+        let args = tether_runtime::cli::parse_from(args);
+        return match tether_runtime::process::runtime(1) {
+            Ok(runtime) => runtime.block_on(doctor(args)),
+            Err(e) => cannot_start(&e),
+        };
     }
     let cli: Cli = tether_runtime::cli::parse_from(args);
+    match tether_runtime::process::runtime(cli.worker_threads) {
+        Ok(runtime) => runtime.block_on(agent(cli)),
+        Err(e) => cannot_start(&e),
+    }
+}
+
+fn cannot_start(e: &std::io::Error) -> ExitCode {
+    eprintln!("tether-agent: cannot start the async runtime: {e}");
+    ExitCode::FAILURE
+}
+
+/// Runs the agent until SIGINT or SIGTERM.
+async fn agent(cli: Cli) -> ExitCode {
     init_tracing(cli.log_format);
     let config = match cli.config.with_proxy_env() {
         Ok(config) => config,

@@ -17,6 +17,10 @@ struct Args {
     /// Log format.
     #[arg(long, env = "TETHER_RELAY_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
+    /// Worker threads of the async runtime; 0: one per CPU. Each one more lets the relay use one more core,
+    /// at some CPU per request for handing work between them.
+    #[arg(long, env = "TETHER_RELAY_WORKER_THREADS", default_value_t = 0)]
+    worker_threads: usize,
     #[command(flatten)]
     config: Config,
 }
@@ -28,7 +32,7 @@ fn main() -> ExitCode {
         eprintln!("tether-relay: invalid configuration: {e}");
         return ExitCode::from(EX_USAGE);
     }
-    let runtime = match tokio::runtime::Runtime::new() {
+    let runtime = match tether_runtime::process::runtime(args.worker_threads) {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("tether-relay: cannot start the async runtime: {e}");

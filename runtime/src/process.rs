@@ -1,4 +1,5 @@
-//! What every Tether program's `main` does the same way: logging to stderr and waiting for a stop signal.
+//! What every Tether program's `main` does the same way: its async runtime, logging to stderr and waiting for a
+//! stop signal.
 
 use std::io::IsTerminal as _;
 use std::str::FromStr;
@@ -22,6 +23,20 @@ impl FromStr for LogFormat {
             other => Err(format!("unknown log format {other:?} (use text or json)")),
         }
     }
+}
+
+/// The process's Tokio runtime (I/O and timers enabled) with `worker_threads` worker threads; 0: one per CPU
+/// (or `TOKIO_WORKER_THREADS`).
+///
+/// Fewer workers cost less CPU per request: each hand-off of work between workers parks one thread and wakes
+/// another (docs/BENCHMARKS.md measured ~20 % of the CPU per small request in relay and agent), while one worker
+/// caps the process at one core.
+pub fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if worker_threads > 0 {
+        builder.worker_threads(worker_threads);
+    }
+    builder.enable_all().build()
 }
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`).
