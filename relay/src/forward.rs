@@ -85,24 +85,11 @@ where
         .await
         .map_err(|e| ApiError::internal(format!("cannot start HTTP on the tunnel stream: {e}")))?;
     let cluster = target.cluster.to_owned();
-    // An upgrade's connection outlives the exchange (it hands the stream over), so it runs in a task of its
-    // own. Any other exchange's connection is driven by this task while the head is awaited, then by whoever
-    // reads the response body ([`Driven`]): no task, and no hand-off between tasks, per request.
-    let (conn_task, mut driver) = if upgrade {
-        let task = tokio::spawn(async move {
-            if let Err(e) = conn.with_upgrades().await {
-                tracing::debug!(cluster = %cluster, error = %e, "tunnel stream HTTP connection ended with an error");
-            }
-        });
-        (Some(task), None)
-    } else {
-        let driver: ConnDriver = sync_wrapper::SyncWrapper::new(Box::pin(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(cluster = %cluster, error = %e, "tunnel stream HTTP connection ended with an error");
-            }
-        }));
-        (None, Some(driver))
-    };
+    let conn_task = tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(cluster = %cluster, error = %e, "tunnel stream HTTP connection ended with an error");
+        }
+    });
 
     let accepted = async {
         let limit = target.open_timeout + ACCEPT_GRACE;
@@ -131,15 +118,12 @@ where
         },
         })
     };
-    let head = drive(head, &mut driver);
     let mut resp = match tokio::time::timeout(target.request_timeout, head).await {
         Ok(resp) => resp?,
         Err(_) => {
             // Dropping the HTTP connection drops the tunnel stream: the agent sees a reset and cancels the
             // request, whether it was still queued there or already sent upstream.
-            if let Some(task) = conn_task {
-                task.abort();
-            }
+            conn_task.abort();
             return Err(head_timeout(target));
         }
     };
@@ -182,7 +166,6 @@ where
     }
 
     strip_hop_by_hop(resp.headers_mut(), false);
-    let resp = resp.map(|body| Driven { body, driver });
     if resp.status().is_success()
         && ends::is_watch_request(target.path_and_query)
         && ends::is_json(resp.headers())
@@ -195,65 +178,6 @@ where
         }));
     }
     Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
-}
-
-/// A tunnel stream's HTTP/1.1 connection, driven by the task awaiting or reading its exchange (in a
-/// `SyncWrapper`, which is `Sync` because it only lends its future out through `&mut`, as response bodies
-/// must be).
-type ConnDriver = sync_wrapper::SyncWrapper<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>>;
-
-/// Awaits `fut` while polling `driver` (until it is done) in the same task.
-async fn drive<F: Future>(fut: F, driver: &mut Option<ConnDriver>) -> F::Output {
-    let mut fut = std::pin::pin!(fut);
-    std::future::poll_fn(|cx| {
-        poll_driver(driver, cx);
-        fut.as_mut().poll(cx)
-    })
-    .await
-}
-
-fn poll_driver(driver: &mut Option<ConnDriver>, cx: &mut std::task::Context<'_>) {
-    if let Some(d) = driver
-        && d.get_mut().as_mut().poll(cx).is_ready()
-    {
-        *driver = None;
-    }
-}
-
-/// A response body that drives its connection as it is read: the connection moves the body's bytes from
-/// the tunnel stream, and its end (or the body dropped) ends the connection and so the stream.
-struct Driven<B> {
-    body: B,
-    driver: Option<ConnDriver>,
-}
-
-impl<B: http_body::Body + Unpin> http_body::Body for Driven<B> {
-    type Data = B::Data;
-    type Error = B::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        // The body first (asking for data signals the connection), then the connection (which may then move
-        // bytes into it), then the body again.
-        if let std::task::Poll::Ready(frame) = std::pin::Pin::new(&mut self.body).poll_frame(cx) {
-            return std::task::Poll::Ready(frame);
-        }
-        if self.driver.is_none() {
-            return std::task::Poll::Pending;
-        }
-        poll_driver(&mut self.driver, cx);
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
-    }
 }
 
 /// Why a response body stopped before its end, in the user's terms (for a watch's final ERROR event).
