@@ -794,6 +794,33 @@ mod tests {
         assert_eq!(c.map(|c| c.open_timeout), Ok(Duration::from_millis(500)));
     }
 
+    /// QUIC tunnels find a killed agent only by its silence, so they run with the QUIC liveness flags, never
+    /// the WebSocket ones (the listener once took the built-in session defaults: a killed agent's watches
+    /// ran on for 60 s).
+    #[test]
+    fn quic_tunnels_run_with_the_quic_keepalive_and_timeout() {
+        let mut c = Config::new("/d".into());
+        assert_eq!(
+            (c.quic_keepalive, c.quic_timeout),
+            (Duration::from_secs(1), Duration::from_secs(3))
+        );
+        c.quic_keepalive = Duration::from_millis(250);
+        c.quic_timeout = Duration::from_secs(1);
+        let quic = c.quic_session();
+        assert_eq!(quic.keepalive_interval, Duration::from_millis(250));
+        assert_eq!(quic.idle_timeout, Duration::from_secs(1));
+        assert_eq!(quic.role, Role::Server);
+        assert!(quic.handshake_timeout <= c.limits.tls_handshake_timeout);
+        let wss = c.tunnel_session();
+        assert_eq!(wss.keepalive_interval, c.tunnel_keepalive);
+        assert_eq!(wss.idle_timeout, c.tunnel_timeout);
+        c.quic_timeout = c.quic_keepalive;
+        assert!(
+            c.validate().is_err(),
+            "a QUIC timeout not longer than its keepalive"
+        );
+    }
+
     #[test]
     fn defaults_validate() {
         assert!(Config::new("/tmp/x".into()).validate().is_ok());
