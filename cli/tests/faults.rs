@@ -11,7 +11,6 @@ mod common;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -22,6 +21,7 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt as _, Full};
 use tether_cli::client::RelayClient;
 use tether_runtime::Secret;
+use tether_testkit::child::Child;
 use tether_testkit::kubectl::Kubectl;
 use tether_testkit::netns::{self, Netns};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -33,77 +33,8 @@ const CLUSTER: &str = "faults";
 // ---------------------------------------------------------------------------------------------------------
 // Processes.
 
-/// A child process killed when dropped, its output in a log file.
-struct Proc {
-    name: &'static str,
-    child: tokio::process::Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn spawn(
-        name: &'static str,
-        mut command: tokio::process::Command,
-        log: &Path,
-    ) -> anyhow::Result<Proc> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)?;
-        command
-            .env("RUST_LOG", "warn")
-            .env_remove("HTTPS_PROXY")
-            .env_remove("https_proxy")
-            .stdin(Stdio::null())
-            .stdout(file.try_clone()?)
-            .stderr(file)
-            .kill_on_drop(true);
-        let child = command
-            .spawn()
-            .with_context(|| format!("starting {name}"))?;
-        Ok(Proc {
-            name,
-            child,
-            log: log.to_path_buf(),
-        })
-    }
-
-    fn pid(&self) -> anyhow::Result<u32> {
-        self.child.id().context("the process has exited")
-    }
-
-    fn check_running(&mut self) -> anyhow::Result<()> {
-        if let Some(status) = self.child.try_wait()? {
-            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(20).collect();
-            bail!(
-                "{} exited ({status}); its log ends:\n{}",
-                self.name,
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            );
-        }
-        Ok(())
-    }
-
-    /// SIGKILL: no drain, no GOAWAY, sockets just close.
-    async fn kill(&mut self) -> anyhow::Result<()> {
-        self.child.start_kill()?;
-        self.child.wait().await?;
-        Ok(())
-    }
-
-    /// Resident memory (VmRSS) in bytes.
-    fn rss(&self) -> anyhow::Result<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?))?;
-        let kib = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse::<u64>().ok())
-            .context("no VmRSS")?;
-        Ok(kib * 1024)
-    }
-}
+/// Children log at this level.
+const RUST_LOG: &str = "warn";
 
 /// A free loopback port (bound, then released).
 fn free_port(ip: Ipv4Addr) -> anyhow::Result<u16> {
@@ -117,7 +48,7 @@ fn mib(bytes: u64) -> f64 {
 /// The sample apiserver (in the root namespace, or inside `netns`).
 struct Sample {
     /// Killed when dropped.
-    _proc: Proc,
+    _proc: Child,
     dir: PathBuf,
 }
 
@@ -136,7 +67,12 @@ impl Sample {
             None => tokio::process::Command::new(&bin),
         };
         command.arg("--dir").arg(&dir).args(["--listen", &listen]);
-        let mut proc = Proc::spawn("tether-sample-apiserver", command, &root.join("sample.log"))?;
+        let mut proc = Child::spawn(
+            "tether-sample-apiserver",
+            command,
+            &root.join("sample.log"),
+            RUST_LOG,
+        )?;
         let ready = tether_testkit::wait::until("sample apiserver kubeconfig", WAIT, || {
             let ok = dir.join("kubeconfig").is_file() && dir.join("token").is_file();
             async move { ok }
@@ -161,7 +97,7 @@ impl Sample {
 
 /// A `tether-relay` process; restartable on the same address and data directory.
 struct RelayProc {
-    proc: Proc,
+    proc: Child,
     addr: SocketAddr,
     dir: PathBuf,
     extra: Vec<String>,
@@ -189,7 +125,7 @@ impl RelayProc {
         dir: &Path,
         addr: SocketAddr,
         extra: &[String],
-    ) -> anyhow::Result<(Proc, String, RelayClient)> {
+    ) -> anyhow::Result<(Child, String, RelayClient)> {
         std::fs::create_dir_all(dir)?;
         let mut command = tokio::process::Command::new(common::sibling_binary("tether-relay")?);
         command
@@ -200,7 +136,7 @@ impl RelayProc {
             .arg("--hostname")
             .arg(format!("localhost,127.0.0.1,{}", addr.ip()))
             .args(extra);
-        let mut proc = Proc::spawn("tether-relay", command, &dir.join("relay.log"))?;
+        let mut proc = Child::spawn("tether-relay", command, &dir.join("relay.log"), RUST_LOG)?;
         let deadline = Instant::now() + WAIT;
         loop {
             proc.check_running()?;
@@ -226,7 +162,7 @@ impl RelayProc {
 
     /// SIGKILLs the relay.
     async fn kill(&mut self) -> anyhow::Result<()> {
-        self.proc.kill().await
+        Ok(self.proc.kill().await?)
     }
 
     /// Starts the relay again on the same address and data directory (same CA, same identities).
@@ -261,7 +197,7 @@ impl RelayProc {
 
 /// A `tether-agent` process for the cluster, with its probes (and `/metrics`) on a loopback port.
 struct AgentProc {
-    proc: Proc,
+    proc: Child,
     command: Vec<String>,
     netns: Option<String>,
     log: PathBuf,
@@ -326,7 +262,7 @@ impl AgentProc {
         Ok(agent)
     }
 
-    fn spawn(command: &[String], netns: Option<&str>, log: &Path) -> anyhow::Result<Proc> {
+    fn spawn(command: &[String], netns: Option<&str>, log: &Path) -> anyhow::Result<Child> {
         let mut cmd = match netns {
             Some(ns) => {
                 let mut c = tokio::process::Command::new("ip");
@@ -340,7 +276,7 @@ impl AgentProc {
             }
         };
         cmd.kill_on_drop(true);
-        Proc::spawn("tether-agent", cmd, log)
+        Ok(Child::spawn("tether-agent", cmd, log, RUST_LOG)?)
     }
 
     /// Until the relay shows the tunnel with its control stream open (the streams tests count from there).
@@ -359,7 +295,7 @@ impl AgentProc {
     }
 
     async fn kill(&mut self) -> anyhow::Result<()> {
-        self.proc.kill().await
+        Ok(self.proc.kill().await?)
     }
 
     /// Starts the agent again with its stored identity.

@@ -13,7 +13,6 @@ mod common;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
@@ -22,6 +21,7 @@ use bytes::Bytes;
 use common::{Admin, AgentIdentity, Client};
 use http::StatusCode;
 use tether_api::control::{self as wire, Hello, Message, Reader};
+use tether_testkit::child::Child;
 use tether_testkit::kubectl::Kubectl;
 use tether_testkit::postgres::Postgres;
 use tether_testkit::tools::{self, Tool};
@@ -30,61 +30,8 @@ use tether_tunnel::{OpenOptions, Priority, kind};
 /// A deadline for each step (a bound on waiting, not a timing assertion).
 const WAIT: Duration = Duration::from_secs(60);
 
-/// A child process killed when dropped, its output in a log file.
-struct Proc {
-    name: &'static str,
-    child: tokio::process::Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn spawn(
-        name: &'static str,
-        mut command: tokio::process::Command,
-        log: &Path,
-    ) -> anyhow::Result<Proc> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)?;
-        command
-            .env("RUST_LOG", "info,sqlx=warn")
-            .env_remove("HTTPS_PROXY")
-            .env_remove("https_proxy")
-            .stdin(Stdio::null())
-            .stdout(file.try_clone()?)
-            .stderr(file)
-            .kill_on_drop(true);
-        let child = command
-            .spawn()
-            .with_context(|| format!("starting {name}"))?;
-        Ok(Proc {
-            name,
-            child,
-            log: log.to_path_buf(),
-        })
-    }
-
-    fn check_running(&mut self) -> anyhow::Result<()> {
-        if let Some(status) = self.child.try_wait()? {
-            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(30).collect();
-            bail!(
-                "{} exited ({status}); its log ends:\n{}",
-                self.name,
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            );
-        }
-        Ok(())
-    }
-
-    /// SIGKILL: no drain, no GOAWAY, no goodbye to the store.
-    async fn kill(&mut self) -> anyhow::Result<()> {
-        self.child.start_kill()?;
-        self.child.wait().await?;
-        Ok(())
-    }
-}
+/// Children log at this level.
+const RUST_LOG: &str = "info,sqlx=warn";
 
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
@@ -94,7 +41,7 @@ fn free_port() -> anyhow::Result<u16> {
 
 /// A `tether-relay` process, one replica of the fleet.
 struct RelayProc {
-    proc: Proc,
+    proc: Child,
     addr: SocketAddr,
     ca_pem: String,
     admin: Admin,
@@ -118,7 +65,7 @@ impl RelayProc {
             .arg("--peer-listen")
             .arg(peer.to_string())
             .arg("--no-quic");
-        let mut proc = Proc::spawn("tether-relay", command, &dir.join("relay.log"))?;
+        let mut proc = Child::spawn("tether-relay", command, &dir.join("relay.log"), RUST_LOG)?;
         let deadline = Instant::now() + WAIT;
         loop {
             proc.check_running()?;
@@ -169,7 +116,7 @@ fn share(from: &Path, to: &Path) -> anyhow::Result<()> {
 
 /// The sample apiserver.
 struct Sample {
-    _proc: Proc,
+    _proc: Child,
     dir: PathBuf,
 }
 
@@ -183,7 +130,12 @@ impl Sample {
             .arg("--dir")
             .arg(&dir)
             .args(["--listen", &format!("127.0.0.1:{}", free_port()?)]);
-        let mut proc = Proc::spawn("tether-sample-apiserver", command, &root.join("sample.log"))?;
+        let mut proc = Child::spawn(
+            "tether-sample-apiserver",
+            command,
+            &root.join("sample.log"),
+            RUST_LOG,
+        )?;
         tether_testkit::wait::until("the sample apiserver's kubeconfig", WAIT, || {
             let ready = dir.join("kubeconfig").is_file() && dir.join("token").is_file();
             async move { ready }
@@ -306,10 +258,11 @@ async fn kubectl_through_replica_b_reaches_the_tunnel_on_replica_a_and_a_dead_re
         .arg(root.path().join("a").join("ca.pem"))
         .arg("--kubeconfig")
         .arg(sample.dir.join("kubeconfig"));
-    let mut agent = Proc::spawn(
+    let mut agent = Child::spawn(
         "tether-agent",
         agent_command,
         &root.path().join("agent.log"),
+        RUST_LOG,
     )?;
     let deadline = Instant::now() + WAIT;
     loop {

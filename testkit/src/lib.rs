@@ -26,6 +26,7 @@ pub mod auth;
 pub mod authz;
 mod body;
 pub mod certs;
+pub mod child;
 mod controller;
 mod custom;
 pub mod dev_issuer;
