@@ -62,24 +62,19 @@ impl Sample {
             Some(_) => "127.0.0.1:6443".to_owned(),
             None => format!("127.0.0.1:{}", free_port(Ipv4Addr::LOCALHOST)?),
         };
-        let mut command = match netns {
+        let command = match netns {
             Some(ns) => ns.command(&bin),
             None => tokio::process::Command::new(&bin),
         };
-        command.arg("--dir").arg(&dir).args(["--listen", &listen]);
-        let mut proc = Child::spawn(
-            "tether-sample-apiserver",
+        let proc = Child::sample_apiserver(
             command,
+            &dir,
+            &listen,
             &root.join("sample.log"),
             RUST_LOG,
-        )?;
-        let ready = tether_testkit::wait::until("sample apiserver kubeconfig", WAIT, || {
-            let ok = dir.join("kubeconfig").is_file() && dir.join("token").is_file();
-            async move { ok }
-        })
-        .await;
-        proc.check_running()?;
-        ready.map_err(|e| anyhow::anyhow!("{e}"))?;
+            WAIT,
+        )
+        .await?;
         Ok(Sample { _proc: proc, dir })
     }
 

@@ -148,9 +148,9 @@ pub struct Config {
     pub quic_keepalive: Duration,
     /// A QUIC tunnel the relay has been silent on this long is dead and the agent reconnects (e.g. 3s, 1s).
     /// Short, because UDP has no connection reset: a relay that was killed or lost is noticed only by its
-    /// silence. QUIC uses the shorter of the two sides' timeouts, and never less than three round trips; a dead peer is noticed about
-    /// --quic-keepalive + --quic-timeout after it went silent.
-    /// Replaces --tunnel-timeout for QUIC tunnels.
+    /// silence. QUIC uses the shorter of the two sides' timeouts, and never less than three round trips; a
+    /// dead peer is noticed about --quic-keepalive + --quic-timeout after it went silent. Replaces
+    /// --tunnel-timeout for QUIC tunnels.
     #[arg(long, env = "TETHER_QUIC_TIMEOUT", default_value = "3s", value_parser = parse_duration)]
     pub quic_timeout: Duration,
     /// How the connections to the apiserver grow with load (`--upstream-*`, [`crate::pool`]).
@@ -581,25 +581,28 @@ impl Config {
                 "the connect timeout must be greater than zero",
             ));
         }
-        if self.tunnel_keepalive < Duration::from_millis(100) {
-            return Err(ConfigError::InvalidDuration(
+        // Each transport's liveness: (keepalive, timeout, what is wrong with either).
+        let liveness = [
+            (
+                self.tunnel_keepalive,
+                self.tunnel_timeout,
                 "the tunnel keepalive must be at least 100ms",
-            ));
-        }
-        if self.tunnel_timeout <= self.tunnel_keepalive {
-            return Err(ConfigError::InvalidDuration(
                 "the tunnel timeout must be longer than the tunnel keepalive",
-            ));
-        }
-        if self.quic_keepalive < Duration::from_millis(100) {
-            return Err(ConfigError::InvalidDuration(
+            ),
+            (
+                self.quic_keepalive,
+                self.quic_timeout,
                 "the QUIC keepalive must be at least 100ms",
-            ));
-        }
-        if self.quic_timeout <= self.quic_keepalive {
-            return Err(ConfigError::InvalidDuration(
                 "the QUIC timeout must be longer than the QUIC keepalive",
-            ));
+            ),
+        ];
+        for (keepalive, timeout, too_short, not_longer) in liveness {
+            if keepalive < Duration::from_millis(100) {
+                return Err(ConfigError::InvalidDuration(too_short));
+            }
+            if timeout <= keepalive {
+                return Err(ConfigError::InvalidDuration(not_longer));
+            }
         }
         if let Some(entra) = &self.entra {
             entra

@@ -26,7 +26,7 @@ struct Cli {
     #[arg(long, env = "TETHER_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
     /// Worker threads of the async runtime; 0 (the default): one per CPU. One spends less CPU per request (no
-    /// hand-offs between threads: about a sixth less in docs/BENCHMARKS.md) and carries a cluster's API traffic
+    /// hand-offs between threads: about a fifth less in docs/BENCHMARKS.md) and carries a cluster's API traffic
     /// on one core, but caps bulk transfers (`kubectl cp`, logs) at one core.
     #[arg(long, env = "TETHER_WORKER_THREADS", default_value_t = 0)]
     worker_threads: usize,

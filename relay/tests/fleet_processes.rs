@@ -125,23 +125,16 @@ impl Sample {
         let bin = tools::workspace_binary("tether-sample-apiserver").map_err(anyhow::Error::msg)?;
         let dir = root.join("sample");
         std::fs::create_dir_all(&dir)?;
-        let mut command = tokio::process::Command::new(bin);
-        command
-            .arg("--dir")
-            .arg(&dir)
-            .args(["--listen", &format!("127.0.0.1:{}", free_port()?)]);
-        let mut proc = Child::spawn(
-            "tether-sample-apiserver",
-            command,
+        let listen = format!("127.0.0.1:{}", free_port()?);
+        let proc = Child::sample_apiserver(
+            tokio::process::Command::new(bin),
+            &dir,
+            &listen,
             &root.join("sample.log"),
             RUST_LOG,
-        )?;
-        tether_testkit::wait::until("the sample apiserver's kubeconfig", WAIT, || {
-            let ready = dir.join("kubeconfig").is_file() && dir.join("token").is_file();
-            async move { ready }
-        })
+            WAIT,
+        )
         .await?;
-        proc.check_running()?;
         Ok(Sample { _proc: proc, dir })
     }
 

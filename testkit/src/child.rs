@@ -13,6 +13,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::time::Duration;
 
 /// A child that could not be started, exited, or could not be read or killed; the text names it and, when it
 /// exited, quotes the end of its log.
@@ -60,6 +61,32 @@ impl Child {
             child,
             log: log.to_path_buf(),
         })
+    }
+
+    /// Starts the sample apiserver: `command` runs `tether-sample-apiserver` (directly, or inside a network
+    /// namespace) and is given `--dir dir --listen listen`; returns once the apiserver has written its
+    /// kubeconfig and token into `dir`. One that exits first, or has not written them within `limit`, is an
+    /// error quoting its log.
+    pub async fn sample_apiserver(
+        mut command: tokio::process::Command,
+        dir: &Path,
+        listen: &str,
+        log: &Path,
+        rust_log: &str,
+        limit: Duration,
+    ) -> Result<Child, ChildError> {
+        command.arg("--dir").arg(dir).args(["--listen", listen]);
+        let mut child = Child::spawn("tether-sample-apiserver", command, log, rust_log)?;
+        let waited =
+            crate::wait::until("the sample apiserver's kubeconfig and token", limit, || {
+                let written = dir.join("kubeconfig").is_file() && dir.join("token").is_file();
+                let exited = !matches!(child.child.try_wait(), Ok(None));
+                async move { written || exited }
+            })
+            .await;
+        child.check_running()?;
+        waited.map_err(|e| ChildError(e.to_string()))?;
+        Ok(child)
     }
 
     /// The process id, while it runs.
