@@ -19,7 +19,7 @@ use tether_runtime::tls;
 use tether_tunnel::proxy::ProxyConfig;
 use tether_tunnel::quic::{self, QuicError};
 use tether_tunnel::ws::{self, ConnectError};
-use tether_tunnel::{Connection, Role, SessionConfig};
+use tether_tunnel::{Connection, Role, SessionConfig, kind};
 use tokio::task::AbortHandle;
 
 use crate::config::RelayEndpoint;
@@ -101,6 +101,11 @@ impl Dialer {
             "tether-agent-version",
             HeaderValue::from_static(env!("CARGO_PKG_VERSION")),
         );
+        // The stream kinds this agent serves: HTTP/1.1 streams and binary heads (the relay uses the latter).
+        let kinds = format!("{}, {}", kind::HTTP, kind::HTTP_HEADS);
+        if let Ok(value) = HeaderValue::try_from(kinds) {
+            headers.insert("tether-stream-kinds", value);
+        }
         headers
     }
 

@@ -24,7 +24,7 @@ use tokio::task::JoinSet;
 
 use crate::control;
 use crate::event::{Event, Events, TunnelId};
-use crate::forward::{Upstream, serve_stream};
+use crate::forward::{Upstream, serve_heads, serve_stream};
 use crate::probes::Probes;
 
 /// How long a retired tunnel whose streams are done may take to close by itself.
@@ -179,17 +179,18 @@ async fn drain(streams: &mut JoinSet<()>, drain_timeout: Duration) {
 }
 
 fn handle_incoming(incoming: Incoming, conn: &Connection, cx: &Context, streams: &mut JoinSet<()>) {
-    if incoming.kind != kind::HTTP {
-        tracing::debug!(
-            kind = incoming.kind,
-            "refusing a stream of unsupported kind"
-        );
-        incoming.refuse(
-            code::UNSUPPORTED_KIND,
-            "this agent serves only HTTP streams",
-        );
-        return;
-    }
+    let heads = match incoming.kind {
+        kind::HTTP => false,
+        kind::HTTP_HEADS => true,
+        other => {
+            tracing::debug!(kind = other, "refusing a stream of unsupported kind");
+            incoming.refuse(
+                code::UNSUPPORTED_KIND,
+                "this agent serves only HTTP streams",
+            );
+            return;
+        }
+    };
     let stream = match incoming.accept(Bytes::new()) {
         Ok(stream) => stream,
         Err(e) => {
@@ -209,8 +210,20 @@ fn handle_incoming(incoming: Incoming, conn: &Connection, cx: &Context, streams:
         // Likewise a stream the relay reset (its user left, or its request deadline passed): cancelling the
         // task drops the upstream request, so one still waiting for an upstream connection or stream is
         // never sent, and one in flight is cancelled.
+        let served = async {
+            if heads {
+                let reset = control.clone();
+                serve_heads(stream, upstream, move || reset.reset(code::CANCEL))
+                    .await
+                    .map_err(|e| e.to_string())
+            } else {
+                serve_stream(stream, upstream)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+        };
         tokio::select! {
-            result = serve_stream(stream, upstream) => {
+            result = served => {
                 if let Err(e) = result {
                     tracing::debug!(stream = ?id, error = %e, "stream ended with an error");
                 }

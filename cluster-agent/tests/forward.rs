@@ -12,7 +12,8 @@ use http::{Request, StatusCode, Version};
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use tether_agent::forward::{Upstream, serve_stream};
+use tether_agent::forward::{Upstream, serve_heads, serve_stream};
+use tether_tunnel::heads;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 
 const DEADLINE: Duration = Duration::from_secs(10);
@@ -460,5 +461,145 @@ async fn the_upstream_follows_a_cluster_ca_rotation() -> Result<()> {
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     server.abort();
+    Ok(())
+}
+
+// Streams of kind HTTP_HEADS: the same guarantees with binary heads instead of HTTP/1.1 on the stream.
+
+/// One exchange on a stream of kind `HTTP_HEADS` served by `serve_heads`: writes the request head (and body,
+/// then finishes unless it is an upgrade) and reads the response head; the relay's end is returned for the rest.
+async fn heads_exchange(
+    upstream: &Upstream,
+    method: http::Method,
+    target: &str,
+    headers: http::HeaderMap,
+    body: Option<&[u8]>,
+) -> Result<(heads::ResponseHead, DuplexStream)> {
+    let (mut relay_end, agent_end) = tokio::io::duplex(64 * 1024);
+    tokio::spawn(serve_heads(agent_end, upstream.clone(), || {}));
+    let upgrade = headers.contains_key("upgrade");
+    let block = heads::encode_request(&method, target, &headers, body.is_some())?;
+    relay_end.write_all(&block).await?;
+    if let Some(body) = body {
+        relay_end.write_all(body).await?;
+    }
+    if !upgrade {
+        relay_end.shutdown().await?;
+    }
+    let block = tokio::time::timeout(DEADLINE, heads::read_block(&mut relay_end, 1 << 20))
+        .await??
+        .context("the agent sent no response head")?;
+    Ok((heads::decode_response(block)?, relay_end))
+}
+
+async fn read_rest(io: &mut DuplexStream) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    tokio::time::timeout(DEADLINE, io.read_to_end(&mut out)).await??;
+    Ok(out)
+}
+
+#[tokio::test]
+async fn heads_path_query_and_body_reach_the_apiserver_with_the_users_authorization_only()
+-> Result<()> {
+    let (api, upstream, _dir) = setup().await?;
+    let mut headers = http::HeaderMap::new();
+    headers.insert("host", "relay.example".parse()?);
+    headers.insert("authorization", "Bearer user-token-123".parse()?);
+    headers.insert("content-type", "application/json".parse()?);
+    let (head, mut io) = heads_exchange(
+        &upstream,
+        http::Method::POST,
+        "/api/v1/namespaces/default/configmaps?dryRun=All",
+        headers,
+        Some(br#"{"kind":"ConfigMap"}"#),
+    )
+    .await?;
+    assert_eq!(head.status, StatusCode::OK);
+    assert!(head.body);
+    assert!(head.headers.get("connection").is_none());
+    let json: serde_json::Value = serde_json::from_slice(&read_rest(&mut io).await?)?;
+    assert_eq!(json["method"], "POST");
+    assert_eq!(json["path"], "/api/v1/namespaces/default/configmaps");
+    assert_eq!(json["query"], "dryRun=All");
+    let seen = api.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].headers["authorization"], "Bearer user-token-123");
+    assert!(!seen[0].client_cert);
+    assert_eq!(seen[0].version, Version::HTTP_2);
+    Ok(())
+}
+
+#[tokio::test]
+async fn heads_naming_another_host_or_connect_never_leave_the_apiserver() -> Result<()> {
+    let (api, upstream, _dir) = setup().await?;
+    let other = TestApiserver::start().await?;
+    let elsewhere = format!("https://127.0.0.1:{}/api/v1/secrets", other.addr.port());
+    // An absolute target is not a path: refused before anything is sent anywhere.
+    let (head, mut io) = heads_exchange(
+        &upstream,
+        http::Method::GET,
+        &elsewhere,
+        http::HeaderMap::new(),
+        None,
+    )
+    .await?;
+    assert_eq!(head.status, StatusCode::BAD_REQUEST);
+    let text = String::from_utf8(read_rest(&mut io).await?)?;
+    assert!(text.contains(r#""kind":"Status""#), "{text}");
+    let (head, _) = heads_exchange(
+        &upstream,
+        http::Method::CONNECT,
+        "/",
+        http::HeaderMap::new(),
+        None,
+    )
+    .await?;
+    assert_eq!(head.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert!(other.seen().is_empty());
+    assert!(api.seen().is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn heads_that_do_not_decode_or_are_too_large_get_a_400_and_nothing_is_sent() -> Result<()> {
+    let (api, upstream, _dir) = setup().await?;
+    let too_large = (1u32 << 20).to_be_bytes();
+    for bad in [
+        &b"GET / HTTP/1.1\r\n\r\n"[..], // HTTP/1.1 text: an absurd length
+        &too_large[..],                 // a 1 MiB head announced
+        &b"\0\0\0\x05\0\x03GE"[..],     // truncated, then the stream ends
+        &b"\0\0\0\x0a\0\x03G T\0\x01/\0\0"[..], // a method with a space
+    ] {
+        let (mut relay_end, agent_end) = tokio::io::duplex(64 * 1024);
+        let served = tokio::spawn(serve_heads(agent_end, upstream.clone(), || {}));
+        relay_end.write_all(bad).await?;
+        relay_end.shutdown().await?;
+        let answer = read_rest(&mut relay_end).await?;
+        if !answer.is_empty() {
+            let block = heads::decode_response(bytes::Bytes::copy_from_slice(
+                &answer[4..4 + u32::from_be_bytes(answer[..4].try_into()?) as usize],
+            ))?;
+            assert_eq!(block.status, StatusCode::BAD_REQUEST, "{bad:?}");
+        }
+        tokio::time::timeout(DEADLINE, served).await???;
+    }
+    assert!(api.seen().is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn heads_upgrade_becomes_a_byte_pipe_with_half_close() -> Result<()> {
+    let (api, upstream, _dir) = setup().await?;
+    let mut headers = http::HeaderMap::new();
+    headers.insert("connection", "upgrade".parse()?);
+    headers.insert("upgrade", "tether-test".parse()?);
+    let (head, mut io) =
+        heads_exchange(&upstream, http::Method::GET, "/upgrade", headers, None).await?;
+    assert_eq!(head.status, StatusCode::SWITCHING_PROTOCOLS);
+    assert_eq!(head.headers["upgrade"], "tether-test");
+    io.write_all(b"hello over the pipe").await?;
+    io.shutdown().await?;
+    assert_eq!(read_rest(&mut io).await?, b"bye:hello over the pipe");
+    assert_eq!(api.seen()[0].version, Version::HTTP_11);
     Ok(())
 }

@@ -5,8 +5,9 @@
 //! networking code, no async runtime and no clock: the caller feeds bytes and timestamps in through
 //! `handle_*` methods and takes bytes to send, events and the next timeout out through `poll_*` methods.
 //!
-//! It does not open sockets, does not do TLS, does not know about HTTP or Kubernetes: streams carry opaque
-//! bytes, tagged with a numeric kind chosen by the layer above.
+//! It does not open sockets, does not do TLS, does not know about Kubernetes: streams carry opaque bytes,
+//! tagged with a numeric kind chosen by the layer above. The one piece of HTTP here is [`head`], the codec of
+//! the binary head blocks that streams of kind [`kind::HTTP_HEADS`] begin with.
 //!
 //! The wire format is specified in `docs/PROTOCOL.md`.
 //!
@@ -52,6 +53,7 @@
 //! ```
 
 mod frame;
+pub mod head;
 mod session;
 
 pub use frame::{
@@ -81,6 +83,10 @@ pub mod kind {
     pub const HTTP: u16 = 1;
     /// The long-lived control channel (heartbeat, metadata, identity renewal, ...).
     pub const CONTROL: u16 = 2;
+    /// One HTTP exchange whose request and response heads are binary blocks ([`crate::head`]) and whose
+    /// bodies are carried as they are: no HTTP/1.1 text on the tunnel. An agent announces that it serves
+    /// this kind when it connects; the relay uses [`HTTP`] with agents that do not.
+    pub const HTTP_HEADS: u16 = 3;
 }
 
 /// Numeric codes carried by REFUSE, RESET and GOAWAY frames.

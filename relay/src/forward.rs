@@ -15,7 +15,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::BodyExt;
 use hyper_util::rt::TokioIo;
-use tether_tunnel::{TunnelError, code};
+use tether_tunnel::{TunnelError, code, heads};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::api_error::ApiError;
@@ -178,6 +178,209 @@ where
         }));
     }
     Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
+}
+
+/// Largest response head read from an agent (hyper's HTTP/1.1 client on [`forward`] allows as much).
+const MAX_RESPONSE_HEAD: usize = 1024 * 1024;
+
+/// Sends `req` over `io`, a stream of kind [`tether_tunnel::kind::HTTP_HEADS`]: the request head as a binary
+/// block, the body as it is, then the end of our side (not for an upgrade, whose stream becomes the byte
+/// pipe); the response head comes back as a block and its body is what follows, to the end of the stream.
+/// No HTTP/1.1 is parsed or written on the tunnel. Otherwise as [`forward`]: `accepted` resolves with the
+/// peer's answer to the OPEN, `guard` lives as long as an upgraded pipe, and `abort` resets the stream (the
+/// request is cut: head timeout, or the user's request body broke off).
+pub(crate) async fn forward_heads<IO, B, A, G, F>(
+    io: IO,
+    accepted: A,
+    abort: F,
+    mut req: Request<B>,
+    target: Target<'_>,
+    guard: G,
+) -> Result<Response<Body>, ApiError>
+where
+    G: Send + 'static,
+    IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<BoxError>,
+    A: Future<Output = Result<Bytes, TunnelError>>,
+    F: Fn() + Clone + Send + 'static,
+{
+    use tokio::io::AsyncWriteExt as _;
+
+    let upgrade = is_upgrade_request(&req);
+    let user_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    let out = outgoing_request(req, target, upgrade)?;
+    let (parts, mut body) = out.into_parts();
+    let has_body = !body.is_end_stream();
+    if upgrade && has_body {
+        return Err(ApiError::bad_request(
+            "a request that asks to switch protocols must not have a body",
+        ));
+    }
+    let block = heads::encode_request(
+        &parts.method,
+        target.path_and_query,
+        &parts.headers,
+        has_body,
+    )
+    .map_err(|e| ApiError::bad_request(format!("cannot forward this request: {e}")))?;
+
+    let io = heads::SharedStream::new(io);
+    let mut writer = io.clone();
+    if let Err(e) = writer.write_all(&block).await {
+        return Err(write_error(&e, target));
+    }
+    if has_body {
+        let abort = abort.clone();
+        tokio::spawn(async move {
+            loop {
+                let frame = match body.frame().await {
+                    None => break,
+                    Some(Ok(frame)) => frame,
+                    Some(Err(e)) => {
+                        let e: BoxError = e.into();
+                        tracing::debug!(error = %e, "the user's request body broke off; cutting the request");
+                        abort();
+                        return;
+                    }
+                };
+                if let Ok(data) = frame.into_data()
+                    && writer.write_all(&data).await.is_err()
+                {
+                    // The stream failed: the response side reports why.
+                    return;
+                }
+            }
+            let _ = writer.shutdown().await;
+        });
+    } else if !upgrade {
+        let _ = writer.shutdown().await;
+    }
+
+    let accepted = async {
+        let limit = target.open_timeout + ACCEPT_GRACE;
+        tokio::time::timeout(limit, accepted)
+            .await
+            .unwrap_or(Err(TunnelError::TimedOut(target.open_timeout)))
+    };
+    let mut reader = io.clone();
+    let response = heads::read_block(&mut reader, MAX_RESPONSE_HEAD);
+    tokio::pin!(accepted, response);
+    let head = async {
+        // Set once `accepted` has resolved: it must not be polled again.
+        let mut answered = false;
+        let read = tokio::select! {
+            biased;
+            answer = &mut accepted => {
+                answered = true;
+                match answer {
+                    Ok(_) => (&mut response).await,
+                    Err(e) => return Err(tunnel_error(e, target)),
+                }
+            }
+            read = &mut response => read,
+        };
+        match read {
+            Ok(Some(block)) => heads::decode_response(block).map_err(|e| head_error(&e, target)),
+            failed => {
+                // The answer to the OPEN explains a failed exchange better than the stream's error, when it is in.
+                if !answered && let Some(Err(te)) = accepted.now_or_never() {
+                    return Err(tunnel_error(te, target));
+                }
+                match failed {
+                    Ok(_) => Err(head_error(&heads::BadHead::Truncated, target)),
+                    Err(e) => Err(head_error(&e, target)),
+                }
+            }
+        }
+    };
+    let head = match tokio::time::timeout(target.request_timeout, head).await {
+        Ok(head) => head?,
+        Err(_) => {
+            // The agent sees a reset and cancels the request, whether still queued there or already sent.
+            abort();
+            return Err(head_timeout(target));
+        }
+    };
+    if head.status == StatusCode::SWITCHING_PROTOCOLS {
+        let Some(user_upgrade) = user_upgrade else {
+            return Err(ApiError::tunnel(
+                StatusCode::BAD_GATEWAY,
+                "BadGateway",
+                "the cluster answered 101 Switching Protocols to a request that did not ask to upgrade",
+            ));
+        };
+        let cluster = target.cluster.to_owned();
+        let headers = head.headers.clone();
+        tokio::spawn(async move {
+            let _guard = guard;
+            match user_upgrade.await {
+                Ok(user) => pipe(TokioIo::new(user), io, &headers, &cluster).await,
+                Err(e) => {
+                    tracing::debug!(cluster = %cluster, error = %e, "the user's side of the upgrade did not complete")
+                }
+            }
+        });
+        let mut resp = Response::new(crate::body::empty());
+        *resp.status_mut() = head.status;
+        *resp.headers_mut() = head.headers;
+        // Clients such as kube-rs refuse anything but `Connection: Upgrade` on a 101.
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+        return Ok(resp);
+    }
+    if upgrade {
+        // No pipe after all: our side of the stream is done.
+        let mut writer = io.clone();
+        let _ = writer.shutdown().await;
+    }
+
+    let mut headers = head.headers;
+    strip_hop_by_hop(&mut headers, false);
+    let length = heads::content_length(&headers);
+    let body = heads::BodyReader::new(io, !head.body).with_length(length);
+    let mut resp = Response::new(());
+    *resp.status_mut() = head.status;
+    *resp.headers_mut() = headers;
+    if resp.status().is_success()
+        && ends::is_watch_request(target.path_and_query)
+        && ends::is_json(resp.headers())
+    {
+        let cluster = target.cluster;
+        let body = body.map_err(|e| Box::new(e) as BoxError);
+        return Ok(resp.map(|()| {
+            ends::WatchBody::new(body, cluster, explain_body_error)
+                .ending_with(target.watches_end)
+                .boxed()
+        }));
+    }
+    Ok(resp.map(|()| body.map_err(|e| Box::new(e) as BoxError).boxed()))
+}
+
+/// A response head that could not be read or made sense of.
+fn head_error(e: &heads::BadHead, target: Target<'_>) -> ApiError {
+    if let heads::BadHead::Io(io) = e
+        && let Some(te) = find_tunnel_error(io)
+    {
+        return tunnel_error(te.clone(), target);
+    }
+    ApiError::tunnel(
+        StatusCode::BAD_GATEWAY,
+        "BadGateway",
+        format!(
+            "the agent of cluster {} did not return a valid response head: {e}",
+            target.cluster
+        ),
+    )
+    .mark_retryable()
+}
+
+/// Writing the request head failed: the stream is already gone.
+fn write_error(e: &std::io::Error, target: Target<'_>) -> ApiError {
+    match find_tunnel_error(e) {
+        Some(te) => tunnel_error(te.clone(), target),
+        None => ApiError::internal(format!("cannot write to the tunnel stream: {e}")),
+    }
 }
 
 /// Why a response body stopped before its end, in the user's terms (for a watch's final ERROR event).
@@ -911,6 +1114,148 @@ mod tests {
         expected.extend_from_slice(b"|bye");
         assert_eq!(back.len(), expected.len());
         assert!(back == expected, "bytes changed on the way");
+        Ok(())
+    }
+
+    /// Reads the request head and body an agent would see on a stream of kind `HTTP_HEADS`.
+    async fn read_request(io: &mut DuplexStream) -> anyhow::Result<(heads::RequestHead, Vec<u8>)> {
+        let block = heads::read_block(io, 64 * 1024)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no head"))?;
+        let head = heads::decode_request(block)?;
+        let mut body = Vec::new();
+        if head.body {
+            io.read_to_end(&mut body).await?;
+        }
+        Ok((head, body))
+    }
+
+    fn no_abort() {}
+
+    #[tokio::test]
+    async fn heads_carry_the_rewritten_request_and_the_response_without_http1() -> anyhow::Result<()>
+    {
+        let (relay_side, mut agent_side) = tokio::io::duplex(64 * 1024);
+        let agent = tokio::spawn(async move {
+            let (head, body) = read_request(&mut agent_side).await?;
+            // The relay finished its side after the body.
+            let mut rest = Vec::new();
+            agent_side.read_to_end(&mut rest).await?;
+            let mut headers = HeaderMap::new();
+            headers.insert("x-from-agent", HeaderValue::from_static("yes"));
+            headers.insert(header::CONNECTION, HeaderValue::from_static("x-secret-hop"));
+            headers.insert("x-secret-hop", HeaderValue::from_static("1"));
+            let block = heads::encode_response(StatusCode::CREATED, &headers, true)?;
+            agent_side.write_all(&block).await?;
+            agent_side.write_all(b"created: ").await?;
+            agent_side.write_all(&body).await?;
+            agent_side.shutdown().await?;
+            anyhow::Ok((head, rest))
+        });
+        let req = Request::builder()
+            .method("POST")
+            .uri("/clusters/prod/api/v1/pods?watch=1")
+            .header("authorization", "Bearer t")
+            .header(header::CONNECTION, "keep-alive, x-user-hop")
+            .header("x-user-hop", "1")
+            .header(header::TRANSFER_ENCODING, "chunked")
+            .body(Full::new(Bytes::from_static(b"{\"a\":1}")))?;
+        let resp = forward_heads(relay_side, ok(), no_abort, req, target(), ())
+            .await
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        assert_eq!(resp.status(), StatusCode::CREATED);
+        assert_eq!(resp.headers()["x-from-agent"], "yes");
+        assert!(resp.headers().get("x-secret-hop").is_none());
+        assert!(resp.headers().get(header::CONNECTION).is_none());
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
+        assert_eq!(&body.to_bytes()[..], b"created: {\"a\":1}");
+        let (head, rest) = agent.await??;
+        assert_eq!(head.method, http::Method::POST);
+        assert_eq!(head.target, "/api/v1/pods?watch=1");
+        assert!(head.body);
+        assert!(rest.is_empty());
+        assert_eq!(head.headers[header::HOST], "prod");
+        assert_eq!(head.headers[header::AUTHORIZATION], "Bearer t");
+        for hop in ["x-user-hop", "connection", "transfer-encoding"] {
+            assert!(head.headers.get(hop).is_none(), "{hop} was forwarded");
+        }
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn heads_without_a_body_say_so_and_finish_at_once() -> anyhow::Result<()> {
+        let (relay_side, mut agent_side) = tokio::io::duplex(64 * 1024);
+        let agent = tokio::spawn(async move {
+            let (head, _) = read_request(&mut agent_side).await?;
+            let mut rest = Vec::new();
+            agent_side.read_to_end(&mut rest).await?;
+            let block = heads::encode_response(StatusCode::NO_CONTENT, &HeaderMap::new(), false)?;
+            agent_side.write_all(&block).await?;
+            agent_side.shutdown().await?;
+            anyhow::Ok((head, rest))
+        });
+        let req = Request::get("/x").body(http_body_util::Empty::<Bytes>::new())?;
+        let resp = forward_heads(relay_side, ok(), no_abort, req, target(), ())
+            .await
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        assert_eq!(resp.status(), StatusCode::NO_CONTENT);
+        assert!(http_body::Body::is_end_stream(resp.body()));
+        let (head, rest) = agent.await??;
+        assert!(!head.body);
+        assert!(rest.is_empty());
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn an_invalid_or_missing_response_head_is_a_502_naming_the_cluster() -> anyhow::Result<()>
+    {
+        for answer in [
+            &b"\0\0\0\x03\0\x00\xc8"[..], // status 200, then the field count is missing
+            &b"\0\0\0\x05\0\x00\x05\0\0"[..], // status 5
+            &b"HTTP/1.1 200 OK\r\n\r\n"[..], // HTTP/1.1 text: a length of 1.2 GB
+            &b""[..],                     // the stream ends before any head
+        ] {
+            let (relay_side, mut agent_side) = tokio::io::duplex(64 * 1024);
+            tokio::spawn(async move {
+                let _ = read_request(&mut agent_side).await;
+                let _ = agent_side.write_all(answer).await;
+                let _ = agent_side.shutdown().await;
+                let mut sink = Vec::new();
+                let _ = agent_side.read_to_end(&mut sink).await;
+            });
+            let req = Request::get("/x").body(http_body_util::Empty::<Bytes>::new())?;
+            let err = forward_heads(relay_side, ok(), no_abort, req, target(), ())
+                .await
+                .err()
+                .ok_or_else(|| anyhow::anyhow!("{answer:?} was taken as a response"))?;
+            assert_eq!(err.status, StatusCode::BAD_GATEWAY, "{answer:?}");
+            assert!(err.message.contains("cluster prod"), "{}", err.message);
+        }
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_response_head_that_never_comes_is_a_504_and_the_stream_is_aborted()
+    -> anyhow::Result<()> {
+        let (relay_side, _agent_side) = tokio::io::duplex(64 * 1024);
+        let aborted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = aborted.clone();
+        let abort = move || flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        let req = Request::get("/x").body(http_body_util::Empty::<Bytes>::new())?;
+        let target = Target {
+            request_timeout: Duration::from_millis(50),
+            ..target()
+        };
+        let err = forward_heads(relay_side, ok(), abort, req, target, ())
+            .await
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("answered"))?;
+        assert_eq!(err.status, StatusCode::GATEWAY_TIMEOUT);
+        assert!(aborted.load(std::sync::atomic::Ordering::SeqCst));
         Ok(())
     }
 }

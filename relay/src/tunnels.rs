@@ -29,6 +29,8 @@ pub(crate) struct NewTunnel {
     pub(crate) instance: String,
     /// Its place in the registry.
     pub(crate) reservation: Reservation,
+    /// The agent serves streams of kind `HTTP_HEADS` (`Tether-Stream-Kinds`).
+    pub(crate) http_heads: bool,
 }
 
 /// Accepts the agent's streams: the first CONTROL stream is served, any other stream is refused. Returns when
@@ -100,6 +102,7 @@ pub(crate) async fn run(shared: &Arc<Shared>, new: NewTunnel, conn: Connection) 
         peer,
         instance,
         reservation,
+        http_heads,
     } = new;
     let cluster = cluster.as_str();
     let info = TunnelInfo::new(
@@ -107,7 +110,8 @@ pub(crate) async fn run(shared: &Arc<Shared>, new: NewTunnel, conn: Connection) 
         &instance,
         &cert.fingerprint,
         shared.watches_end.child_token(),
-    );
+    )
+    .with_http_heads(http_heads);
     let tunnel = shared.registry.insert(reservation, conn.clone(), info);
     let id = tunnel.id;
     // A delete that ran between authentication and registration must still win.

@@ -15,12 +15,16 @@
 //! talk to it through a shared, briefly locked session. Timers follow Tokio's clock, so tests may use
 //! `tokio::time::pause()`.
 //!
-//! This crate does not know about HTTP requests, Kubernetes or clusters, does not authenticate anyone (the
+//! For streams of kind [`kind::HTTP_HEADS`], [`heads`] turns HTTP heads into the protocol's binary head
+//! blocks and back and reads bodies off streams; what a request means is the relay's and agent's business.
+//!
+//! This crate does not know about Kubernetes or clusters, does not authenticate anyone (the
 //! relay's HTTP server checks credentials before calling [`ws::upgrade_response`]) and does not retry or
 //! reconnect (the agent does).
 
 mod api;
 mod conn;
+pub mod heads;
 pub mod proxy;
 pub mod quic;
 pub mod ws;

@@ -9,7 +9,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use serde_json::json;
-use tether_tunnel::{code, quic, ws};
+use tether_tunnel::{code, kind, quic, ws};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
@@ -112,6 +112,14 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 }
 
 /// A printable, bounded version string (it ends up in the store and the API).
+/// Whether the agent serves streams of kind `HTTP_HEADS`: its `Tether-Stream-Kinds` header lists the stream
+/// kinds it serves (comma-separated numbers); agents without the header serve HTTP/1.1 streams only.
+fn serves_http_heads(headers: &HeaderMap) -> bool {
+    let wanted = kind::HTTP_HEADS.to_string();
+    header_str(headers, "tether-stream-kinds")
+        .is_some_and(|v| v.split(',').any(|k| k.trim() == wanted))
+}
+
 fn agent_version(headers: &HeaderMap) -> String {
     match header_str(headers, "tether-agent-version") {
         Some(v) if v.len() <= 64 && v.bytes().all(|b| b.is_ascii_graphic()) => v.to_owned(),
@@ -213,6 +221,7 @@ pub(crate) async fn tunnel(
         return Err(ApiError::shutting_down());
     }
     let version = agent_version(req.headers());
+    let http_heads = serves_http_heads(req.headers());
     let instance = agent_instance(req.headers());
     let switch = ws::upgrade_response(&req).map_err(ApiError::bad_request)?;
     let reservation = reserve(shared, &cluster, &instance, ctx.peer)?;
@@ -235,6 +244,7 @@ pub(crate) async fn tunnel(
             peer: ctx.peer,
             instance,
             reservation,
+            http_heads,
         };
         tunnels::run(&task_shared, new, conn).await;
         drop(ctx);
@@ -299,6 +309,7 @@ pub(crate) async fn quic_tunnel(shared: &Arc<Shared>, pending: quic::PendingTunn
         return;
     }
     let version = agent_version(pending.headers());
+    let http_heads = serves_http_heads(pending.headers());
     let instance = agent_instance(pending.headers());
     let reservation = match reserve(shared, &cluster, &instance, remote) {
         Ok(reservation) => reservation,
@@ -323,6 +334,7 @@ pub(crate) async fn quic_tunnel(shared: &Arc<Shared>, pending: quic::PendingTunn
             peer: remote,
             instance,
             reservation,
+            http_heads,
         };
         tunnels::run(&task_shared, new, conn).await;
     });

@@ -10,7 +10,7 @@ use http::{Request, Response};
 use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use tether_tunnel::{OpenOptions, Priority, TunnelError, kind};
+use tether_tunnel::{OpenOptions, Priority, TunnelError, code, kind};
 
 use crate::api_error::ApiError;
 use crate::body::{Body, BoxError};
@@ -134,7 +134,11 @@ pub(crate) async fn handle(
         slot.arm();
         let slot = Arc::new(slot);
         let guard = (ctx.permit, ctx.principal, Arc::clone(&slot));
-        (forward_stream(stream, req, target, guard).await, slot)
+        let heads = tunnel.info.http_heads();
+        (
+            forward_stream(stream, heads, req, target, guard).await,
+            slot,
+        )
     };
     let (resp, slot) = resp;
     let resp = match resp {
@@ -159,14 +163,36 @@ async fn no_tunnel(shared: &Shared, name: &str) -> ApiError {
     }
 }
 
-/// Forwards `req` over `stream`, a stream just opened on a tunnel here.
-async fn forward_stream<G: Send + 'static>(
+/// Forwards `req` over `stream`, a stream just opened on a tunnel here: with binary heads when the tunnel's
+/// agent serves them (`heads`, and the stream was opened with that kind), else as HTTP/1.1.
+async fn forward_stream<B, G>(
     stream: tether_tunnel::Stream,
-    req: Request<Incoming>,
+    heads: bool,
+    req: Request<B>,
     target: Target<'_>,
     guard: G,
-) -> Result<Response<Body>, ApiError> {
+) -> Result<Response<Body>, ApiError>
+where
+    B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<BoxError>,
+    G: Send + 'static,
+{
     let control = stream.control();
+    if heads {
+        let abort = {
+            let control = control.clone();
+            move || control.reset(code::CANCEL)
+        };
+        return forward::forward_heads(
+            stream,
+            async move { control.accepted().await },
+            abort,
+            req,
+            target,
+            guard,
+        )
+        .await;
+    }
     forward::forward(
         stream,
         async move { control.accepted().await },
@@ -192,7 +218,7 @@ pub(crate) async fn forward_local<G: Send + 'static>(
         ..target
     };
     tracing::debug!(cluster = target.cluster, method = %req.method(), path = req.uri().path(), stream = ?stream.id(), "forwarding for a peer");
-    forward_stream(stream, req, target, guard).await
+    forward_stream(stream, tunnel.info.http_heads(), req, target, guard).await
 }
 
 /// A GET or HEAD without a body that asks for no upgrade: sending it again changes nothing in the cluster.
@@ -227,10 +253,9 @@ pub(crate) async fn forward_safe<G: Send + Clone + 'static>(
             watches_end: Some(&tunnel.info.gone),
             ..target
         };
-        let control = stream.control();
-        let result = forward::forward(
+        let result = forward_stream(
             stream,
-            async move { control.accepted().await },
+            tunnel.info.http_heads(),
             again(parts),
             target,
             guard.clone(),
@@ -267,7 +292,11 @@ fn open_stream<'t>(
     let mut last = None;
     for tunnel in tunnels {
         let opened = tunnel.conn.open(OpenOptions {
-            kind: kind::HTTP,
+            kind: if tunnel.info.http_heads() {
+                kind::HTTP_HEADS
+            } else {
+                kind::HTTP
+            },
             priority: Priority::Normal,
             deadline: Some(shared.config.open_timeout),
             metadata: Bytes::new(),
