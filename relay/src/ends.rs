@@ -122,12 +122,15 @@ where
         {
             self.ending = true;
         }
-        if self.ending && self.at_line_start {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if self.ending && self.at_line_start && !matches!(polled, Poll::Ready(Some(_))) {
+            // Nothing more in hand (a failure, which a tunnel that broke rather than went away gracefully
+            // has already shown, is reported below instead): end cleanly at this event boundary.
             self.done = true;
             tracing::debug!(cluster = %self.cluster, "watch ended cleanly: this replica stops serving");
             return Poll::Ready(None);
         }
-        match ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
+        match ready!(polled) {
             Some(Ok(frame)) => {
                 if let Some(&last) = frame.data_ref().and_then(|d| d.last()) {
                     self.at_line_start = last == b'\n';
@@ -361,6 +364,27 @@ mod tests {
             message.contains("agent of prod gone (tunnel closed)"),
             "{message}"
         );
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_tunnel_that_broke_and_went_away_at_once_still_gets_its_error_event()
+    -> anyhow::Result<()> {
+        // The tunnel's `gone` token and the stream's failure arrive together (an agent killed): the failure
+        // is what the user is told, not a clean end.
+        let chunks: Vec<Result<Frame<Bytes>, BoxError>> = vec![Err("tunnel lost".into())];
+        let inner = StreamBody::new(futures_util::stream::iter(chunks));
+        let end = tokio_util::sync::CancellationToken::new();
+        end.cancel();
+        let body = WatchBody::new(inner, "prod", |_, e| e.to_string()).ending_with(Some(&end));
+        let all = body
+            .collect()
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .to_bytes();
+        let text = String::from_utf8(all.to_vec())?;
+        assert!(text.contains("\"type\":\"ERROR\""), "{text}");
+        assert!(text.contains("tunnel lost"), "{text}");
         Ok(())
     }
 }
