@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, Request, Response, StatusCode, Uri};
@@ -591,23 +591,48 @@ where
     let block = heads::encode_response(parts.status, &parts.headers, has_body)
         .map_err(std::io::Error::other)?;
     let mut writer = io.clone();
-    writer.write_all(&block).await?;
-    while let Some(frame) = body.frame().await {
-        match frame {
-            Ok(frame) => {
-                if let Ok(data) = frame.into_data() {
-                    writer.write_all(&data).await?;
+    // The head goes out with the first chunks; chunks already in hand are written together (one write to the
+    // tunnel stream, one wake-up of its driver, instead of one per HTTP/2 DATA frame of the apiserver's).
+    let mut pending = BytesMut::from(&block[..]);
+    loop {
+        let frame = if pending.is_empty() {
+            body.frame().await
+        } else {
+            match futures_util::FutureExt::now_or_never(body.frame()) {
+                Some(frame) => frame,
+                None => {
+                    writer.write_all(&pending).await?;
+                    pending.clear();
+                    continue;
                 }
             }
-            Err(e) => {
+        };
+        match frame {
+            None => break,
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    pending.extend_from_slice(&data);
+                    if pending.len() >= COALESCE_BYTES {
+                        writer.write_all(&pending).await?;
+                        pending.clear();
+                    }
+                }
+            }
+            Some(Err(e)) => {
                 tracing::debug!(error = %e, "the apiserver's response broke off; resetting the stream");
                 abort();
                 return Ok(());
             }
         }
     }
+    if !pending.is_empty() {
+        writer.write_all(&pending).await?;
+    }
     Ok(())
 }
+
+/// Up to how many bytes of a response already in hand are gathered into one write to the tunnel stream.
+const COALESCE_BYTES: usize = 64 * 1024;
 
 /// Copies an upgraded exchange both ways until both directions end.
 async fn copy_upgraded<D>(down: &mut D, up: hyper::upgrade::Upgraded)

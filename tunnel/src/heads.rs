@@ -294,7 +294,9 @@ impl<R: AsyncRead + Unpin> http_body::Body for BodyReader<R> {
         if this.done {
             return Poll::Ready(None);
         }
-        if this.buf.capacity() < MIN_READ {
+        // What is left of the last buffer may be a sliver: a read into it would take only part of the
+        // stream's next chunk (more reads and smaller frames for the same bytes).
+        if this.buf.capacity() < this.read_size {
             this.buf.reserve(this.read_size);
         }
         let asked = this.buf.capacity();
