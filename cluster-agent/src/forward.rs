@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, Request, Response, StatusCode, Uri};
@@ -591,18 +591,22 @@ where
     let block = heads::encode_response(parts.status, &parts.headers, has_body)
         .map_err(std::io::Error::other)?;
     let mut writer = io.clone();
-    // The head goes out with the first chunks; chunks already in hand are written together (one write to the
-    // tunnel stream, one wake-up of its driver, instead of one per HTTP/2 DATA frame of the apiserver's).
-    let mut pending = BytesMut::from(&block[..]);
+    // The head goes out with the first chunks: chunks already in hand are written back to back, so the tunnel's
+    // driver wakes once for them (the session copies each into the stream's send buffer; no copy here), not
+    // once per HTTP/2 DATA frame of the apiserver's.
+    let mut batch = Batch::default();
+    batch.push(block);
     loop {
-        let frame = if pending.is_empty() {
+        let frame = if batch.is_empty() {
             body.frame().await
+        } else if batch.bytes >= COALESCE_BYTES {
+            batch.write_to(&mut writer).await?;
+            continue;
         } else {
             match futures_util::FutureExt::now_or_never(body.frame()) {
                 Some(frame) => frame,
                 None => {
-                    writer.write_all(&pending).await?;
-                    pending.clear();
+                    batch.write_to(&mut writer).await?;
                     continue;
                 }
             }
@@ -611,11 +615,7 @@ where
             None => break,
             Some(Ok(frame)) => {
                 if let Ok(data) = frame.into_data() {
-                    pending.extend_from_slice(&data);
-                    if pending.len() >= COALESCE_BYTES {
-                        writer.write_all(&pending).await?;
-                        pending.clear();
-                    }
+                    batch.push(data);
                 }
             }
             Some(Err(e)) => {
@@ -625,13 +625,36 @@ where
             }
         }
     }
-    if !pending.is_empty() {
-        writer.write_all(&pending).await?;
-    }
-    Ok(())
+    batch.write_to(&mut writer).await
 }
 
-/// Up to how many bytes of a response already in hand are gathered into one write to the tunnel stream.
+/// Chunks in hand, not written yet.
+#[derive(Default)]
+struct Batch {
+    chunks: Vec<Bytes>,
+    bytes: usize,
+}
+
+impl Batch {
+    fn push(&mut self, chunk: Bytes) {
+        self.bytes += chunk.len();
+        self.chunks.push(chunk);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    async fn write_to<W: AsyncWrite + Unpin>(&mut self, writer: &mut W) -> std::io::Result<()> {
+        for chunk in self.chunks.drain(..) {
+            writer.write_all(&chunk).await?;
+        }
+        self.bytes = 0;
+        Ok(())
+    }
+}
+
+/// Up to how many bytes of a response already in hand are written back to back before more are gathered.
 const COALESCE_BYTES: usize = 64 * 1024;
 
 /// Copies an upgraded exchange both ways until both directions end.

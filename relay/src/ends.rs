@@ -235,6 +235,20 @@ mod tests {
 
     use super::*;
 
+    /// All of a watch body, as text.
+    async fn text_of<B>(body: WatchBody<B>) -> anyhow::Result<String>
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
+        let all = body
+            .collect()
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .to_bytes();
+        Ok(String::from_utf8(all.to_vec())?)
+    }
+
     #[test]
     fn watches_are_recognised() {
         for yes in [
@@ -341,12 +355,7 @@ mod tests {
         let body = WatchBody::new(inner, "prod", |cluster, e| {
             format!("agent of {cluster} gone ({e})")
         });
-        let all = body
-            .collect()
-            .await
-            .map_err(|e| anyhow::anyhow!("{e}"))?
-            .to_bytes();
-        let text = String::from_utf8(all.to_vec())?;
+        let text = text_of(body).await?;
         // Every line is an event: no empty line before the ERROR event after a whole one.
         let events: Vec<serde_json::Value> = text
             .lines()
@@ -377,12 +386,7 @@ mod tests {
         let end = tokio_util::sync::CancellationToken::new();
         end.cancel();
         let body = WatchBody::new(inner, "prod", |_, e| e.to_string()).ending_with(Some(&end));
-        let all = body
-            .collect()
-            .await
-            .map_err(|e| anyhow::anyhow!("{e}"))?
-            .to_bytes();
-        let text = String::from_utf8(all.to_vec())?;
+        let text = text_of(body).await?;
         assert!(text.contains("\"type\":\"ERROR\""), "{text}");
         assert!(text.contains("tunnel lost"), "{text}");
         Ok(())

@@ -91,12 +91,7 @@ where
         }
     });
 
-    let accepted = async {
-        let limit = target.open_timeout + ACCEPT_GRACE;
-        tokio::time::timeout(limit, accepted)
-            .await
-            .unwrap_or(Err(TunnelError::TimedOut(target.open_timeout)))
-    };
+    let accepted = answer_within(accepted, target);
     let response = sender.send_request(out);
     tokio::pin!(accepted, response);
     let head = async {
@@ -166,18 +161,39 @@ where
     }
 
     strip_hop_by_hop(resp.headers_mut(), false);
+    Ok(for_the_user(resp, target))
+}
+
+/// How long the peer's answer to the OPEN is awaited: the stream's deadline (which the tunnel enforces) and
+/// a grace against a lost answer.
+async fn answer_within<A>(accepted: A, target: Target<'_>) -> Result<Bytes, TunnelError>
+where
+    A: Future<Output = Result<Bytes, TunnelError>>,
+{
+    tokio::time::timeout(target.open_timeout + ACCEPT_GRACE, accepted)
+        .await
+        .unwrap_or(Err(TunnelError::TimedOut(target.open_timeout)))
+}
+
+/// The cluster's response as the user gets it (hop-by-hop headers already gone): a JSON watch ends with an
+/// ERROR event when its path breaks, and cleanly when its tunnel goes away.
+fn for_the_user<B>(resp: Response<B>, target: Target<'_>) -> Response<Body>
+where
+    B: http_body::Body<Data = Bytes> + Send + Sync + Unpin + 'static,
+    B::Error: Into<BoxError>,
+{
     if resp.status().is_success()
         && ends::is_watch_request(target.path_and_query)
         && ends::is_json(resp.headers())
     {
         let cluster = target.cluster;
-        return Ok(resp.map(|b| {
+        return resp.map(|b| {
             ends::WatchBody::new(b, cluster, explain_body_error)
                 .ending_with(target.watches_end)
                 .boxed()
-        }));
+        });
     }
-    Ok(resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()))
+    resp.map(|b| b.map_err(Into::into).boxed())
 }
 
 /// Largest response head read from an agent (hyper's HTTP/1.1 client on [`forward`] allows as much).
@@ -257,12 +273,7 @@ where
         let _ = writer.shutdown().await;
     }
 
-    let accepted = async {
-        let limit = target.open_timeout + ACCEPT_GRACE;
-        tokio::time::timeout(limit, accepted)
-            .await
-            .unwrap_or(Err(TunnelError::TimedOut(target.open_timeout)))
-    };
+    let accepted = answer_within(accepted, target);
     let mut reader = io.clone();
     let response = heads::read_block(&mut reader, MAX_RESPONSE_HEAD);
     tokio::pin!(accepted, response);
@@ -339,22 +350,10 @@ where
     strip_hop_by_hop(&mut headers, false);
     let length = heads::content_length(&headers);
     let body = heads::BodyReader::new(io, !head.body).with_length(length);
-    let mut resp = Response::new(());
+    let mut resp = Response::new(body);
     *resp.status_mut() = head.status;
     *resp.headers_mut() = headers;
-    if resp.status().is_success()
-        && ends::is_watch_request(target.path_and_query)
-        && ends::is_json(resp.headers())
-    {
-        let cluster = target.cluster;
-        let body = body.map_err(|e| Box::new(e) as BoxError);
-        return Ok(resp.map(|()| {
-            ends::WatchBody::new(body, cluster, explain_body_error)
-                .ending_with(target.watches_end)
-                .boxed()
-        }));
-    }
-    Ok(resp.map(|()| body.map_err(|e| Box::new(e) as BoxError).boxed()))
+    Ok(for_the_user(resp, target))
 }
 
 /// A response head that could not be read or made sense of.

@@ -43,7 +43,7 @@ pub(crate) struct TunnelInfo {
     /// What was sent and received when last looked at, for [`TunnelInfo::unanswered_for`].
     liveness: Mutex<Liveness>,
     /// The agent serves streams of kind `HTTP_HEADS` (it said so when it connected).
-    http_heads: AtomicBool,
+    http_heads: bool,
 }
 
 /// The tunnel's frame (or datagram) counters when last looked at, and since when it has sent without
@@ -83,19 +83,19 @@ impl TunnelInfo {
             moving: CancellationToken::new(),
             gone,
             liveness: Mutex::new(Liveness::default()),
-            http_heads: AtomicBool::new(false),
+            http_heads: false,
         }
     }
 
     /// Records that the agent serves streams of kind `HTTP_HEADS`.
-    pub(crate) fn with_http_heads(self, yes: bool) -> Self {
-        self.http_heads.store(yes, Ordering::Relaxed);
+    pub(crate) fn with_http_heads(mut self, yes: bool) -> Self {
+        self.http_heads = yes;
         self
     }
 
     /// Whether requests go on this tunnel as binary heads (kind `HTTP_HEADS`) rather than HTTP/1.1.
     pub(crate) fn http_heads(&self) -> bool {
-        self.http_heads.load(Ordering::Relaxed)
+        self.http_heads
     }
 
     /// How long the tunnel has been sending (`frames_out` grew) without receiving anything (`frames_in` did
