@@ -12,13 +12,17 @@
 //! Not done here: per-IP connection counts, the budgets of agents and users and the idle timeout (the
 //! listener's, [`tether_runtime::serve`]), the tunnel's own total stream limit.
 
-use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
+
+/// The maps hash with foldhash, seeded per process: SipHash over these 33-byte keys was ~5 % of the relay's
+/// instructions per request (docs/BENCHMARKS.md). A principal key is a SHA-256 and an address is the
+/// client's own, so a caller cannot choose colliding keys without knowing the seed.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// The bounds (flags in [`crate::config::Limits`]).
 #[derive(Debug, Clone, Copy)]
@@ -92,7 +96,8 @@ struct Bucket {
 
 #[derive(Debug, Default)]
 struct State {
-    streams: HashMap<(Subject, String), u32>,
+    /// Concurrent streams per subject, per cluster (two levels so a lookup by `&str` allocates nothing).
+    streams: HashMap<Subject, HashMap<Box<str>, u32>>,
     buckets: HashMap<Subject, Bucket>,
     /// Early-cancellation buckets: a cancellation takes a token, time refills them.
     cancels: HashMap<Subject, Bucket>,
@@ -134,7 +139,8 @@ impl Quotas {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let held = |s: &State, subject: &Subject| {
             s.streams
-                .get(&(subject.clone(), cluster.to_owned()))
+                .get(subject)
+                .and_then(|clusters| clusters.get(cluster))
                 .copied()
                 .unwrap_or(0)
         };
@@ -229,23 +235,30 @@ impl Quotas {
                 b.tokens + elapsed * f64::from(rate) < f64::from(burst)
             });
         }
-        let keys = [(p, cluster.to_owned()), (i, cluster.to_owned())];
-        for key in &keys {
-            *state.streams.entry(key.clone()).or_insert(0) += 1;
+        let subjects = [p, i];
+        for subject in &subjects {
+            let clusters = state.streams.entry(subject.clone()).or_default();
+            match clusters.get_mut(cluster) {
+                Some(n) => *n += 1,
+                None => {
+                    clusters.insert(cluster.into(), 1);
+                }
+            }
         }
         Ok(StreamSlot {
             quotas: Arc::clone(self),
-            keys,
+            subjects,
+            cluster: cluster.into(),
             opened: now,
             armed: AtomicBool::new(false),
         })
     }
 
-    /// Counts one early cancellation against the subjects of `keys`, at `now`.
-    fn cancelled(&self, keys: &[(Subject, String); 2], now: Instant) {
+    /// Counts one early cancellation against `subjects`, at `now`.
+    fn cancelled(&self, subjects: &[Subject; 2], now: Instant) {
         let l = &self.limits;
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        for (subject, _) in keys {
+        for subject in subjects {
             let (rate, burst) = match subject {
                 Subject::Principal(_) => (l.principal_cancels_per_sec, l.principal_cancel_burst),
                 Subject::Ip(_) => (l.ip_cancels_per_sec, l.ip_cancel_burst),
@@ -289,7 +302,8 @@ impl Quotas {
         let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         state
             .streams
-            .get(&(Subject::Principal(principal.0), cluster.to_owned()))
+            .get(&Subject::Principal(principal.0))
+            .and_then(|clusters| clusters.get(cluster))
             .copied()
             .unwrap_or(0)
     }
@@ -324,7 +338,9 @@ fn refill(
 #[derive(Debug)]
 pub(crate) struct StreamSlot {
     quotas: Arc<Quotas>,
-    keys: [(Subject, String); 2],
+    /// The principal and the source address.
+    subjects: [Subject; 2],
+    cluster: Box<str>,
     opened: Instant,
     armed: AtomicBool,
 }
@@ -348,19 +364,25 @@ impl Drop for StreamSlot {
         if self.armed.load(Ordering::Acquire)
             && now.saturating_duration_since(self.opened) < self.quotas.limits.early_cancel_window
         {
-            self.quotas.cancelled(&self.keys, now);
+            self.quotas.cancelled(&self.subjects, now);
         }
         let mut state = self
             .quotas
             .state
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        for key in &self.keys {
-            if let Some(n) = state.streams.get_mut(key) {
+        for subject in &self.subjects {
+            let Some(clusters) = state.streams.get_mut(subject) else {
+                continue;
+            };
+            if let Some(n) = clusters.get_mut(&*self.cluster) {
                 *n = n.saturating_sub(1);
                 if *n == 0 {
-                    state.streams.remove(key);
+                    clusters.remove(&*self.cluster);
                 }
+            }
+            if clusters.is_empty() {
+                state.streams.remove(subject);
             }
         }
     }
