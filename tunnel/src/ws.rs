@@ -197,9 +197,12 @@ where
     })
 }
 
-/// The read buffer is allocated (and zeroed) up front per connection: tungstenite's 128 KiB default made every
-/// idle tunnel cost the relay that much; 16 KiB still takes a whole TLS record per read.
-const READ_BUFFER_SIZE: usize = 16 * 1024;
+/// How much tungstenite reads at a time. It zero-fills this much of its buffer before *every* read, whatever
+/// arrives: with 16 KiB that was ~15,000 instructions per small request in relay and agent alike, and bulk paid
+/// for it per read too. 4 KiB measured lower CPU per small GET and per MB of bulk than 16 KiB
+/// (docs/BENCHMARKS.md, 2026-11-28); a frame longer than this is still read whole, in more reads. (tungstenite's
+/// 128 KiB default made every idle tunnel cost the relay that much.)
+const READ_BUFFER_SIZE: usize = 4 * 1024;
 
 fn ws_config() -> WebSocketConfig {
     WebSocketConfig::default()
