@@ -1001,16 +1001,23 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     let named: Vec<HeaderName> = connection_tokens(headers)
         .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
         .collect();
-    for name in named.iter().chain(HOP_BY_HOP.iter()) {
-        if keep_upgrade && name == header::UPGRADE {
-            continue;
-        }
+    // One pass over the names the message has (usually none of these) instead of a hashed removal of each
+    // name it might have.
+    let doomed: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| {
+            if *name == header::UPGRADE {
+                return !keep_upgrade;
+            }
+            HOP_BY_HOP.contains(name) || named.contains(name)
+        })
+        .cloned()
+        .collect();
+    for name in &doomed {
         headers.remove(name);
     }
     if keep_upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    } else {
-        headers.remove(header::UPGRADE);
     }
 }
 

@@ -56,27 +56,28 @@ pub(crate) fn sanitize(headers: &mut HeaderMap, peer: SocketAddr) {
         .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
         .filter(|name| *name != AUTHORIZATION && *name != header::HOST)
         .collect();
-    for name in named.iter().chain(HOP_BY_HOP.iter()) {
-        headers.remove(name);
-    }
-    headers.remove(header::CONNECTION);
-    if upgrade && headers.contains_key(header::UPGRADE) {
-        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-    } else {
-        headers.remove(header::UPGRADE);
-    }
-    let forged: Vec<HeaderName> = headers
+    let keep_upgrade = upgrade && headers.contains_key(header::UPGRADE);
+    // One pass over the names the request has (usually none of these) instead of a hashed removal of each
+    // name it might have.
+    let doomed: Vec<HeaderName> = headers
         .keys()
         .filter(|name| {
-            IDENTITY_PREFIXES
-                .iter()
-                .any(|p| name.as_str().starts_with(p))
+            *name == header::CONNECTION
+                || (*name == header::UPGRADE && !keep_upgrade)
+                || HOP_BY_HOP.contains(name)
+                || named.contains(name)
                 || IDENTITY_HEADERS.contains(name)
+                || IDENTITY_PREFIXES
+                    .iter()
+                    .any(|p| name.as_str().starts_with(p))
         })
         .cloned()
         .collect();
-    for name in forged {
+    for name in &doomed {
         headers.remove(name);
+    }
+    if keep_upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
     if let Ok(v) = HeaderValue::from_str(&peer.ip().to_string()) {
         headers.insert(HeaderName::from_static("x-forwarded-for"), v);
