@@ -20,8 +20,8 @@ use bytes::Bytes;
 use tether_api::reconnect::DRAINING_WAIT;
 use tether_tunnel::{Connection, Incoming, code, kind};
 use tokio::sync::watch;
-use tokio::task::JoinSet;
-use tokio_util::task::AbortOnDropHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::{AbortOnDropHandle, TaskTracker};
 
 use crate::control;
 use crate::event::{Event, Events, TunnelId};
@@ -86,7 +86,14 @@ async fn run(
     cx: Context,
     mut retired: watch::Receiver<Option<Retire>>,
 ) {
-    let mut streams = JoinSet::new();
+    // The streams' tasks: counted (to drain them) but not joined one by one — a set that is reaped wakes this
+    // task once per finished stream. `cut` ends those still running at the drain timeout, or when this task
+    // is dropped.
+    let streams = Streams {
+        tracker: TaskTracker::new(),
+        cut: CancellationToken::new(),
+    };
+    let _cut_on_drop = streams.cut.clone().drop_guard();
     // The control channel runs in a task of its own: polled inside the `select!` below, its whole future (a
     // `select!` of its own over the channel's reads, timers and watches) was polled again on every stream
     // the relay opened and every stream that finished — ~8,000 instructions per request (docs/BENCHMARKS.md).
@@ -97,7 +104,7 @@ async fn run(
     let retire = loop {
         tokio::select! {
             incoming = conn.accept() => match incoming {
-                Some(incoming) => handle_incoming(incoming, &conn, &cx, &mut streams),
+                Some(incoming) => handle_incoming(incoming, &conn, &cx, &streams),
                 None => {
                     // GOAWAY or closed. A relay that is going away says on the control channel when to come
                     // back (`draining`), right after GOAWAY; give that message a moment to arrive.
@@ -114,8 +121,6 @@ async fn run(
                     break None;
                 }
             },
-            // Reap finished streams so the set does not grow.
-            Some(_) = streams.join_next(), if !streams.is_empty() => {}
             ended = &mut control => {
                 let reason = match ended {
                     Ok(reason) => format!("control channel ended: {reason}"),
@@ -137,12 +142,14 @@ async fn run(
     // The control channel ends with the tunnel's service (a replacement, if any, has its own): dropping the
     // handle aborts its task.
     drop(control);
+    // No stream is accepted from here on: `wait` resolves once those running are done.
+    streams.tracker.close();
     // Streams already accepted keep running while the connection lasts, until the agent retires the tunnel.
     let retire = match retire {
         Some(retire) => Some(retire),
         None => loop {
             tokio::select! {
-                done = streams.join_next() => if done.is_none() { break None },
+                () = streams.tracker.wait() => break None,
                 Ok(()) = retired.changed() => {
                     if let Some(retire) = retired.borrow_and_update().clone() {
                         break Some(retire);
@@ -150,16 +157,16 @@ async fn run(
                 }
                 _ = conn.closed() => {
                     // The streams see the close and end at once.
-                    while streams.join_next().await.is_some() {}
+                    streams.tracker.wait().await;
                     break None;
                 }
             }
         },
     };
     if let Some(Retire { code, reason }) = retire {
-        tracing::debug!(tunnel = id, open_streams = streams.len(), %reason, "retiring the tunnel: GOAWAY, then draining its streams");
+        tracing::debug!(tunnel = id, open_streams = streams.tracker.len(), %reason, "retiring the tunnel: GOAWAY, then draining its streams");
         conn.go_away(code, &reason);
-        drain(&mut streams, cx.drain_timeout).await;
+        drain(&streams, cx.drain_timeout).await;
         // After GOAWAY the connection closes by itself once its last stream is done on both sides; closing
         // it outright could cut the last bytes of a stream that just finished.
         if tokio::time::timeout(CLOSE_LINGER, conn.closed())
@@ -173,23 +180,29 @@ async fn run(
 }
 
 /// Waits up to `drain_timeout` for the streams to finish, then cuts the rest.
-async fn drain(streams: &mut JoinSet<()>, drain_timeout: Duration) {
-    if streams.is_empty() {
+async fn drain(streams: &Streams, drain_timeout: Duration) {
+    if streams.tracker.is_empty() {
         return;
     }
-    let drained = tokio::time::timeout(drain_timeout, async {
-        while streams.join_next().await.is_some() {}
-    });
+    let drained = tokio::time::timeout(drain_timeout, streams.tracker.wait());
     if drained.await.is_err() {
         tracing::warn!(
-            open_streams = streams.len(),
+            open_streams = streams.tracker.len(),
             "drain timeout reached; cutting the remaining streams"
         );
-        streams.shutdown().await;
+        streams.cut.cancel();
+        streams.tracker.wait().await;
     }
 }
 
-fn handle_incoming(incoming: Incoming, conn: &Connection, cx: &Context, streams: &mut JoinSet<()>) {
+/// The tasks serving a tunnel's streams.
+struct Streams {
+    tracker: TaskTracker,
+    /// Cancelled to cut the streams still running.
+    cut: CancellationToken,
+}
+
+fn handle_incoming(incoming: Incoming, conn: &Connection, cx: &Context, streams: &Streams) {
     let heads = match incoming.kind {
         kind::HTTP => false,
         kind::HTTP_HEADS => true,
@@ -213,7 +226,8 @@ fn handle_incoming(incoming: Incoming, conn: &Connection, cx: &Context, streams:
     let conn = conn.clone();
     let control = stream.control();
     let counted = cx.probes.stream_opened();
-    streams.spawn(async move {
+    let cut = streams.cut.clone();
+    streams.tracker.spawn(async move {
         let _counted = counted;
         let id = stream.id();
         // A stream whose tunnel is gone ends with it: otherwise a response waiting on the apiserver (a quiet
@@ -244,6 +258,9 @@ fn handle_incoming(incoming: Incoming, conn: &Connection, cx: &Context, streams:
             }
             why = control.failed() => {
                 tracing::debug!(stream = ?id, error = %why, "stream reset; request cut");
+            }
+            () = cut.cancelled() => {
+                tracing::debug!(stream = ?id, "drain timeout or tunnel task gone; stream cut");
             }
         }
     });
