@@ -70,12 +70,24 @@ pub(crate) struct Principal([u8; 32]);
 impl Principal {
     /// The principal of an unverified credential: its SHA-256.
     pub(crate) fn of_credential(token: &str) -> Self {
-        Self(Sha256::digest(format!("credential\0{token}")).into())
+        Self(
+            Sha256::new()
+                .chain_update(b"credential\0")
+                .chain_update(token.as_bytes())
+                .finalize()
+                .into(),
+        )
     }
 
     /// The principal of a verified subject (e.g. an Entra `oid`).
     pub(crate) fn of_subject(subject: &str) -> Self {
-        Self(Sha256::digest(format!("subject\0{subject}")).into())
+        Self(
+            Sha256::new()
+                .chain_update(b"subject\0")
+                .chain_update(subject.as_bytes())
+                .finalize()
+                .into(),
+        )
     }
 }
 

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use http::HeaderValue;
 use rustls::pki_types::CertificateDer;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
@@ -129,6 +130,8 @@ pub(crate) struct ConnCtx {
     /// admitted (`max_connections_per_principal`); held by every clone, so by the connection and its
     /// upgraded pipes.
     pub(crate) principal: Arc<Mutex<Option<ConnectionSlot>>>,
+    /// `X-Forwarded-For` for the requests of this connection: the peer's IP, formatted once.
+    pub(crate) forwarded_for: HeaderValue,
 }
 
 impl ConnCtx {
@@ -139,6 +142,7 @@ impl ConnCtx {
             client_cert: conn.client_cert,
             permit: conn.permit,
             principal: Arc::default(),
+            forwarded_for: crate::user_headers::forwarded_for(conn.peer),
         }
     }
 }

@@ -39,7 +39,7 @@ const IDENTITY_HEADERS: [HeaderName; 2] = [header::FORWARDED, HeaderName::from_s
 /// Removes hop-by-hop and forged identity headers from a user request and adds `X-Forwarded-For: PEER`.
 /// Keeps `Connection: upgrade` with `Upgrade` when the request asks to upgrade (the forwarder needs them), and
 /// never removes `Authorization`, whatever `Connection` names.
-pub(crate) fn sanitize(headers: &mut HeaderMap, peer: SocketAddr) {
+pub(crate) fn sanitize(headers: &mut HeaderMap, forwarded_for: &HeaderValue) {
     let mut upgrade = false;
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
@@ -79,9 +79,16 @@ pub(crate) fn sanitize(headers: &mut HeaderMap, peer: SocketAddr) {
     if keep_upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
-    if let Ok(v) = HeaderValue::from_str(&peer.ip().to_string()) {
-        headers.insert(HeaderName::from_static("x-forwarded-for"), v);
-    }
+    headers.insert(
+        HeaderName::from_static("x-forwarded-for"),
+        forwarded_for.clone(),
+    );
+}
+
+/// The `X-Forwarded-For` value for a client at `peer` (its IP; computed once per connection).
+pub(crate) fn forwarded_for(peer: SocketAddr) -> HeaderValue {
+    HeaderValue::try_from(peer.ip().to_string())
+        .unwrap_or_else(|_| HeaderValue::from_static("unknown"))
 }
 
 /// Why a request's credential is not even plausible (the handler answers 401).
@@ -221,7 +228,7 @@ mod tests {
         h.insert(header::FORWARDED, HeaderValue::from_static("for=1.2.3.4"));
         h.insert("impersonate-user", HeaderValue::from_static("bob"));
         h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        sanitize(&mut h, peer);
+        sanitize(&mut h, &forwarded_for(peer));
         assert_eq!(
             h.get(AUTHORIZATION),
             Some(&HeaderValue::from_static("Bearer t"))
@@ -254,7 +261,7 @@ mod tests {
             HeaderValue::from_static("Upgrade, authorization"),
         );
         h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        sanitize(&mut h, ([127, 0, 0, 1], 1).into());
+        sanitize(&mut h, &forwarded_for(([127, 0, 0, 1], 1).into()));
         assert_eq!(
             h.get(header::CONNECTION),
             Some(&HeaderValue::from_static("upgrade"))

@@ -35,7 +35,7 @@ pub(crate) async fn handle(
         None => (rest, "/".to_owned()),
     };
     // Hop-by-hop and forged identity headers go before the check, so nothing removes a checked header.
-    user_headers::sanitize(req.headers_mut(), ctx.peer);
+    user_headers::sanitize(req.headers_mut(), &ctx.forwarded_for);
     let token = user_headers::plausible_bearer(req.headers())
         .map_err(|e| ApiError::unauthorized(e.to_string()))?;
     let mut principal = Principal::of_credential(token);
