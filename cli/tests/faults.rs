@@ -560,7 +560,16 @@ async fn agent_sigkill(relay_flags: &[&str], agent_flags: &[&str]) -> anyhow::Re
     // only as `status/<unknown>`), so the default output it is.
     let mut watch = kubectl.spawn(&["get", "configmaps", "-w"])?;
     watch.wait_for_line(WAIT, |l| l.contains("before")).await?;
-    let mut exec = kubectl.spawn(&["exec", "demo", "--", "sh", "-c", "echo ready; sleep 600"])?;
+    // The first output waits a second: kubectl's WebSocket executor can drop data that arrives before it has
+    // set up its streams ("Unknown stream id 1, discarding message"), seen once on a loaded CI machine.
+    let mut exec = kubectl.spawn(&[
+        "exec",
+        "demo",
+        "--",
+        "sh",
+        "-c",
+        "sleep 1; echo ready; sleep 600",
+    ])?;
     exec.wait_for_line(WAIT, |l| l.contains("ready")).await?;
 
     let killed = Instant::now();
