@@ -560,17 +560,7 @@ async fn agent_sigkill(relay_flags: &[&str], agent_flags: &[&str]) -> anyhow::Re
     // only as `status/<unknown>`), so the default output it is.
     let mut watch = kubectl.spawn(&["get", "configmaps", "-w"])?;
     watch.wait_for_line(WAIT, |l| l.contains("before")).await?;
-    // The first output waits a second: kubectl's WebSocket executor can drop data that arrives before it has
-    // set up its streams ("Unknown stream id 1, discarding message"), seen once on a loaded CI machine.
-    let mut exec = kubectl.spawn(&[
-        "exec",
-        "demo",
-        "--",
-        "sh",
-        "-c",
-        "sleep 1; echo ready; sleep 600",
-    ])?;
-    exec.wait_for_line(WAIT, |l| l.contains("ready")).await?;
+    let mut exec = common::exec_until_ready(&kubectl, WAIT).await?;
 
     let killed = Instant::now();
     s.agent.kill().await?;

@@ -150,17 +150,7 @@ async fn watch_ends_with_the_cluster_and_the_cause_when_the_agent_is_killed() ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_ends_with_the_cluster_and_the_cause_when_the_agent_is_killed() -> anyhow::Result<()> {
     let mut faults = Faults::start().await?;
-    // The first output waits a second: kubectl's WebSocket executor can drop data that arrives before it has
-    // set up its streams ("Unknown stream id 1, discarding message").
-    let mut exec = faults.kubectl.spawn(&[
-        "exec",
-        "demo",
-        "--",
-        "sh",
-        "-c",
-        "sleep 1; echo ready; sleep 600",
-    ])?;
-    exec.wait_for_line(WAIT, |l| l.contains("ready")).await?;
+    let exec = common::exec_until_ready(&faults.kubectl, WAIT).await?;
     faults.kill_agent().await?;
     let stderr = stderr_naming(&exec, "cluster faults").await;
     let _ = ended(exec).await?;

@@ -257,6 +257,25 @@ impl TestAgent {
 }
 
 /// The `onboardingToken` of a `tether cluster connect|import -o json` answer.
+/// Starts `kubectl exec demo` of a shell that prints `ready` and then sleeps, and waits up to `wait` for that
+/// line. It comes a second after the start: kubectl's WebSocket executor can drop output that arrives before it
+/// has set up its streams ("Unknown stream id 1, discarding message"), seen once on a loaded CI machine.
+pub async fn exec_until_ready(
+    kubectl: &tether_testkit::kubectl::Kubectl,
+    wait: Duration,
+) -> anyhow::Result<tether_testkit::kubectl::KubectlChild> {
+    let mut exec = kubectl.spawn(&[
+        "exec",
+        "demo",
+        "--",
+        "sh",
+        "-c",
+        "sleep 1; echo ready; sleep 600",
+    ])?;
+    exec.wait_for_line(wait, |l| l.contains("ready")).await?;
+    Ok(exec)
+}
+
 pub fn onboarding_token(json: &str) -> anyhow::Result<String> {
     let answer: serde_json::Value = serde_json::from_str(json)?;
     answer["onboardingToken"]
