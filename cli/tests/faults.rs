@@ -188,6 +188,20 @@ impl RelayProc {
             .open_streams
             .context("the cluster has no tunnel")
     }
+
+    /// The streams a tunnel holds at rest, one control stream per tunnel: what the leak checks return to.
+    /// Read as "what is open now" it would count a request whose user already has its answer but whose
+    /// stream the relay has not yet let go (both ends' FIN are read a moment after the body's last byte).
+    async fn resting_streams(&self) -> anyhow::Result<u64> {
+        let cluster = wait_for(
+            "the relay's streams at rest (one control stream per tunnel)",
+            WAIT,
+            || self.cluster(),
+            |c| !c.tunnels.is_empty() && c.open_streams == Some(c.tunnels.len() as u64),
+        )
+        .await?;
+        Ok(cluster.tunnels.len() as u64)
+    }
 }
 
 /// A `tether-agent` process for the cluster, with its probes (and `/metrics`) on a loopback port.
@@ -686,7 +700,7 @@ async fn relay_sigkill_with_1000_watches_agent_back_and_no_stream_leaks() -> any
     // WebSocket: the agent learns of the kill from its TCP connection at once (over QUIC only the tunnel's
     // idle timeout would tell it; the QUIC side of a dead peer is the agent-sigkill test over QUIC).
     let mut s = Stack::start(&UNBOUNDED_CLIENT, &["--transport", "wss"]).await?;
-    let relay_baseline = s.relay.open_streams().await?;
+    let relay_baseline = s.relay.resting_streams().await?;
     let (ended, _bodies) = open_watches(&s.user, WATCHES).await?;
     // Both sides hold them.
     let agent_streams = s.agent.gauge("tether_agent_open_streams").await?;
@@ -939,7 +953,7 @@ const OTHER_GETS: usize = 20;
 async fn slow_consumers_do_not_hold_others_back_and_relay_memory_stays_bounded()
 -> anyhow::Result<()> {
     let s = Stack::start(&UNBOUNDED_CLIENT, &[]).await?;
-    let relay_baseline = s.relay.open_streams().await?;
+    let relay_baseline = s.relay.resting_streams().await?;
     let filler = "x".repeat(900 * 1024);
     for i in 0..BIG_CONFIGMAPS {
         let body = serde_json::json!({
@@ -1101,7 +1115,7 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Counting<T> {
 async fn responses_nobody_reads_do_not_freeze_the_tunnel_or_the_apiserver_connection()
 -> anyhow::Result<()> {
     let s = Stack::start(&UNBOUNDED_CLIENT, &[]).await?;
-    let relay_baseline = s.relay.open_streams().await?;
+    let relay_baseline = s.relay.resting_streams().await?;
     let ns =
         serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "big"}});
     let resp = s
@@ -1320,7 +1334,7 @@ async fn stream_churn_leaves_memory_and_stream_tables_at_baseline() -> anyhow::R
         )
         .await?;
     assert_eq!(resp.status(), StatusCode::CREATED);
-    let relay_baseline = s.relay.open_streams().await?;
+    let relay_baseline = s.relay.resting_streams().await?;
     // Warm-up: allocator arenas, connection pools and caches reach their working size.
     churn(&s.user, 2_000).await?;
     s.wait_tables_empty(relay_baseline).await?;
