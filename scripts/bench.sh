@@ -14,7 +14,10 @@ cd "$(dirname "$0")/.."
 scenario="${1:-all}"
 shift || true
 
-cargo build --release -p tether-relay -p tether-agent -p tether-loadtest --bins
+cargo build --release -p tether-relay -p tether-loadtest --bins
+# The agent on its own, as deploy/docker builds it: its link order (cluster-agent/link-order.txt) names the
+# functions of that build; built beside the relay, other features change many names and the idle agent's RSS.
+cargo build --release -p tether-agent --bin tether-agent
 command -v iperf3 >/dev/null || echo "note: iperf3 not found (apt-get install -y iperf3): raw loopback figures skipped" >&2
 command -v rathole >/dev/null || [ -x "$HOME/.cargo/bin/rathole" ] \
   || echo "note: rathole not found (cargo install rathole): rathole runs skipped" >&2
