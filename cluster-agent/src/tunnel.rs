@@ -234,8 +234,9 @@ fn handle_incoming(incoming: Incoming, conn: &Connection, cx: &Context, streams:
         // watch, `logs -f`) would hold its upstream connection until the apiserver next sends something.
         // Likewise a stream the relay reset (its user left, or its request deadline passed): cancelling the
         // task drops the upstream request, so one still waiting for an upstream connection or stream is
-        // never sent, and one in flight is cancelled.
-        let served = async {
+        // never sent, and one in flight is cancelled. Boxed: the exchange's state machine is large, and held by
+        // value it was copied into the task and again when the task finished (~4k instructions per request).
+        let served = Box::pin(async {
             if heads {
                 let reset = control.clone();
                 serve_heads(stream, upstream, move || reset.reset(code::CANCEL))
@@ -246,7 +247,7 @@ fn handle_incoming(incoming: Incoming, conn: &Connection, cx: &Context, streams:
                     .await
                     .map_err(|e| e.to_string())
             }
-        };
+        });
         tokio::select! {
             result = served => {
                 if let Err(e) = result {

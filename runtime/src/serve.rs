@@ -432,7 +432,10 @@ where
 
     fn call(&self, req: hyper::Request<Incoming>) -> Self::Future {
         let busy = self.activity.begin();
-        let response = self.inner.call(req);
+        // Boxed on its own before it is awaited: a handler's future is large (the whole request's state
+        // machine), and held by value in this block it was copied at each move on its way into hyper's
+        // dispatcher — ~12k instructions of memcpy per request in the relay under callgrind (docs/BENCHMARKS.md).
+        let response = Box::pin(self.inner.call(req));
         Box::pin(async move {
             let resp = response.await?;
             Ok(resp.map(|body| TrackedBody {
