@@ -1,8 +1,8 @@
 //! Links the release `tether-agent` with its code laid out by use (`link-order.txt`, written by
 //! `scripts/link-order.sh`): the functions an agent runs sit together at the start of `.text`. Without it they
 //! are spread over the whole binary and the kernel, mapping 64 KiB of the cached file around every page an
-//! agent touches, keeps nearly all of it resident: an idle agent's RSS followed the binary's size (16.5 MB),
-//! not what it runs (12.3 MB with the order; docs/BENCHMARKS.md).
+//! agent touches, keeps nearly all of it resident: an idle agent's RSS followed the binary's size (18.3 MB),
+//! not what it runs (11.9 MB with the order; docs/BENCHMARKS.md).
 //!
 //! Only where rustc links with its bundled LLD (x86_64-unknown-linux-gnu, the default since Rust 1.90), and
 //! only for release-like profiles. `TETHER_LINK_ORDER=0` turns it off (for a build that links with GNU ld or
