@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Writes a linker symbol-ordering file from callgrind profiles of a binary.
+"""Writes a linker symbol-ordering file from callgrind profiles of a binary, or checks one against a binary.
 
     link-order.py BINARY OUT PROFILE.cg [PROFILE.cg ...]
+    link-order.py --check BINARY ORDER
 
 Each profile comes from `valgrind --tool=callgrind --demangle=no --compress-strings=no` on BINARY. The
 functions that ran are listed in profile order (the first profile's first: give the idle one first), each
 profile's new functions by instructions spent, most first; names BINARY does not define are dropped. Linked
 with `-Wl,--symbol-ordering-file=OUT` (lld), the code a process runs sits together at the start of `.text`
 instead of spread over the whole binary, where the kernel's fault-around maps 64 KiB per touched page.
+--check says how many of ORDER's names BINARY defines and how much of its text they span.
 """
 import collections
 import subprocess
@@ -15,13 +17,23 @@ import sys
 
 
 def defined_functions(binary):
-    out = subprocess.run(["nm", binary], capture_output=True, text=True, check=True).stdout
-    names = set()
+    """Each function BINARY defines: its address and size."""
+    out = subprocess.run(["nm", "-S", binary], capture_output=True, text=True, check=True).stdout
+    functions = {}
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) == 3 and parts[1] in "tTwW":
-            names.add(parts[2])
-    return names
+        if len(parts) == 4 and parts[2] in "tTwW":
+            functions[parts[3]] = (int(parts[0], 16), int(parts[1], 16))
+    return functions
+
+
+def check(binary, order):
+    defined = defined_functions(binary)
+    with open(order) as f:
+        names = [line.strip() for line in f if line.strip()]
+    found = [defined[n] for n in names if n in defined]
+    span = max(a + s for a, s in found) - min(a for a, s in found) if found else 0
+    print(f"{binary}: {len(found)} of {len(names)} ordered functions found, laid out in {span / 1e6:.2f} MB")
 
 
 def self_cost(profile):
@@ -45,6 +57,9 @@ def self_cost(profile):
 
 
 def main():
+    if len(sys.argv) == 4 and sys.argv[1] == "--check":
+        check(sys.argv[2], sys.argv[3])
+        return
     if len(sys.argv) < 4:
         sys.exit(__doc__)
     binary, out, profiles = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -55,18 +55,6 @@ python3 scripts/link-order.py "$work/bin/tether-agent" cluster-agent/link-order.
 
 # Only the link arguments change: the same names, laid out by the new order.
 cargo build --release --locked -p tether-agent --bin tether-agent
-python3 - "$target/release/tether-agent" cluster-agent/link-order.txt <<'PY'
-import subprocess, sys
-binary, order = sys.argv[1], sys.argv[2]
-at = {}
-for line in subprocess.run(["nm", "-S", binary], capture_output=True, text=True, check=True).stdout.splitlines():
-    p = line.split()
-    if len(p) == 4 and p[2] in "tTwW":
-        at[p[3]] = (int(p[0], 16), int(p[1], 16))
-names = [l.strip() for l in open(order) if l.strip()]
-hits = [at[n] for n in names if n in at]
-span = max(a + s for a, s in hits) - min(a for a, s in hits) if hits else 0
-print(f"{binary}: {len(hits)} of {len(names)} ordered functions found, laid out in {span / 1e6:.2f} MB")
-PY
+python3 scripts/link-order.py --check "$target/release/tether-agent" cluster-agent/link-order.txt
 cp "$target/release/tether-agent" "$work/bin/"
 "${lt[@]}" --out "$work/check" tunnels --count 10 2>&1 | grep -i "idle agent" || true

@@ -70,21 +70,20 @@ pub(crate) struct Principal([u8; 32]);
 impl Principal {
     /// The principal of an unverified credential: its SHA-256.
     pub(crate) fn of_credential(token: &str) -> Self {
-        Self(
-            Sha256::new()
-                .chain_update(b"credential\0")
-                .chain_update(token.as_bytes())
-                .finalize()
-                .into(),
-        )
+        Self::hashed(b"credential\0", token)
     }
 
     /// The principal of a verified subject (e.g. an Entra `oid`).
     pub(crate) fn of_subject(subject: &str) -> Self {
+        Self::hashed(b"subject\0", subject)
+    }
+
+    /// SHA-256 of `domain` then `value`, fed to the hash as they are (no formatted copy).
+    fn hashed(domain: &[u8], value: &str) -> Self {
         Self(
             Sha256::new()
-                .chain_update(b"subject\0")
-                .chain_update(subject.as_bytes())
+                .chain_update(domain)
+                .chain_update(value.as_bytes())
                 .finalize()
                 .into(),
         )

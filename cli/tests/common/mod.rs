@@ -256,7 +256,6 @@ impl TestAgent {
     }
 }
 
-/// The `onboardingToken` of a `tether cluster connect|import -o json` answer.
 /// Starts `kubectl exec demo` of a shell that prints `ready` and then sleeps, and waits up to `wait` for that
 /// line. It comes a second after the start: kubectl's WebSocket executor can drop output that arrives before it
 /// has set up its streams ("Unknown stream id 1, discarding message"), seen once on a loaded CI machine.
@@ -276,6 +275,7 @@ pub async fn exec_until_ready(
     Ok(exec)
 }
 
+/// The `onboardingToken` of a `tether cluster connect|import -o json` answer.
 pub fn onboarding_token(json: &str) -> anyhow::Result<String> {
     let answer: serde_json::Value = serde_json::from_str(json)?;
     answer["onboardingToken"]
