@@ -189,7 +189,8 @@ impl RelayProc {
             .context("the cluster has no tunnel")
     }
 
-    /// The streams a tunnel holds at rest, one control stream per tunnel: what the leak checks return to.
+    /// The streams a tunnel holds at rest, one control stream per tunnel: what the leak checks return to
+    /// (these tests run one relay, so the fleet's tunnels are all this replica's).
     /// Read as "what is open now" it would count a request whose user already has its answer but whose
     /// stream the relay has not yet let go (both ends' FIN are read a moment after the body's last byte).
     async fn resting_streams(&self) -> anyhow::Result<u64> {
