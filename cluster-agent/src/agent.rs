@@ -138,7 +138,7 @@ pub async fn run(
         tracing::info!("shut down before onboarding finished");
         return Ok(());
     };
-    let metadata = metadata::spawn(agent_client);
+    let metadata = metadata::spawn(agent_client).map_err(AgentError::MetadataThread)?;
     tracing::info!(identity = %identity.fingerprint, "connecting to the relay");
     let (events, receiver) = Events::new();
     let shared = Arc::new(control::Shared::new(

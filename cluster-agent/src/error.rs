@@ -61,6 +61,9 @@ pub enum AgentError {
     /// The state Secret (`--state-secret`) holds no usable identity or could not be written.
     #[error(transparent)]
     StateSecret(#[from] StateSecretError),
+    /// The thread that follows the cluster's nodes could not be started.
+    #[error("cannot start the metadata thread: {0}")]
+    MetadataThread(#[source] std::io::Error),
     /// The probe port (`--health-listen`) could not be bound.
     #[error("cannot listen for probes on {addr}: {source}")]
     HealthListen {

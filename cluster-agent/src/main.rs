@@ -25,10 +25,12 @@ struct Cli {
     /// Log format: text or json.
     #[arg(long, env = "TETHER_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
-    /// Worker threads of the async runtime; 0 (the default): one per CPU. One spends less CPU per request (no
-    /// hand-offs between threads: about a fifth less in docs/BENCHMARKS.md) and carries a cluster's API traffic
-    /// on one core, but caps bulk transfers (`kubectl cp`, logs) at one core.
-    #[arg(long, env = "TETHER_WORKER_THREADS", default_value_t = 0)]
+    /// Worker threads of the async runtime; 0: one per CPU. The default, one, carries the tunnel (one
+    /// connection whose frames one task drives) without hand-offs between threads: about a quarter less CPU per
+    /// request than two workers, and faster bulk transfers as well on the machines measured (docs/BENCHMARKS.md).
+    /// More can pay on a large node with CPU to spare when bulk transfers (`kubectl cp`, port-forward) must pass
+    /// one core's worth of TLS.
+    #[arg(long, env = "TETHER_WORKER_THREADS", default_value_t = 1)]
     worker_threads: usize,
 }
 

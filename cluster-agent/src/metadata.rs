@@ -335,11 +335,25 @@ fn provider_scheme(provider_id: &str) -> Option<&str> {
 }
 
 /// Starts following the cluster; the receiver holds `None` until the first complete picture (or the first
-/// failure to list nodes, after which what is known, the version at least, is published).
-pub fn spawn(client: kube::Client) -> watch::Receiver<Option<Metadata>> {
+/// failure to list nodes, after which what is known, the version at least, is published). Following stops when
+/// the receiver (and its clones) are dropped.
+///
+/// Node lists are parsed in the task that reads them, and a large cluster's (re-)list is tens of megabytes of
+/// JSON (a Node lists its images): on the agent's one-worker runtime that would hold up every request on the
+/// tunnel for as long. So the nodes are followed on a thread of their own, with a runtime of its own; `client`'s
+/// connections stay on the caller's runtime, which must outlive the receiver.
+///
+/// # Errors
+/// When the thread or its runtime cannot be started.
+pub fn spawn(client: kube::Client) -> std::io::Result<watch::Receiver<Option<Metadata>>> {
     let (tx, rx) = watch::channel(None);
-    tokio::spawn(follow(client, tx));
-    rx
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name("tether-metadata".to_owned())
+        .spawn(move || runtime.block_on(follow(client, tx)))?;
+    Ok(rx)
 }
 
 async fn follow(client: kube::Client, tx: watch::Sender<Option<Metadata>>) {
