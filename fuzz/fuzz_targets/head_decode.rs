@@ -14,14 +14,15 @@ fuzz_target!(|data: &[u8]| {
             &h.method,
             &h.target,
             h.fields.iter().map(|(n, v)| (&n[..], &v[..])),
+            head::fields_len(h.fields.iter().map(|(n, v)| (&n[..], &v[..]))),
         )
         .expect("a decoded head encodes");
         assert_eq!(&again[head::LENGTH_PREFIX..], data);
     }
     if let Ok(h) = head::decode_response(block) {
-        let again =
-            head::encode_response(h.flags, h.status, h.fields.iter().map(|(n, v)| (&n[..], &v[..])))
-                .expect("a decoded head encodes");
+        let fields = || h.fields.iter().map(|(n, v)| (&n[..], &v[..]));
+        let again = head::encode_response(h.flags, h.status, fields(), head::fields_len(fields()))
+            .expect("a decoded head encodes");
         assert_eq!(&again[head::LENGTH_PREFIX..], data);
     }
 });

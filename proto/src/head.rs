@@ -71,16 +71,28 @@ pub struct ResponseHead {
     pub fields: Vec<(Bytes, Bytes)>,
 }
 
-/// Encodes a request head block, length prefix included.
+/// The bytes `fields` take in a head block: what [`encode_request`] and [`encode_response`] take as
+/// `fields_len`, so that a block is one allocation of its size.
+pub fn fields_len<'a>(fields: impl Iterator<Item = (&'a [u8], &'a [u8])>) -> usize {
+    fields
+        .map(|(name, value)| 3 + name.len() + value.len())
+        .sum()
+}
+
+/// Encodes a request head block, length prefix included. `fields_len` is what the fields take
+/// ([`fields_len`]): the block is allocated at its size up front (a wrong figure costs a reallocation, never
+/// correctness).
 pub fn encode_request<'a>(
     flags: u8,
     method: &[u8],
     target: &[u8],
     fields: impl Iterator<Item = (&'a [u8], &'a [u8])>,
+    fields_len: usize,
 ) -> Result<Bytes, HeadError> {
     let method_len = u8::try_from(method.len()).map_err(|_| HeadError::TooLong("method"))?;
     let target_len = u16::try_from(target.len()).map_err(|_| HeadError::TooLong("target"))?;
-    let mut buf = BytesMut::with_capacity(TYPICAL_FIELDS + target.len());
+    let mut buf =
+        BytesMut::with_capacity(LENGTH_PREFIX + 4 + method.len() + target.len() + 2 + fields_len);
     buf.put_u32(0);
     buf.put_u8(flags);
     buf.put_u8(method_len);
@@ -91,13 +103,14 @@ pub fn encode_request<'a>(
     finish(buf)
 }
 
-/// Encodes a response head block, length prefix included.
+/// Encodes a response head block, length prefix included; `fields_len` as for [`encode_request`].
 pub fn encode_response<'a>(
     flags: u8,
     status: u16,
     fields: impl Iterator<Item = (&'a [u8], &'a [u8])>,
+    fields_len: usize,
 ) -> Result<Bytes, HeadError> {
-    let mut buf = BytesMut::with_capacity(TYPICAL_FIELDS);
+    let mut buf = BytesMut::with_capacity(LENGTH_PREFIX + 3 + 2 + fields_len);
     buf.put_u32(0);
     buf.put_u8(flags);
     buf.put_u16(status);
@@ -148,9 +161,6 @@ fn flags(flags: u8) -> Result<u8, HeadError> {
     }
     Ok(flags)
 }
-
-/// The capacity a block starts with: most heads (a bearer token included) fit without growing.
-const TYPICAL_FIELDS: usize = 2048;
 
 fn put_fields<'a>(
     buf: &mut BytesMut,
@@ -245,15 +255,19 @@ mod tests {
     #[test]
     fn request_heads_round_trip() {
         let f = fields();
+        let fields_len = fields_len(f.iter().map(|(n, v)| (*n, *v)));
         let block = encode_request(
             BODY,
             b"POST",
             b"/api/v1/namespaces?x=1",
             f.iter().map(|(n, v)| (*n, *v)),
+            fields_len,
         )
         .expect("encodes");
         let len = block_length(block[..4].try_into().expect("prefix"));
         assert_eq!(len, block.len() - LENGTH_PREFIX);
+        // The size allocated up front is the block's.
+        assert_eq!(block.len(), LENGTH_PREFIX + 4 + 4 + 22 + 2 + fields_len);
         let head = decode_request(block.slice(LENGTH_PREFIX..)).expect("decodes");
         assert_eq!(head.flags, BODY);
         assert_eq!(&head.method[..], b"POST");
@@ -265,7 +279,10 @@ mod tests {
     #[test]
     fn response_heads_round_trip() {
         let f = fields();
-        let block = encode_response(0, 101, f.iter().map(|(n, v)| (*n, *v))).expect("encodes");
+        let fields_len = fields_len(f.iter().map(|(n, v)| (*n, *v)));
+        let block =
+            encode_response(0, 101, f.iter().map(|(n, v)| (*n, *v)), fields_len).expect("encodes");
+        assert_eq!(block.len(), LENGTH_PREFIX + 3 + 2 + fields_len);
         let head = decode_response(block.slice(LENGTH_PREFIX..)).expect("decodes");
         assert_eq!((head.flags, head.status), (0, 101));
         assert_eq!(head.fields.len(), 3);
@@ -274,7 +291,7 @@ mod tests {
     #[test]
     fn every_truncation_and_trailing_byte_is_refused() {
         let f = fields();
-        let block = encode_request(0, b"GET", b"/", f.iter().map(|(n, v)| (*n, *v)))
+        let block = encode_request(0, b"GET", b"/", f.iter().map(|(n, v)| (*n, *v)), 0)
             .expect("encodes")
             .slice(LENGTH_PREFIX..);
         for cut in 0..block.len() {
@@ -306,12 +323,12 @@ mod tests {
     fn oversized_parts_are_refused_when_encoding() {
         let long = vec![b'a'; 300];
         assert_eq!(
-            encode_request(0, &long, b"/", std::iter::empty()),
+            encode_request(0, &long, b"/", std::iter::empty(), 0),
             Err(HeadError::TooLong("method"))
         );
         let value = vec![b'v'; 70_000];
         assert_eq!(
-            encode_response(0, 200, std::iter::once((&b"x"[..], &value[..]))),
+            encode_response(0, 200, std::iter::once((&b"x"[..], &value[..])), 0),
             Err(HeadError::TooLong("header value"))
         );
     }

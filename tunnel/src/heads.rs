@@ -83,6 +83,7 @@ pub fn encode_request(
         method.as_str().as_bytes(),
         target.as_bytes(),
         fields(headers),
+        head::fields_len(fields(headers)),
     )
 }
 
@@ -92,7 +93,12 @@ pub fn encode_response(
     headers: &HeaderMap,
     body: bool,
 ) -> Result<Bytes, HeadError> {
-    head::encode_response(flags(body), status.as_u16(), fields(headers))
+    head::encode_response(
+        flags(body),
+        status.as_u16(),
+        fields(headers),
+        head::fields_len(fields(headers)),
+    )
 }
 
 fn header_map(fields: Vec<(Bytes, Bytes)>) -> Result<HeaderMap, BadHead> {
@@ -295,9 +301,14 @@ impl<R: AsyncRead + Unpin> http_body::Body for BodyReader<R> {
             return Poll::Ready(None);
         }
         // What is left of the last buffer may be a sliver: a read into it would take only part of the
-        // stream's next chunk (more reads and smaller frames for the same bytes).
-        if this.buf.capacity() < this.read_size {
-            this.buf.reserve(this.read_size);
+        // stream's next chunk (more reads and smaller frames for the same bytes). A body of known length
+        // takes no more than it has left: a small response is one small allocation (glibc serves those
+        // from its caches; every allocation of 1 KiB and more first sweeps the freed small chunks).
+        let wanted = this.remaining.map_or(this.read_size, |r| {
+            usize::try_from(r).map_or(this.read_size, |r| r.min(this.read_size))
+        });
+        if this.buf.capacity() < wanted {
+            this.buf.reserve(wanted);
         }
         let asked = this.buf.capacity();
         let limit = this
@@ -418,25 +429,27 @@ mod tests {
     #[test]
     fn decoded_heads_are_valid_http_or_refused() {
         let bad_name =
-            head::encode_response(0, 200, std::iter::once((&b"bad name"[..], &b"v"[..])))
+            head::encode_response(0, 200, std::iter::once((&b"bad name"[..], &b"v"[..])), 0)
                 .expect("encodes");
         assert!(matches!(
             decode_response(bad_name.slice(LENGTH_PREFIX..)),
             Err(BadHead::Invalid("header name"))
         ));
-        let bad_value = head::encode_response(0, 200, std::iter::once((&b"x"[..], &b"a\nb"[..])))
-            .expect("encodes");
+        let bad_value =
+            head::encode_response(0, 200, std::iter::once((&b"x"[..], &b"a\nb"[..])), 0)
+                .expect("encodes");
         assert!(matches!(
             decode_response(bad_value.slice(LENGTH_PREFIX..)),
             Err(BadHead::Invalid("header value"))
         ));
-        let absolute = head::encode_request(0, b"GET", b"https://elsewhere/x", std::iter::empty())
-            .expect("encodes");
+        let absolute =
+            head::encode_request(0, b"GET", b"https://elsewhere/x", std::iter::empty(), 0)
+                .expect("encodes");
         assert!(matches!(
             decode_request(absolute.slice(LENGTH_PREFIX..)),
             Err(BadHead::Invalid(_))
         ));
-        let status = head::encode_response(0, 1000, std::iter::empty()).expect("encodes");
+        let status = head::encode_response(0, 1000, std::iter::empty(), 0).expect("encodes");
         assert!(matches!(
             decode_response(status.slice(LENGTH_PREFIX..)),
             Err(BadHead::Invalid("status"))
@@ -460,6 +473,26 @@ mod tests {
             "{sizes:?}"
         );
         assert!(sizes.iter().any(|&n| n >= MAX_READ / 2), "{sizes:?}");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_small_body_of_known_length_reads_into_a_buffer_of_its_size() -> anyhow::Result<()> {
+        let (mut a, b) = tokio::io::duplex(1024);
+        let mut body = BodyReader::new(b, false).with_length(Some(600));
+        // Nothing written yet: the first poll sets the buffer up and waits.
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        assert!(http_body::Body::poll_frame(Pin::new(&mut body), &mut cx).is_pending());
+        assert!(
+            (600..MIN_READ).contains(&body.buf.capacity()),
+            "{}",
+            body.buf.capacity()
+        );
+        a.write_all(&[1u8; 600]).await?;
+        let frame = body.frame().await.expect("a frame")?;
+        assert_eq!(frame.into_data().map(|d| d.len()).unwrap_or(0), 600);
+        assert!(body.frame().await.is_none());
         Ok(())
     }
 

@@ -30,10 +30,8 @@ pub(crate) async fn handle(
     mut req: Request<Incoming>,
     rest: &str,
 ) -> Result<Response<Body>, ApiError> {
-    let (name, path) = match rest.split_once('/') {
-        Some((name, path)) => (name, format!("/{path}")),
-        None => (rest, "/".to_owned()),
-    };
+    // The path after the cluster's name, without its leading `/`.
+    let (name, path) = rest.split_once('/').unwrap_or((rest, ""));
     // Hop-by-hop and forged identity headers go before the check, so nothing removes a checked header.
     user_headers::sanitize(req.headers_mut(), &ctx.forwarded_for);
     let token = user_headers::plausible_bearer(req.headers())
@@ -75,9 +73,16 @@ pub(crate) async fn handle(
     } else {
         Vec::new()
     };
-    let path_and_query = match req.uri().query() {
-        Some(q) => format!("{path}?{q}"),
-        None => path,
+    let path_and_query = {
+        let query = req.uri().query();
+        let mut pq = String::with_capacity(2 + path.len() + query.map_or(0, str::len));
+        pq.push('/');
+        pq.push_str(path);
+        if let Some(q) = query {
+            pq.push('?');
+            pq.push_str(q);
+        }
+        pq
     };
     let target = Target {
         cluster: name,
