@@ -27,7 +27,7 @@ struct Cli {
     log_format: LogFormat,
     /// Worker threads of the async runtime; 0: one per CPU. The default, one, carries the tunnel (one
     /// connection whose frames one task drives) without hand-offs between threads: about a quarter less CPU per
-    /// request than two workers, and faster bulk transfers as well on the machines measured (docs/BENCHMARKS.md).
+    /// request than two workers, and bulk transfers no slower on the machines measured (docs/BENCHMARKS.md).
     /// More can pay on a large node with CPU to spare when bulk transfers (`kubectl cp`, port-forward) must pass
     /// one core's worth of TLS.
     #[arg(long, env = "TETHER_WORKER_THREADS", default_value_t = 1)]
