@@ -743,4 +743,54 @@ mod tests {
         );
         Ok(())
     }
+
+    /// Threads of this process named as the metadata thread.
+    fn metadata_threads() -> usize {
+        std::fs::read_dir("/proc/self/task").map_or(0, |tasks| {
+            tasks
+                .filter_map(Result::ok)
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|name| name.trim() == "tether-metadata")
+                })
+                .count()
+        })
+    }
+
+    /// The nodes are followed on a thread of their own, with the client's connections on the caller's runtime;
+    /// the thread publishes the sample cluster's node and ends when the receiver is dropped, so agents started
+    /// and stopped in one process leave no thread behind. (The only test of this binary that starts one.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn the_metadata_thread_publishes_and_ends_with_its_receiver() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let api = tether_testkit::SampleApiserver::start(tether_testkit::SampleOptions::new(
+            dir.path().join("api"),
+        ))
+        .await?;
+        let config = kube::Config::from_custom_kubeconfig(
+            kube::config::Kubeconfig::read_from(api.agent_kubeconfig_path())?,
+            &kube::config::KubeConfigOptions::default(),
+        )
+        .await?;
+        let before = metadata_threads();
+        let mut rx = spawn(kube::Client::try_from(config)?)?;
+        assert_eq!(metadata_threads(), before + 1);
+        let published = tokio::time::timeout(
+            Duration::from_secs(30),
+            rx.wait_for(|m| m.as_ref().is_some_and(|m| m.node_count > 0)),
+        )
+        .await??
+        .clone();
+        assert_eq!(published.map(|m| m.node_count), Some(1));
+        drop(rx);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while metadata_threads() > before {
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the metadata thread outlived its receiver by 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
 }
