@@ -91,8 +91,7 @@ pub fn encode_request<'a>(
 ) -> Result<Bytes, HeadError> {
     let method_len = u8::try_from(method.len()).map_err(|_| HeadError::TooLong("method"))?;
     let target_len = u16::try_from(target.len()).map_err(|_| HeadError::TooLong("target"))?;
-    let mut buf =
-        BytesMut::with_capacity(LENGTH_PREFIX + 4 + method.len() + target.len() + 2 + fields_len);
+    let mut buf = BytesMut::with_capacity(request_len(method, target, fields_len));
     buf.put_u32(0);
     buf.put_u8(flags);
     buf.put_u8(method_len);
@@ -110,7 +109,7 @@ pub fn encode_response<'a>(
     fields: impl Iterator<Item = (&'a [u8], &'a [u8])>,
     fields_len: usize,
 ) -> Result<Bytes, HeadError> {
-    let mut buf = BytesMut::with_capacity(LENGTH_PREFIX + 3 + 2 + fields_len);
+    let mut buf = BytesMut::with_capacity(response_len(fields_len));
     buf.put_u32(0);
     buf.put_u8(flags);
     buf.put_u16(status);
@@ -160,6 +159,17 @@ fn flags(flags: u8) -> Result<u8, HeadError> {
         return Err(HeadError::UnknownFlags(flags));
     }
     Ok(flags)
+}
+
+/// A request block's size, prefix included: flags, method length, method, target length, target, field count,
+/// fields.
+fn request_len(method: &[u8], target: &[u8], fields_len: usize) -> usize {
+    LENGTH_PREFIX + 1 + 1 + method.len() + 2 + target.len() + 2 + fields_len
+}
+
+/// A response block's size, prefix included: flags, status, field count, fields.
+fn response_len(fields_len: usize) -> usize {
+    LENGTH_PREFIX + 1 + 2 + 2 + fields_len
 }
 
 fn put_fields<'a>(
@@ -267,7 +277,10 @@ mod tests {
         let len = block_length(block[..4].try_into().expect("prefix"));
         assert_eq!(len, block.len() - LENGTH_PREFIX);
         // The size allocated up front is the block's.
-        assert_eq!(block.len(), LENGTH_PREFIX + 4 + 4 + 22 + 2 + fields_len);
+        assert_eq!(
+            block.len(),
+            request_len(b"POST", b"/api/v1/namespaces?x=1", fields_len)
+        );
         let head = decode_request(block.slice(LENGTH_PREFIX..)).expect("decodes");
         assert_eq!(head.flags, BODY);
         assert_eq!(&head.method[..], b"POST");
@@ -282,7 +295,7 @@ mod tests {
         let fields_len = fields_len(f.iter().map(|(n, v)| (*n, *v)));
         let block =
             encode_response(0, 101, f.iter().map(|(n, v)| (*n, *v)), fields_len).expect("encodes");
-        assert_eq!(block.len(), LENGTH_PREFIX + 3 + 2 + fields_len);
+        assert_eq!(block.len(), response_len(fields_len));
         let head = decode_response(block.slice(LENGTH_PREFIX..)).expect("decodes");
         assert_eq!((head.flags, head.status), (0, 101));
         assert_eq!(head.fields.len(), 3);

@@ -62,7 +62,7 @@ pub use frame::{
 };
 pub use session::{
     Config, ConnectionError, Event, OpenError, Priority, ReadResult, Role, SHED_PERIOD, Session,
-    Stats, StreamError, StreamState, TUNE_PERIOD,
+    Stats, StreamError, StreamMap, StreamState, TUNE_PERIOD,
 };
 
 /// Magic bytes at the start of every HELLO frame ("TTHR").

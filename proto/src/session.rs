@@ -15,7 +15,8 @@ use crate::{DecodeError, Frame, Settings, StreamId, VERSIONS, code};
 /// The streams by id, hashed with foldhash (seeded per process): SipHash, std's default, was ~2 % of the
 /// instructions of a small request here. Peers choose the ids of the streams they open, and a seeded hash keeps
 /// them from choosing collisions; the stream limit bounds the map either way.
-type StreamMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+/// The session's map and the tunnel layer's (by [`StreamId`]) both use it.
+pub type StreamMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Which end of the transport this session is. The client (the agent, which dialled) opens odd stream ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

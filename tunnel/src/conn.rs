@@ -20,15 +20,11 @@ use tokio::sync::Notify;
 use tokio::time::Sleep;
 
 use tether_proto::{
-    ConnectionError, Event, OpenError, Priority, ReadResult, Session, StreamError, StreamId, code,
+    ConnectionError, Event, OpenError, Priority, ReadResult, Session, StreamError, StreamId,
+    StreamMap, code,
 };
 
 use crate::SessionConfig;
-
-/// The streams by id, hashed with foldhash (seeded per process): SipHash, std's default, was ~2 % of the
-/// instructions of a small request here. Peers choose the ids of the streams they open, and a seeded hash keeps
-/// them from choosing collisions; the stream limit bounds the map either way.
-type StreamMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Why a tunnel operation failed.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -304,16 +304,14 @@ impl<R: AsyncRead + Unpin> http_body::Body for BodyReader<R> {
         // stream's next chunk (more reads and smaller frames for the same bytes). A body of known length
         // takes no more than it has left: a small response is one small allocation (glibc serves those
         // from its caches; every allocation of 1 KiB and more first sweeps the freed small chunks).
-        let wanted = this.remaining.map_or(this.read_size, |r| {
-            usize::try_from(r).map_or(this.read_size, |r| r.min(this.read_size))
-        });
+        let limit = this
+            .remaining
+            .map_or(usize::MAX, |r| usize::try_from(r).unwrap_or(usize::MAX));
+        let wanted = limit.min(this.read_size);
         if this.buf.capacity() < wanted {
             this.buf.reserve(wanted);
         }
         let asked = this.buf.capacity();
-        let limit = this
-            .remaining
-            .map_or(usize::MAX, |r| usize::try_from(r).unwrap_or(usize::MAX));
         let read = tokio_util::io::poll_read_buf(
             Pin::new(&mut this.reader),
             cx,
