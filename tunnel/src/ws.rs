@@ -633,6 +633,152 @@ mod tests {
         Ok(())
     }
 
+    /// An IO that counts the writes made through it.
+    struct Counted<IO> {
+        io: IO,
+        writes: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl<IO: AsyncRead + Unpin> AsyncRead for Counted<IO> {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_read(cx, buf)
+        }
+    }
+
+    impl<IO: AsyncWrite + Unpin> AsyncWrite for Counted<IO> {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            let written = ready!(Pin::new(&mut self.io).poll_write(cx, buf));
+            self.writes
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Poll::Ready(written)
+        }
+
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_flush(cx)
+        }
+
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_shutdown(cx)
+        }
+    }
+
+    fn open_options() -> crate::OpenOptions {
+        crate::OpenOptions {
+            kind: crate::kind::HTTP,
+            priority: tether_proto::Priority::Normal,
+            deadline: None,
+            metadata: Bytes::new(),
+        }
+    }
+
+    /// Streams that write in the same turn of the runtime share transport writes (the driver's cork), on the
+    /// runtime the agent runs by default: one worker, where a woken task runs right after its waker.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn streams_written_together_share_transport_writes() -> anyhow::Result<()> {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        const STREAMS: usize = 64;
+
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let server = accept_upgraded(b, SessionConfig::new(Role::Server));
+        let writes = Arc::new(AtomicUsize::new(0));
+        let counted = Counted {
+            io: a,
+            writes: writes.clone(),
+        };
+        let client = Connection::spawn(SessionConfig::new(Role::Client), async move {
+            WsTransport::new(
+                WebSocketStream::from_raw_socket(counted, WsRole::Client, Some(ws_config())).await,
+            )
+        });
+        let mut streams = Vec::new();
+        for _ in 0..STREAMS {
+            let stream = client.open(open_options())?;
+            let incoming = server
+                .accept()
+                .await
+                .ok_or_else(|| anyhow::anyhow!("server closed"))?;
+            let far = incoming.accept(Bytes::new())?;
+            stream.control().accepted().await?;
+            streams.push((stream, far));
+        }
+
+        // Every stream writes once, all woken by one notification.
+        let go = Arc::new(tokio::sync::Notify::new());
+        let mut writers = Vec::new();
+        let mut readers = Vec::new();
+        for (mut stream, mut far) in streams {
+            // Registered now, so that the one notification below reaches every writer.
+            let mut notified = Box::pin(go.clone().notified_owned());
+            notified.as_mut().enable();
+            writers.push(tokio::spawn(async move {
+                notified.await;
+                stream.write_all(b"one small request").await?;
+                anyhow::Ok(stream)
+            }));
+            readers.push(tokio::spawn(async move {
+                let mut buf = [0u8; 17];
+                far.read_exact(&mut buf).await?;
+                anyhow::Ok(buf)
+            }));
+        }
+        let before = writes.load(Ordering::Relaxed);
+        go.notify_waiters();
+        for reader in readers {
+            assert_eq!(&reader.await??, b"one small request");
+        }
+        let burst = writes.load(Ordering::Relaxed) - before;
+        for writer in writers {
+            writer.await??;
+        }
+        assert!(
+            burst * 4 <= STREAMS,
+            "{STREAMS} streams written together took {burst} transport writes"
+        );
+        Ok(())
+    }
+
+    /// A held batch is sent even when the worker never runs out of tasks (a task that keeps waking itself):
+    /// the runtime's maintenance releases it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_held_batch_is_sent_while_the_worker_stays_busy() -> anyhow::Result<()> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let server = accept_upgraded(b, SessionConfig::new(Role::Server));
+        let client = Connection::spawn(SessionConfig::new(Role::Client), async move {
+            WsTransport::new(
+                WebSocketStream::from_raw_socket(a, WsRole::Client, Some(ws_config())).await,
+            )
+        });
+        let spinner = tokio::spawn(std::future::poll_fn(|cx| {
+            cx.waker().wake_by_ref();
+            Poll::<()>::Pending
+        }));
+        for _ in 0..8 {
+            let mut stream = client.open(open_options())?;
+            stream.write_all(b"ping").await?;
+            let mut far = server
+                .accept()
+                .await
+                .ok_or_else(|| anyhow::anyhow!("server closed"))?
+                .accept(Bytes::new())?;
+            let mut buf = [0u8; 4];
+            far.read_exact(&mut buf).await?;
+            assert_eq!(&buf, b"ping");
+        }
+        spinner.abort();
+        Ok(())
+    }
+
     #[test]
     fn reject_body_is_capped() {
         assert_eq!(reject_body(b"  bad token\n"), "bad token");
