@@ -16,6 +16,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::task::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 use tokio::time::Sleep;
@@ -978,8 +979,6 @@ struct Driver<T: Transport> {
     violation: Option<String>,
     /// Holds a batch's first write back until the worker has run what else is ready.
     cork: Cork,
-    /// Times this task was polled (wrapping).
-    polls: u64,
 }
 
 /// Holds the first write of a batch back until the runtime worker has run every other task that is ready
@@ -1000,8 +999,6 @@ struct Cork {
     waker: Waker,
     /// A release is awaited.
     held: bool,
-    /// The driver's poll in which the hold began.
-    held_in: u64,
     /// The driver was polled again while held: other work arrived.
     busy: bool,
     /// Batches left to send without holding.
@@ -1012,7 +1009,7 @@ struct Cork {
 
 struct CorkRelease {
     released: AtomicBool,
-    driver: Mutex<Option<Waker>>,
+    driver: AtomicWaker,
 }
 
 impl Wake for CorkRelease {
@@ -1022,14 +1019,7 @@ impl Wake for CorkRelease {
 
     fn wake_by_ref(self: &Arc<Self>) {
         self.released.store(true, Ordering::Release);
-        let driver = self
-            .driver
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(driver) = driver {
-            driver.wake();
-        }
+        self.driver.wake();
     }
 }
 
@@ -1040,22 +1030,26 @@ impl Cork {
     fn new() -> Self {
         let release = Arc::new(CorkRelease {
             released: AtomicBool::new(false),
-            driver: Mutex::new(None),
+            driver: AtomicWaker::new(),
         });
         Self {
             waker: Waker::from(release.clone()),
             release,
             held: false,
-            held_in: 0,
             busy: false,
             rest: 0,
             next_rest: 1,
         }
     }
 
+    /// Called at the start of each of the driver's polls: one while held that the release did not cause means
+    /// other work arrived.
+    fn polled(&mut self) {
+        self.busy |= self.held && !self.release.released.load(Ordering::Acquire);
+    }
+
     /// True while a batch's first write should wait; the first call for a batch starts the wait.
-    /// `poll` counts the driver's polls.
-    fn hold(&mut self, cx: &Context<'_>, poll: u64) -> bool {
+    fn hold(&mut self, cx: &Context<'_>) -> bool {
         if self.held {
             if self.release.released.load(Ordering::Acquire) {
                 self.held = false;
@@ -1067,7 +1061,6 @@ impl Cork {
                 }
                 return false;
             }
-            self.busy |= poll != self.held_in;
             return true;
         }
         if self.rest > 0 {
@@ -1075,17 +1068,12 @@ impl Cork {
             return false;
         }
         self.release.released.store(false, Ordering::Relaxed);
-        *self
-            .release
-            .driver
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(cx.waker().clone());
+        self.release.driver.register(cx.waker());
         let mut yielded = std::pin::pin!(tokio::task::yield_now());
         // Pending: the runtime keeps `self.waker` and wakes it once the worker has nothing else to run.
         // Outside a runtime worker it is woken at once, which only costs a poll.
         let _ = yielded.as_mut().poll(&mut Context::from_waker(&self.waker));
         self.held = true;
-        self.held_in = poll;
         self.busy = false;
         true
     }
@@ -1104,7 +1092,6 @@ impl<T: Transport> Driver<T> {
             unflushed: false,
             violation: None,
             cork: Cork::new(),
-            polls: 0,
         }
     }
 
@@ -1162,7 +1149,7 @@ impl<T: Transport> Driver<T> {
                 None => self.shared.lock().session.poll_transmit(now()),
             };
             let Some(mut chunk) = chunk else { break };
-            if !self.unflushed && self.cork.hold(cx, self.polls) {
+            if !self.unflushed && self.cork.hold(cx) {
                 self.pending = Some(chunk);
                 return;
             }
@@ -1277,7 +1264,7 @@ impl<T: Transport> Future for Driver<T> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let this = self.get_mut();
-        this.polls = this.polls.wrapping_add(1);
+        this.cork.polled();
         if this.phase == Phase::Running {
             // Registered first so that an operation made while this poll runs wakes us again.
             {

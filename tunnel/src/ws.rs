@@ -670,6 +670,18 @@ mod tests {
         }
     }
 
+    /// A client connection over `io`, already upgraded (the peer runs [`accept_upgraded`]).
+    fn client_over<IO>(io: IO) -> Connection
+    where
+        IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        Connection::spawn(SessionConfig::new(Role::Client), async move {
+            WsTransport::new(
+                WebSocketStream::from_raw_socket(io, WsRole::Client, Some(ws_config())).await,
+            )
+        })
+    }
+
     fn open_options() -> crate::OpenOptions {
         crate::OpenOptions {
             kind: crate::kind::HTTP,
@@ -694,11 +706,7 @@ mod tests {
             io: a,
             writes: writes.clone(),
         };
-        let client = Connection::spawn(SessionConfig::new(Role::Client), async move {
-            WsTransport::new(
-                WebSocketStream::from_raw_socket(counted, WsRole::Client, Some(ws_config())).await,
-            )
-        });
+        let client = client_over(counted);
         let mut streams = Vec::new();
         for _ in 0..STREAMS {
             let stream = client.open(open_options())?;
@@ -754,29 +762,30 @@ mod tests {
 
         let (a, b) = tokio::io::duplex(1 << 20);
         let server = accept_upgraded(b, SessionConfig::new(Role::Server));
-        let client = Connection::spawn(SessionConfig::new(Role::Client), async move {
-            WsTransport::new(
-                WebSocketStream::from_raw_socket(a, WsRole::Client, Some(ws_config())).await,
-            )
-        });
+        let client = client_over(a);
         let spinner = tokio::spawn(std::future::poll_fn(|cx| {
             cx.waker().wake_by_ref();
             Poll::<()>::Pending
         }));
-        for _ in 0..8 {
-            let mut stream = client.open(open_options())?;
-            stream.write_all(b"ping").await?;
-            let mut far = server
-                .accept()
-                .await
-                .ok_or_else(|| anyhow::anyhow!("server closed"))?
-                .accept(Bytes::new())?;
-            let mut buf = [0u8; 4];
-            far.read_exact(&mut buf).await?;
-            assert_eq!(&buf, b"ping");
-        }
+        // A batch never released would hang here: fail instead.
+        let exchanged = tokio::time::timeout(Duration::from_secs(30), async {
+            for _ in 0..8 {
+                let mut stream = client.open(open_options())?;
+                stream.write_all(b"ping").await?;
+                let mut far = server
+                    .accept()
+                    .await
+                    .ok_or_else(|| anyhow::anyhow!("server closed"))?
+                    .accept(Bytes::new())?;
+                let mut buf = [0u8; 4];
+                far.read_exact(&mut buf).await?;
+                assert_eq!(&buf, b"ping");
+            }
+            anyhow::Ok(())
+        })
+        .await;
         spinner.abort();
-        Ok(())
+        exchanged.map_err(|_| anyhow::anyhow!("held writes were not sent within 30 s"))?
     }
 
     #[test]
