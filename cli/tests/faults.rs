@@ -574,7 +574,7 @@ async fn agent_sigkill(relay_flags: &[&str], agent_flags: &[&str]) -> anyhow::Re
     // kubectl (1.33) prints a watch's final ERROR event as a row of the table on stdout (with `-o name`
     // only as `status/<unknown>`), so the default output it is.
     let mut watch = kubectl.spawn(&["get", "configmaps", "-w"])?;
-    watch.wait_for_line(WAIT, |l| l.contains("before")).await?;
+    common::watch_is_open(&kubectl, &mut watch, "before", WAIT).await?;
     let mut exec = common::exec_until_ready(&kubectl, WAIT).await?;
 
     let killed = Instant::now();

@@ -275,6 +275,24 @@ pub async fn exec_until_ready(
     Ok(exec)
 }
 
+/// Waits until `kubectl get configmaps -w` (started in the kubeconfig's namespace) holds its watch: a line
+/// naming `listed` only says the list before the watch was answered, and the watch request may still be on its
+/// way. Creates the config map `open-watch` and waits for the watch to print it.
+pub async fn watch_is_open(
+    kubectl: &tether_testkit::kubectl::Kubectl,
+    watch: &mut tether_testkit::kubectl::KubectlChild,
+    listed: &str,
+    wait: Duration,
+) -> anyhow::Result<()> {
+    watch.wait_for_line(wait, |l| l.contains(listed)).await?;
+    let out = kubectl.run(&["create", "configmap", "open-watch"]).await?;
+    anyhow::ensure!(out.status.success(), "create failed: {}", out.stderr);
+    watch
+        .wait_for_line(wait, |l| l.contains("open-watch"))
+        .await?;
+    Ok(())
+}
+
 /// The `onboardingToken` of a `tether cluster connect|import -o json` answer.
 pub fn onboarding_token(json: &str) -> anyhow::Result<String> {
     let answer: serde_json::Value = serde_json::from_str(json)?;
