@@ -15,7 +15,8 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::BodyExt;
 use hyper_util::rt::TokioIo;
-use tether_tunnel::{TunnelError, code, heads};
+use tether_tunnel::heads::{self, ReadChunk};
+use tether_tunnel::{TunnelError, code};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::api_error::ApiError;
@@ -215,7 +216,7 @@ pub(crate) async fn forward_heads<IO, B, A, G, F>(
 ) -> Result<Response<Body>, ApiError>
 where
     G: Send + 'static,
-    IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    IO: ReadChunk + AsyncWrite + Send + 'static,
     B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<BoxError>,
     A: Future<Output = Result<Bytes, TunnelError>>,

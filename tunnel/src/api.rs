@@ -277,6 +277,16 @@ impl Stream {
     }
 }
 
+impl crate::heads::ReadChunk for Stream {
+    fn poll_chunk(&mut self, cx: &mut Context<'_>, max: usize) -> Option<Poll<io::Result<Bytes>>> {
+        match &mut self.inner {
+            StreamInner::Session(s) => Some(s.poll_take(cx, max)),
+            // quinn hands out chunks only through a future borrowing the stream; QUIC bodies are copied.
+            StreamInner::Quic(_) => None,
+        }
+    }
+}
+
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.inner {

@@ -12,7 +12,7 @@ use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Context, Poll, Wake, Waker, ready};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -834,18 +834,19 @@ impl std::fmt::Debug for SessionStreamControl {
     }
 }
 
-impl AsyncRead for SessionStream {
-    fn poll_read(
-        self: Pin<&mut Self>,
+impl SessionStream {
+    /// Takes up to `max` received bytes as the session holds them (slices of the tunnel's messages, no
+    /// copy); empty at the end of the stream. What [`AsyncRead::poll_read`] copies out of.
+    pub(crate) fn poll_take(
+        &mut self,
         cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        if this.eof || buf.remaining() == 0 {
-            return Poll::Ready(Ok(()));
+        max: usize,
+    ) -> Poll<io::Result<Bytes>> {
+        if self.eof || max == 0 {
+            return Poll::Ready(Ok(Bytes::new()));
         }
-        let id = this.inner.id;
-        let mut guard = this.inner.shared().lock();
+        let id = self.inner.id;
+        let mut guard = self.inner.shared().lock();
         let st = &mut *guard;
         let Some(slot) = st.streams.get_mut(&id) else {
             return Poll::Ready(Err(TunnelError::Reset(code::CANCEL).into()));
@@ -853,17 +854,16 @@ impl AsyncRead for SessionStream {
         if let Some(e) = &slot.failed {
             return Poll::Ready(Err(e.clone().into()));
         }
-        match st.session.read(now(), id, buf.remaining()) {
+        match st.session.read(now(), id, max) {
             Ok(ReadResult::Data(data)) => {
-                buf.put_slice(&data);
                 // Reading grants the peer credit: the session may have a window update to send.
                 st.wake_driver();
-                Poll::Ready(Ok(()))
+                Poll::Ready(Ok(data))
             }
             Ok(ReadResult::Finished) => {
-                this.eof = true;
+                self.eof = true;
                 st.wake_driver();
-                Poll::Ready(Ok(()))
+                Poll::Ready(Ok(Bytes::new()))
             }
             Ok(ReadResult::Blocked) => {
                 set_waker(&mut slot.read_waker, cx);
@@ -871,6 +871,18 @@ impl AsyncRead for SessionStream {
             }
             Err(e) => Poll::Ready(Err(TunnelError::from_stream_error(e, &st.closed).into())),
         }
+    }
+}
+
+impl AsyncRead for SessionStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let data = ready!(self.get_mut().poll_take(cx, buf.remaining()))?;
+        buf.put_slice(&data);
+        Poll::Ready(Ok(()))
     }
 }
 

@@ -166,6 +166,29 @@ pub async fn read_block<R: AsyncRead + Unpin>(
     }
 }
 
+/// A reader that can hand out what it holds as `Bytes` without copying it (a WebSocket tunnel's stream: the
+/// received frames' payloads are slices of the tunnel's messages). [`BodyReader`] takes a body this way when it
+/// can, and reads it into buffers of its own otherwise.
+pub trait ReadChunk: AsyncRead + Unpin {
+    /// Takes up to `max` bytes (`max` > 0) as they are held; an empty chunk at the end of the stream. `None`:
+    /// this reader cannot, read it with [`AsyncRead::poll_read`].
+    fn poll_chunk(&mut self, cx: &mut Context<'_>, max: usize) -> Option<Poll<io::Result<Bytes>>> {
+        let _ = (cx, max);
+        None
+    }
+}
+
+impl ReadChunk for Box<dyn AsyncRead + Send + Unpin> {}
+
+/// An in-memory pipe (tests) hands out no chunks of its own: bodies read from it are copied.
+impl ReadChunk for tokio::io::DuplexStream {}
+
+impl<IO: ReadChunk> ReadChunk for SharedStream<IO> {
+    fn poll_chunk(&mut self, cx: &mut Context<'_>, max: usize) -> Option<Poll<io::Result<Bytes>>> {
+        self.with(|io| io.poll_chunk(cx, max))
+    }
+}
+
 /// One stream shared by several users in turn or at once (a request body being read while the response is
 /// written): each poll locks it briefly. The stream is dropped with the last clone.
 pub struct SharedStream<IO>(Arc<Mutex<IO>>);
@@ -276,18 +299,45 @@ impl<R> BodyReader<R> {
     }
 }
 
-impl<R: AsyncRead + Unpin> BodyReader<R> {
+impl<R: ReadChunk> BodyReader<R> {
     /// Once the announced length is read: takes the end of the stream too if it is already there, so the
     /// stream is finished cleanly rather than reset when the body is dropped. Anything else (more bytes, or
     /// nothing yet) is left alone.
     fn take_end(&mut self, cx: &mut Context<'_>) {
+        if self.reader.poll_chunk(cx, 1).is_some() {
+            return;
+        }
         let mut one = [0u8; 1];
         let mut probe = ReadBuf::new(&mut one);
         let _ = Pin::new(&mut self.reader).poll_read(cx, &mut probe);
     }
+
+    /// What the body does with `n` more bytes read: counts them against the announced length, and ends the
+    /// body once it is reached.
+    fn took(&mut self, cx: &mut Context<'_>, n: usize) {
+        if let Some(r) = &mut self.remaining {
+            *r = r.saturating_sub(n as u64);
+            if *r == 0 {
+                self.done = true;
+                self.take_end(cx);
+            }
+        }
+    }
+
+    /// The end of the stream: the end of the body, or an error when it ends short of its announced length.
+    fn ended(&mut self) -> Poll<Option<Result<http_body::Frame<Bytes>, io::Error>>> {
+        self.done = true;
+        match self.remaining {
+            Some(r) if r > 0 => Poll::Ready(Some(Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("the body ended {r} bytes short of its Content-Length"),
+            )))),
+            _ => Poll::Ready(None),
+        }
+    }
 }
 
-impl<R: AsyncRead + Unpin> http_body::Body for BodyReader<R> {
+impl<R: ReadChunk> http_body::Body for BodyReader<R> {
     type Data = Bytes;
     type Error = io::Error;
 
@@ -307,6 +357,21 @@ impl<R: AsyncRead + Unpin> http_body::Body for BodyReader<R> {
         let limit = this
             .remaining
             .map_or(usize::MAX, |r| usize::try_from(r).unwrap_or(usize::MAX));
+        // The stream's own chunks when it hands them out: no copy, no buffer of ours.
+        if let Some(chunk) = this.reader.poll_chunk(cx, limit) {
+            return match chunk {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Err(e)) => {
+                    this.done = true;
+                    Poll::Ready(Some(Err(e)))
+                }
+                Poll::Ready(Ok(data)) if data.is_empty() => this.ended(),
+                Poll::Ready(Ok(data)) => {
+                    this.took(cx, data.len());
+                    Poll::Ready(Some(Ok(http_body::Frame::data(data))))
+                }
+            };
+        }
         let wanted = limit.min(this.read_size);
         if this.buf.capacity() < wanted {
             this.buf.reserve(wanted);
@@ -323,27 +388,12 @@ impl<R: AsyncRead + Unpin> http_body::Body for BodyReader<R> {
                 this.done = true;
                 Poll::Ready(Some(Err(e)))
             }
-            Poll::Ready(Ok(0)) => {
-                this.done = true;
-                match this.remaining {
-                    Some(r) if r > 0 => Poll::Ready(Some(Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        format!("the body ended {r} bytes short of its Content-Length"),
-                    )))),
-                    _ => Poll::Ready(None),
-                }
-            }
+            Poll::Ready(Ok(0)) => this.ended(),
             Poll::Ready(Ok(n)) => {
                 if n == asked {
                     this.read_size = (this.read_size * 2).min(MAX_READ);
                 }
-                if let Some(r) = &mut this.remaining {
-                    *r = r.saturating_sub(n as u64);
-                    if *r == 0 {
-                        this.done = true;
-                        this.take_end(cx);
-                    }
-                }
+                this.took(cx, n);
                 Poll::Ready(Some(Ok(http_body::Frame::data(this.buf.split().freeze()))))
             }
         }

@@ -754,6 +754,62 @@ mod tests {
         Ok(())
     }
 
+    /// A body read off a tunnel stream takes the session's chunks as they are (no copy into buffers of the
+    /// reader's own): the same bytes, split as the stream's frames were, ending at the announced length —
+    /// and an error when the stream ends short of it.
+    #[tokio::test]
+    async fn a_body_read_off_a_tunnel_stream_takes_its_chunks() -> anyhow::Result<()> {
+        use http_body_util::BodyExt as _;
+        use tokio::io::AsyncWriteExt;
+
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let server = accept_upgraded(b, SessionConfig::new(Role::Server));
+        let client = client_over(a);
+        let data: Vec<u8> = (0..300 * 1024).map(|i| (i % 251) as u8).collect();
+        for (length, sent) in [(data.len(), data.len()), (data.len(), 1000)] {
+            let mut stream = client.open(open_options())?;
+            let incoming = server
+                .accept()
+                .await
+                .ok_or_else(|| anyhow::anyhow!("server closed"))?;
+            let far = incoming.accept(Bytes::new())?;
+            stream.control().accepted().await?;
+            let payload = data[..sent].to_vec();
+            let writer = tokio::spawn(async move {
+                for piece in payload.chunks(40_000) {
+                    stream.write_all(piece).await?;
+                }
+                stream.shutdown().await?;
+                anyhow::Ok(stream)
+            });
+            let mut body =
+                crate::heads::BodyReader::new(crate::heads::SharedStream::new(far), false)
+                    .with_length(Some(length as u64));
+            let mut got = Vec::new();
+            let mut frames = 0;
+            let end = loop {
+                match body.frame().await {
+                    None => break Ok(()),
+                    Some(Err(e)) => break Err(e),
+                    Some(Ok(frame)) => {
+                        frames += 1;
+                        got.extend_from_slice(&frame.into_data().unwrap_or_default());
+                    }
+                }
+            };
+            let _stream = writer.await??;
+            assert_eq!(got, data[..sent]);
+            if sent == length {
+                end?;
+                assert!(frames > 1, "one frame for {sent} bytes");
+            } else {
+                let e = end.expect_err("a body that ends short fails");
+                assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}");
+            }
+        }
+        Ok(())
+    }
+
     /// A held batch is sent even when the worker never runs out of tasks (a task that keeps waking itself):
     /// the runtime's maintenance releases it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
