@@ -34,7 +34,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use kube::client::ConfigExt as _;
 use rustls::pki_types::ServerName;
 use tether_auth::Identity;
-use tether_tunnel::heads::{self, BodyReader, SharedStream};
+use tether_tunnel::heads::{self, BodyReader, ReadChunk, SharedStream};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tower::ServiceExt as _;
 
@@ -106,7 +106,7 @@ pub(crate) enum ReqBody {
     /// From the HTTP/1.1 server on a stream of kind `HTTP`.
     Http1(Incoming),
     /// The rest of a stream of kind `HTTP_HEADS`.
-    Stream(BodyReader<Box<dyn AsyncRead + Send + Unpin>>),
+    Stream(BodyReader<Box<dyn ReadChunk + Send>>),
     /// No body.
     Empty,
 }
@@ -514,7 +514,7 @@ where
 /// so the relay sees a failure rather than a clean end.
 pub async fn serve_heads<IO, F>(io: IO, upstream: Upstream, abort: F) -> std::io::Result<()>
 where
-    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    IO: ReadChunk + AsyncWrite + Send + 'static,
     F: FnOnce(),
 {
     let io = SharedStream::new(io);
@@ -547,7 +547,8 @@ where
         }
     };
     let body = if head.body {
-        let reader: Box<dyn AsyncRead + Send + Unpin> = Box::new(io.clone());
+        // The stream's own chunks go upstream as they are (no copy), as the relay's response bodies do.
+        let reader: Box<dyn ReadChunk + Send> = Box::new(io.clone());
         let length = heads::content_length(&head.headers);
         ReqBody::Stream(BodyReader::new(reader, false).with_length(length))
     } else {

@@ -178,7 +178,11 @@ pub trait ReadChunk: AsyncRead + Unpin {
     }
 }
 
-impl ReadChunk for Box<dyn AsyncRead + Send + Unpin> {}
+impl ReadChunk for Box<dyn ReadChunk + Send> {
+    fn poll_chunk(&mut self, cx: &mut Context<'_>, max: usize) -> Option<Poll<io::Result<Bytes>>> {
+        (**self).poll_chunk(cx, max)
+    }
+}
 
 /// An in-memory pipe (tests) hands out no chunks of its own: bodies read from it are copied.
 impl ReadChunk for tokio::io::DuplexStream {}
