@@ -584,12 +584,7 @@ async fn agent_sigkill(relay_flags: &[&str], agent_flags: &[&str]) -> anyhow::Re
     let (watch_secs, exec_secs) = (watch_status?, exec_status?);
     for (what, child) in [("get -w", &mut watch), ("exec", &mut exec)] {
         let name = format!("cluster {CLUSTER}");
-        let mut said = String::new();
-        while let Ok(Some(line)) = child.next_line(Duration::from_secs(5)).await {
-            said.push_str(&line);
-            said.push('\n');
-        }
-        said.push_str(&stderr_naming(child, if said.contains(&name) { "" } else { &name }).await);
+        let said = common::said_at_the_end(child, &name).await;
         assert!(
             said.contains(&format!("cluster {CLUSTER}")),
             "kubectl {what} did not name the cluster: {said:?}; stdout: {:?}",
@@ -634,18 +629,6 @@ async fn watch_end(child: &mut tether_testkit::kubectl::KubectlChild) -> anyhow:
         .await
         .with_context(|| format!("kubectl did not end; stderr: {}", child.stderr()))?;
     Ok(start.elapsed().as_secs_f64())
-}
-
-/// kubectl's stderr once it names `what` (its reader may trail the exit a moment), or as it is after a while.
-async fn stderr_naming(child: &tether_testkit::kubectl::KubectlChild, what: &str) -> String {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = child.stderr();
-        if text.contains(what) || Instant::now() >= deadline {
-            return text;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -107,18 +107,6 @@ async fn ended(child: KubectlChild) -> anyhow::Result<String> {
     Ok(stderr_before)
 }
 
-/// What kubectl printed, read until it names the cluster or the output stops growing for a while.
-async fn stderr_naming(child: &KubectlChild, what: &str) -> String {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = child.stderr();
-        if text.contains(what) || tokio::time::Instant::now() >= deadline {
-            return text;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 fn assert_names_cluster_and_cause(stderr: &str) {
     assert!(stderr.contains("cluster faults"), "{stderr}");
     assert!(
@@ -143,17 +131,7 @@ async fn watch_ends_with_the_cluster_and_the_cause_when_the_agent_is_killed() ->
     // ends with an ERROR event (a watch still waiting for its head gets a 503 naming the cause instead).
     common::watch_is_open(&faults.kubectl, &mut watch, "before", WAIT).await?;
     faults.kill_agent().await?;
-    let mut said = String::new();
-    while let Ok(Some(line)) = watch.next_line(Duration::from_secs(5)).await {
-        said.push_str(&line);
-        said.push('\n');
-    }
-    let what = if said.contains("cluster faults") {
-        ""
-    } else {
-        "cluster faults"
-    };
-    said.push_str(&stderr_naming(&watch, what).await);
+    let said = common::said_at_the_end(&mut watch, "cluster faults").await;
     let _ = ended(watch).await?;
     assert_names_cluster_and_cause(&said);
     faults.stop().await
@@ -164,7 +142,7 @@ async fn exec_ends_with_the_cluster_and_the_cause_when_the_agent_is_killed() -> 
     let mut faults = Faults::start().await?;
     let exec = common::exec_until_ready(&faults.kubectl, WAIT).await?;
     faults.kill_agent().await?;
-    let stderr = stderr_naming(&exec, "cluster faults").await;
+    let stderr = common::stderr_naming(&exec, "cluster faults").await;
     let _ = ended(exec).await?;
     assert_names_cluster_and_cause(&stderr);
     faults.stop().await
@@ -193,7 +171,7 @@ async fn port_forward_names_the_cluster_and_the_cause(
         assert_eq!(&back, b"ping");
     }
     faults.kill_agent().await?;
-    let stderr = stderr_naming(&forward, "lost connection").await;
+    let stderr = common::stderr_naming(&forward, "lost connection").await;
     let _ = ended(forward).await?;
     assert!(stderr.contains("lost connection"), "{stderr}");
     assert_names_cluster_and_cause(&stderr);

@@ -682,6 +682,21 @@ mod tests {
         })
     }
 
+    /// A stream opened by `client` and accepted by `server`: (the opener's end, the acceptor's end).
+    async fn open_pair(
+        client: &Connection,
+        server: &Connection,
+    ) -> anyhow::Result<(crate::Stream, crate::Stream)> {
+        let stream = client.open(open_options())?;
+        let incoming = server
+            .accept()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("server closed"))?;
+        let far = incoming.accept(Bytes::new())?;
+        stream.control().accepted().await?;
+        Ok((stream, far))
+    }
+
     fn open_options() -> crate::OpenOptions {
         crate::OpenOptions {
             kind: crate::kind::HTTP,
@@ -709,14 +724,7 @@ mod tests {
         let client = client_over(counted);
         let mut streams = Vec::new();
         for _ in 0..STREAMS {
-            let stream = client.open(open_options())?;
-            let incoming = server
-                .accept()
-                .await
-                .ok_or_else(|| anyhow::anyhow!("server closed"))?;
-            let far = incoming.accept(Bytes::new())?;
-            stream.control().accepted().await?;
-            streams.push((stream, far));
+            streams.push(open_pair(&client, &server).await?);
         }
 
         // Every stream writes once, all woken by one notification.
@@ -767,13 +775,15 @@ mod tests {
         let client = client_over(a);
         let data: Vec<u8> = (0..300 * 1024).map(|i| (i % 251) as u8).collect();
         for (length, sent) in [(data.len(), data.len()), (data.len(), 1000)] {
-            let mut stream = client.open(open_options())?;
-            let incoming = server
-                .accept()
-                .await
-                .ok_or_else(|| anyhow::anyhow!("server closed"))?;
-            let far = incoming.accept(Bytes::new())?;
-            stream.control().accepted().await?;
+            let (mut stream, mut far) = open_pair(&client, &server).await?;
+            // The stream hands out chunks, so the body below takes them (nothing has been sent yet: the poll
+            // only registers a waker the body's own poll replaces).
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            assert!(
+                crate::heads::ReadChunk::poll_chunk(&mut far, &mut cx, 1)
+                    .is_some_and(|p| p.is_pending()),
+                "a WebSocket tunnel stream hands out its chunks"
+            );
             let payload = data[..sent].to_vec();
             let writer = tokio::spawn(async move {
                 for piece in payload.chunks(40_000) {

@@ -293,6 +293,35 @@ pub async fn watch_is_open(
     Ok(())
 }
 
+/// kubectl's stderr once it names `what` (its reader may trail the exit a moment), or as it is after 10 s
+/// (stderr has nothing to wait on but its growth).
+pub async fn stderr_naming(child: &tether_testkit::kubectl::KubectlChild, what: &str) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = child.stderr();
+        if text.contains(what) || tokio::time::Instant::now() >= deadline {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What kubectl said after the lines already read: the rest of its stdout (a watch's final ERROR event is a
+/// row there), then its stderr, waited for until one of them names `name`.
+pub async fn said_at_the_end(
+    child: &mut tether_testkit::kubectl::KubectlChild,
+    name: &str,
+) -> String {
+    let mut said = String::new();
+    while let Ok(Some(line)) = child.next_line(Duration::from_secs(5)).await {
+        said.push_str(&line);
+        said.push('\n');
+    }
+    let wanted = if said.contains(name) { "" } else { name };
+    said.push_str(&stderr_naming(child, wanted).await);
+    said
+}
+
 /// The `onboardingToken` of a `tether cluster connect|import -o json` answer.
 pub fn onboarding_token(json: &str) -> anyhow::Result<String> {
     let answer: serde_json::Value = serde_json::from_str(json)?;
