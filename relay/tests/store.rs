@@ -50,6 +50,9 @@ impl Db {
     }
 }
 
+/// How long one SQLite case may run before it counts as hung.
+const CASE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// Runs each case against SQLite (one test per case) and against PostgreSQL (one server for all cases, a fresh
 /// database for each).
 macro_rules! suite {
@@ -58,7 +61,11 @@ macro_rules! suite {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
-                    super::$case(&super::Db::sqlite()).await;
+                    // A deadline, not a timing assertion: a case that hangs (once seen, with a worker spinning
+                    // in sqlx's pool) fails here instead of holding CI until its limit.
+                    tokio::time::timeout(super::CASE_DEADLINE, super::$case(&super::Db::sqlite()))
+                        .await
+                        .expect("the case finished within its deadline");
                 }
             )*
         }
