@@ -27,7 +27,7 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body_util::{Either, Empty, Full};
 use hyper::body::Incoming;
-use hyper_rustls::{FixedServerNameResolver, HttpsConnector};
+use hyper_rustls::FixedServerNameResolver;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -40,6 +40,7 @@ use tower::ServiceExt as _;
 
 use crate::auth_proxy::{AuthProxy, Credential, impersonate};
 use crate::pool::{self, Busy, Lease, Leased, Pool, PoolOptions};
+use crate::upstream::{Conn, ConnectTimedOut, LegacyClient, SendError, Settings, TimeoutConnector};
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -98,8 +99,6 @@ pub struct Upstream {
     inner: Arc<UpstreamInner>,
 }
 
-type UpstreamClient = Client<TimeoutConnector<HttpsConnector<HttpConnector>>, ReqBody>;
-
 /// The body of a request sent upstream: hyper's (an HTTP/1.1 stream), the bytes after the head on a stream of
 /// kind `HTTP_HEADS`, or none.
 pub(crate) enum ReqBody {
@@ -149,9 +148,9 @@ struct UpstreamInner {
     /// The cluster URL's path without its trailing slash ("" when none).
     base_path: String,
     /// h2 or HTTP/1.1, pooled keep-alive connections that grow with load: ordinary requests.
-    pooled: Pool<UpstreamClient>,
+    pooled: Pool<Conn>,
     /// HTTP/1.1 only, no idle pool: upgrade requests (an h2 connection cannot upgrade).
-    upgrade: UpstreamClient,
+    upgrade: LegacyClient,
     /// The authentication proxy and the clients carrying the agent's own credentials; `None`: pass-through
     /// only.
     impersonating: Option<Impersonating>,
@@ -161,9 +160,9 @@ struct UpstreamInner {
 struct Impersonating {
     proxy: AuthProxy,
     /// Like [`UpstreamInner::pooled`], presenting the agent's client certificate if it has one.
-    pooled: Pool<UpstreamClient>,
+    pooled: Pool<Conn>,
     /// Like [`UpstreamInner::upgrade`], presenting the agent's client certificate if it has one.
-    upgrade: UpstreamClient,
+    upgrade: LegacyClient,
     /// Produces the agent's `Authorization` header (static or refreshed token, basic auth); `None` when the
     /// agent authenticates with its client certificate only.
     authorization: Option<Authorizer>,
@@ -199,7 +198,13 @@ impl Upstream {
     ) -> Result<Self, UpstreamError> {
         let mut inner = UpstreamInner::pass_through(config, &pool)?;
         if let Some(proxy) = proxy {
-            inner.impersonating = Some(Impersonating::new(config, proxy, &pool)?);
+            inner.impersonating = Some(Impersonating::new(
+                config,
+                proxy,
+                &pool,
+                &inner.scheme,
+                &inner.authority,
+            )?);
         }
         Ok(Self {
             inner: Arc::new(inner),
@@ -290,7 +295,7 @@ impl UpstreamInner {
             );
         }
         let tls = upstream_tls(config)?;
-        let (pooled, upgrade) = clients(config, tls, pool)?;
+        let (pooled, upgrade) = clients(config, &scheme, &authority, tls, pool)?;
         Ok(Self {
             scheme,
             authority,
@@ -308,6 +313,8 @@ impl Impersonating {
         config: &kube::Config,
         proxy: AuthProxy,
         pool: &PoolOptions,
+        scheme: &Scheme,
+        authority: &Authority,
     ) -> Result<Self, UpstreamError> {
         let tls = kube_tls(config)?;
         let own_identity = tls.client_auth_cert_resolver.clone();
@@ -329,7 +336,7 @@ impl Impersonating {
         if !own_identity.has_certs() && authorization.is_none() {
             return Err(UpstreamError::NoOwnCredentials);
         }
-        let (pooled, upgrade) = clients(config, tls, pool)?;
+        let (pooled, upgrade) = clients(config, scheme, authority, tls, pool)?;
         Ok(Self {
             proxy,
             pooled,
@@ -352,13 +359,15 @@ pub enum TargetError {
     NotAPath,
 }
 
-/// The pooled (h2 or HTTP/1.1) and upgrade (HTTP/1.1, unpooled) clients for the apiserver with `tls`, honouring
-/// the kube config's `tls_server_name` and `connect_timeout`.
+/// The pooled (h2 or HTTP/1.1) and upgrade (HTTP/1.1, unpooled) clients for the apiserver at
+/// `scheme://authority` with `tls`, honouring the kube config's `tls_server_name` and `connect_timeout`.
 fn clients(
     config: &kube::Config,
+    scheme: &Scheme,
+    authority: &Authority,
     tls: rustls::ClientConfig,
     pool: &PoolOptions,
-) -> Result<(Pool<UpstreamClient>, UpstreamClient), UpstreamError> {
+) -> Result<(Pool<Conn>, LegacyClient), UpstreamError> {
     let server_name = match &config.tls_server_name {
         Some(name) => Some(
             ServerName::try_from(name.clone())
@@ -390,19 +399,38 @@ fn clients(
             timeout: connect_timeout,
         }
     };
-    let http2 = connector(true);
     // Every stream's window fits in the connection's: a response nobody reads (its user stopped reading, so its
     // tunnel stream is full) holds its own window and never the connection's, which other users' requests on
     // the same upstream connection need.
     let connection_window = upstream_connection_window(pool.streams_per_connection);
-    let pooled = Pool::new(pool.clone(), move || {
-        Client::builder(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .http2_initial_stream_window_size(UPSTREAM_STREAM_WINDOW)
-            .http2_initial_connection_window_size(connection_window)
-            .build(http2.clone())
+    let base = Uri::builder()
+        .scheme(scheme.clone())
+        .authority(authority.clone())
+        .path_and_query("/")
+        .build()
+        .map_err(|_| UpstreamError::InvalidUrl {
+            url: config.cluster_url.to_string(),
+            reason: "no usable scheme and host",
+        })?;
+    // An apiserver without HTTP/2: hyper-util's pooled HTTP/1.1 keep-alive connections, one client per slot.
+    let http1 = connector(false);
+    let settings = Arc::new(Settings::new(
+        base,
+        connector(true),
+        connect_timeout,
+        UPSTREAM_STREAM_WINDOW,
+        connection_window,
+        POOL_IDLE_TIMEOUT,
+        move || {
+            Client::builder(TokioExecutor::new())
+                .timer(TokioTimer::new())
+                .pool_timer(TokioTimer::new())
+                .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+                .build(http1.clone())
+        },
+    ));
+    let pooled = Pool::new(pool.clone(), move |open| {
+        Conn::new(settings.clone(), open.clone())
     });
     let upgrade = Client::builder(TokioExecutor::new())
         .timer(TokioTimer::new())
@@ -804,7 +832,11 @@ async fn forward(req: Request<ReqBody>, upstream: &Upstream) -> Forwarded {
         Some(lease) => send_pooled(lease, out)
             .await
             .map(|(resp, lease)| (resp, Some(lease))),
-        None => upgrading.request(out).await.map(|resp| (resp, None)),
+        None => upgrading
+            .request(out)
+            .await
+            .map(|resp| (resp, None))
+            .map_err(SendError::Legacy),
     };
     let (mut resp, lease) = match sent {
         Ok(sent) => sent,
@@ -852,44 +884,38 @@ async fn forward(req: Request<ReqBody>, upstream: &Upstream) -> Forwarded {
 ///
 /// The request runs in the caller's task while the caller waits (no task and channel per request: 12 % fewer
 /// instructions per small GET in the agent, docs/BENCHMARKS.md); only an abandoned one moves.
-async fn send_pooled(lease: Lease<UpstreamClient>, out: Request<ReqBody>) -> Sent {
-    let mut in_flight = InFlight {
-        request: Some(lease.client().request(out)),
-        lease: Some(lease),
-    };
-    let result = match in_flight.request.as_mut() {
+async fn send_pooled(lease: Lease<Conn>, out: Request<ReqBody>) -> Sent {
+    let mut in_flight = InFlight(Some(Box::pin(async move {
+        let result = lease.client().send(out).await;
+        (result, lease)
+    })));
+    let (result, lease) = match in_flight.0.as_mut() {
         Some(request) => request.await,
         None => unreachable!("set above"),
     };
-    in_flight.request = None;
-    let lease = in_flight.lease.take();
-    match (result, lease) {
-        (Ok(resp), Some(lease)) => Ok((resp, lease)),
-        (Err(e), _) => Err(e),
-        (Ok(_), None) => unreachable!("taken once, here"),
-    }
+    in_flight.0 = None;
+    result.map(|response| (response, lease))
 }
 
-/// What [`send_pooled`] gets back: the response head with the lease its body keeps, or the client's error.
-type Sent = Result<(Response<Incoming>, Lease<UpstreamClient>), hyper_util::client::legacy::Error>;
+/// What [`send_pooled`] gets back: the response head with the lease its body keeps, or why there is none.
+type Sent = Result<(Response<Incoming>, Lease<Conn>), SendError>;
 
-/// A pooled request waiting for its head, with its lease; dropped while waiting, it goes on in a task of its own
-/// until the head arrives or [`ABANDONED_HEAD_WAIT`] passes (see [`send_pooled`]).
-struct InFlight {
-    request: Option<hyper_util::client::legacy::ResponseFuture>,
-    lease: Option<Lease<UpstreamClient>>,
-}
+/// A pooled request waiting for its head, owning its lease; dropped while waiting, it goes on in a task of its
+/// own until the head arrives or [`ABANDONED_HEAD_WAIT`] passes (see [`send_pooled`]).
+struct InFlight(Option<Pin<Box<dyn Future<Output = Answered> + Send>>>);
+
+/// A pooled request's answer (or error), with the lease it held.
+type Answered = (Result<Response<Incoming>, SendError>, Lease<Conn>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let (Some(request), lease) = (self.request.take(), self.lease.take()) else {
+        let Some(request) = self.0.take() else {
             return;
         };
         // Without a runtime (it is shutting down) there is nobody left to wait: the request goes.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
                 let _ = tokio::time::timeout(ABANDONED_HEAD_WAIT, request).await;
-                drop(lease);
             });
         }
     }
@@ -1030,7 +1056,7 @@ fn forwarded_headers(mut headers: HeaderMap, upgrade: bool) -> HeaderMap {
     headers
 }
 
-fn upstream_error(e: &hyper_util::client::legacy::Error, base: &str) -> Response<ResponseBody> {
+fn upstream_error(e: &SendError, base: &str) -> Response<ResponseBody> {
     if chain_has::<ConnectTimedOut>(e) {
         tracing::warn!(apiserver = base, "apiserver connect timed out");
         return status_response(
@@ -1082,44 +1108,6 @@ pub(crate) fn status_response(
         HeaderValue::from_static("application/json"),
     );
     response
-}
-
-/// Marks a connect attempt that ran out of time, so the caller can answer 504 instead of 502.
-#[derive(Debug, thiserror::Error)]
-#[error("connecting to the apiserver timed out after {0:?}")]
-struct ConnectTimedOut(Duration);
-
-/// Bounds the whole connect (TCP and TLS handshake) with one timeout.
-#[derive(Clone)]
-struct TimeoutConnector<C> {
-    inner: C,
-    timeout: Duration,
-}
-
-impl<C> tower::Service<Uri> for TimeoutConnector<C>
-where
-    C: tower::Service<Uri> + Send + 'static,
-    C::Future: Send + 'static,
-    C::Error: Into<BoxError>,
-{
-    type Response = C::Response;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<C::Response, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, dst: Uri) -> Self::Future {
-        let timeout = self.timeout;
-        let connecting = self.inner.call(dst);
-        Box::pin(async move {
-            match tokio::time::timeout(timeout, connecting).await {
-                Ok(result) => result.map_err(Into::into),
-                Err(_) => Err(Box::new(ConnectTimedOut(timeout)) as BoxError),
-            }
-        })
-    }
 }
 
 #[cfg(test)]

@@ -49,6 +49,7 @@ pub mod state_secret;
 mod store;
 mod supervisor;
 mod tunnel;
+mod upstream;
 
 pub use agent::run;
 pub use config::{Config, ConfigError, EntraConfig, GuardConfig, MAX_TUNNELS, TransportMode};

@@ -2,8 +2,8 @@
 //!
 //! A single pooled HTTP/2 connection serves at most the apiserver's `SETTINGS_MAX_CONCURRENT_STREAMS` requests
 //! at once (kube-apiserver: 100); past that, requests would wait in the client's queue without any deadline. So
-//! the agent keeps several clients, each holding one HTTP/2 connection (hyper-util's pool keeps one per host),
-//! and counts the requests open on each (a request stays open until its response body is finished or dropped):
+//! the agent keeps several slots, each holding one HTTP/2 connection ([`crate::upstream`]), and counts the
+//! requests open on each (a request stays open until its response body is finished or dropped):
 //!
 //! - a request goes to the first connection with fewer than `--upstream-streams-per-connection` open (default
 //!   100, kube-apiserver's default; set it to what the apiserver advertises when that is lower — hyper does not
@@ -13,7 +13,8 @@
 //! - at most `--upstream-max-connections` connections in all (one always left for short requests); past that a
 //!   request waits up to `--upstream-queue-timeout` for a free stream, then gets a Kubernetes `Status` 503 with
 //!   `Retry-After`;
-//! - an idle connection is closed by its client after the pool's idle timeout, extra ones included.
+//! - a connection with no request open for the idle timeout is closed, extra ones included; its slot stays and
+//!   connects again when next used.
 //!
 //! A request whose tunnel stream goes away while it waits is dropped with its stream, before it is sent.
 //! One already sent on a pooled connection waits for its response head before it is cancelled
@@ -78,7 +79,7 @@ pub(crate) fn is_long_running(method: &Method, uri: &Uri) -> bool {
 /// One client (one HTTP/2 connection) and the requests open on it.
 struct Slot<C> {
     client: C,
-    open: AtomicUsize,
+    open: Arc<AtomicUsize>,
 }
 
 struct Sets<C> {
@@ -86,9 +87,12 @@ struct Sets<C> {
     long: Vec<Arc<Slot<C>>>,
 }
 
+/// Makes a client, given the count of requests open on it.
+type MakeClient<C> = Box<dyn Fn(&Arc<AtomicUsize>) -> C + Send + Sync>;
+
 /// Clients made on demand by `make`, bounded and counted as the module docs say.
 pub(crate) struct Pool<C> {
-    make: Box<dyn Fn() -> C + Send + Sync>,
+    make: MakeClient<C>,
     sets: Mutex<Sets<C>>,
     freed: Arc<Notify>,
     options: PoolOptions,
@@ -139,7 +143,10 @@ impl std::ops::Add for Usage {
 pub(crate) struct Busy;
 
 impl<C> Pool<C> {
-    pub(crate) fn new(options: PoolOptions, make: impl Fn() -> C + Send + Sync + 'static) -> Self {
+    pub(crate) fn new(
+        options: PoolOptions,
+        make: impl Fn(&Arc<AtomicUsize>) -> C + Send + Sync + 'static,
+    ) -> Self {
         Self {
             make: Box::new(make),
             sets: Mutex::new(Sets {
@@ -196,9 +203,10 @@ impl<C> Pool<C> {
                 if !room {
                     return None;
                 }
+                let open = Arc::new(AtomicUsize::new(1));
                 let slot = Arc::new(Slot {
-                    client: (self.make)(),
-                    open: AtomicUsize::new(1),
+                    client: (self.make)(&open),
+                    open,
                 });
                 set.push(slot.clone());
                 slot
@@ -283,7 +291,7 @@ mod tests {
                 max_connections: max,
                 queue_timeout: Duration::from_millis(50),
             },
-            move || made.fetch_add(1, Ordering::SeqCst),
+            move |_| made.fetch_add(1, Ordering::SeqCst),
         )
     }
 

@@ -1,0 +1,610 @@
+//! One pooled connection to the apiserver ([`crate::pool`] keeps several).
+//!
+//! When the apiserver speaks HTTP/2 (ALPN `h2`, as kube-apiserver does over TLS), a slot is one hyper HTTP/2
+//! client connection used directly: a request is handed to its `SendRequest` under a lock, with no pool checkout
+//! keyed by host, no boxed lazy connect and no URI rewriting in front of it, which hyper-util's legacy client
+//! did for every request (docs/BENCHMARKS.md, seventh pass). An apiserver that speaks only HTTP/1.1, or an
+//! `http://` URL, gets hyper-util's client instead, whose keep-alive connections carry one request at a time.
+//!
+//! The HTTP/2 connection is made by the first request (one connect at a time: requests arriving meanwhile wait
+//! for it and share it), made again by the next request once it has closed (GOAWAY, an error, the apiserver
+//! restarting), and closed after [`Settings::idle`] with no request open on it. A request the connection closed
+//! before it was sent is sent once more on a new connection, as hyper-util's client does.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{Request, Response, Uri};
+use hyper::body::Incoming;
+use hyper::client::conn::http2;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::{Connection as _, HttpConnector};
+use hyper_util::rt::TokioTimer;
+use tower::ServiceExt as _;
+
+use crate::forward::ReqBody;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The TCP + TLS connector to the apiserver, bounded by the connect timeout.
+pub(crate) type Connector = TimeoutConnector<HttpsConnector<HttpConnector>>;
+
+/// hyper-util's pooled client: the HTTP/1.1 fallback, and the upgrade client.
+pub(crate) type LegacyClient = Client<Connector, ReqBody>;
+
+/// What a pool's connections share: where and how to connect, and what the apiserver was found to speak.
+pub(crate) struct Settings {
+    /// `scheme://authority` of the apiserver: what the connector dials.
+    pub(crate) base: Uri,
+    /// TCP and TLS, ALPN `h2` and `http/1.1` offered.
+    pub(crate) connector: Connector,
+    /// Bounds the HTTP/2 handshake after the connector's own timeout.
+    pub(crate) connect_timeout: Duration,
+    /// HTTP/2 receive window of each stream.
+    pub(crate) stream_window: u32,
+    /// HTTP/2 receive window of the whole connection.
+    pub(crate) connection_window: u32,
+    /// A connection with no request open for this long is closed.
+    pub(crate) idle: Duration,
+    /// Builds the HTTP/1.1 client of a slot, when the apiserver turns out not to speak HTTP/2.
+    pub(crate) legacy: Box<dyn Fn() -> LegacyClient + Send + Sync>,
+    /// [`PROTOCOL_UNKNOWN`], [`PROTOCOL_H2`] or [`PROTOCOL_HTTP1`]: learnt by the first connect.
+    protocol: AtomicU8,
+    /// Numbers the HTTP/2 connections made, for the logs.
+    made: AtomicU64,
+}
+
+const PROTOCOL_UNKNOWN: u8 = 0;
+const PROTOCOL_H2: u8 = 1;
+const PROTOCOL_HTTP1: u8 = 2;
+
+impl Settings {
+    /// Settings for `base`; an `http://` apiserver is spoken to in HTTP/1.1 from the start (no prior-knowledge
+    /// HTTP/2 without TLS, as hyper-util's client does).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        base: Uri,
+        connector: Connector,
+        connect_timeout: Duration,
+        stream_window: u32,
+        connection_window: u32,
+        idle: Duration,
+        legacy: impl Fn() -> LegacyClient + Send + Sync + 'static,
+    ) -> Self {
+        let protocol = if base.scheme() == Some(&http::uri::Scheme::HTTPS) {
+            PROTOCOL_UNKNOWN
+        } else {
+            PROTOCOL_HTTP1
+        };
+        Self {
+            base,
+            connector,
+            connect_timeout,
+            stream_window,
+            connection_window,
+            idle,
+            legacy: Box::new(legacy),
+            protocol: AtomicU8::new(protocol),
+            made: AtomicU64::new(0),
+        }
+    }
+
+    fn speaks_http1(&self) -> bool {
+        self.protocol.load(Ordering::Acquire) == PROTOCOL_HTTP1
+    }
+}
+
+/// Why a request could not be sent upstream or got no response head.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SendError {
+    /// TCP, TLS or the HTTP/2 handshake failed (or timed out: [`ConnectTimedOut`] in the chain).
+    #[error("cannot connect: {0}")]
+    Connect(#[source] BoxError),
+    /// The HTTP/2 connection failed the request.
+    #[error(transparent)]
+    Request(hyper::Error),
+    /// hyper-util's client (HTTP/1.1) failed the request.
+    #[error(transparent)]
+    Legacy(hyper_util::client::legacy::Error),
+}
+
+impl SendError {
+    /// Whether no connection to the apiserver could be made.
+    pub(crate) fn is_connect(&self) -> bool {
+        match self {
+            SendError::Connect(_) => true,
+            SendError::Request(_) => false,
+            SendError::Legacy(e) => e.is_connect(),
+        }
+    }
+}
+
+/// One slot of the pool: an HTTP/2 connection made on demand, or hyper-util's HTTP/1.1 client.
+pub(crate) struct Conn {
+    settings: Arc<Settings>,
+    /// The pool's count of requests open on this slot (a request stays open until its body is done).
+    open: Arc<AtomicUsize>,
+    state: Arc<State>,
+}
+
+struct State {
+    /// The live HTTP/2 connection's sender, if any.
+    sender: Mutex<Option<Live>>,
+    /// Held while connecting, so concurrent requests make one connection.
+    connecting: tokio::sync::Mutex<()>,
+    /// Requests sent on this slot so far (the idle check's clock).
+    sent: AtomicU64,
+    /// This slot's HTTP/1.1 client, built when first needed.
+    legacy: OnceLock<LegacyClient>,
+}
+
+struct Live {
+    send: http2::SendRequest<ReqBody>,
+    /// Which connection this is ([`Settings::made`]).
+    id: u64,
+}
+
+impl Conn {
+    /// A slot that has not connected yet; `open` is the pool's count of requests open on it.
+    pub(crate) fn new(settings: Arc<Settings>, open: Arc<AtomicUsize>) -> Self {
+        Self {
+            settings,
+            open,
+            state: Arc::new(State {
+                sender: Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(()),
+                sent: AtomicU64::new(0),
+                legacy: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// Sends `req` (an absolute URI naming the apiserver) and waits for the response head.
+    pub(crate) async fn send(
+        &self,
+        mut req: Request<ReqBody>,
+    ) -> Result<Response<Incoming>, SendError> {
+        if self.settings.speaks_http1() {
+            return Box::pin(self.send_http1(req)).await;
+        }
+        let mut fresh = false;
+        loop {
+            // Handed to the live connection under the lock, awaited after it (the future owns what it needs).
+            let sending = {
+                let mut sender = self.state.sender.lock().unwrap_or_else(|p| p.into_inner());
+                match sender.as_mut() {
+                    Some(live) if !live.send.is_closed() => {
+                        self.state.sent.fetch_add(1, Ordering::Relaxed);
+                        Ok((live.send.try_send_request(req), live.id))
+                    }
+                    _ => Err(req),
+                }
+            };
+            let (response, id) = match sending {
+                Ok(sent) => sent,
+                Err(back) => {
+                    req = back;
+                    // Boxed: connecting is rare, and its state (connector, TLS and HTTP/2 handshakes) would
+                    // otherwise make every request's future, which is moved around, that much larger.
+                    if !Box::pin(self.connect()).await? {
+                        return Box::pin(self.send_http1(req)).await;
+                    }
+                    fresh = true;
+                    continue;
+                }
+            };
+            match response.await {
+                Ok(response) => return Ok(response),
+                Err(mut e) => {
+                    let unsent = e.take_message();
+                    self.forget_if_closed(id);
+                    match unsent {
+                        // The connection went away before it took the request: once more, on a new one, unless
+                        // the connection was new already.
+                        Some(back) if !fresh => {
+                            tracing::debug!(error = %e.error(), "upstream connection closed before a request was sent; sending it again");
+                            req = back;
+                            fresh = true;
+                        }
+                        _ => return Err(SendError::Request(e.into_error())),
+                    }
+                }
+            }
+        }
+    }
+
+    async fn send_http1(&self, req: Request<ReqBody>) -> Result<Response<Incoming>, SendError> {
+        self.state.sent.fetch_add(1, Ordering::Relaxed);
+        let client = self.state.legacy.get_or_init(|| (self.settings.legacy)());
+        client.request(req).await.map_err(SendError::Legacy)
+    }
+
+    /// Drops connection `id` if it has closed, so the next request makes a new one.
+    fn forget_if_closed(&self, id: u64) {
+        let mut sender = self.state.sender.lock().unwrap_or_else(|p| p.into_inner());
+        if sender
+            .as_ref()
+            .is_some_and(|live| live.id == id && live.send.is_closed())
+        {
+            *sender = None;
+        }
+    }
+
+    /// Makes the HTTP/2 connection unless another request did meanwhile. `Ok(false)`: the apiserver does not
+    /// speak HTTP/2 (use the HTTP/1.1 client).
+    async fn connect(&self) -> Result<bool, SendError> {
+        let _one_at_a_time = self.state.connecting.lock().await;
+        if self.settings.speaks_http1() {
+            return Ok(false);
+        }
+        if self
+            .state
+            .sender
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|live| !live.send.is_closed())
+        {
+            return Ok(true);
+        }
+        let settings = &self.settings;
+        let io = settings
+            .connector
+            .clone()
+            .oneshot(settings.base.clone())
+            .await
+            .map_err(SendError::Connect)?;
+        if !io.connected().is_negotiated_h2() {
+            if settings.protocol.swap(PROTOCOL_HTTP1, Ordering::AcqRel) != PROTOCOL_HTTP1 {
+                tracing::info!(apiserver = %settings.base, "the apiserver did not offer HTTP/2; using HTTP/1.1 keep-alive connections");
+            }
+            return Ok(false);
+        }
+        settings.protocol.store(PROTOCOL_H2, Ordering::Release);
+        let handshake = http2::Builder::new(Boxed)
+            .timer(TokioTimer::new())
+            .initial_stream_window_size(settings.stream_window)
+            .initial_connection_window_size(settings.connection_window)
+            .handshake(io);
+        let (send, connection) =
+            match tokio::time::timeout(settings.connect_timeout, handshake).await {
+                Ok(Ok(made)) => made,
+                Ok(Err(e)) => return Err(SendError::Connect(e.into())),
+                Err(_) => {
+                    return Err(SendError::Connect(Box::new(ConnectTimedOut(
+                        settings.connect_timeout,
+                    ))));
+                }
+            };
+        let id = settings.made.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(apiserver = %settings.base, connection = id, "HTTP/2 connection to the apiserver made");
+        tokio::spawn(drive(
+            connection,
+            Arc::downgrade(&self.state),
+            self.open.clone(),
+            id,
+            settings.idle,
+        ));
+        *self.state.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(Live { send, id });
+        Ok(true)
+    }
+}
+
+/// Quiet checks in a row (one every quarter of the idle timeout) after which a connection is closed: the first
+/// finds it quiet, four more span the timeout.
+const QUIET_CHECKS: u32 = 5;
+
+/// Runs HTTP/2 connection `id` until it closes, the slot is gone, or no request was open on it for `idle`.
+async fn drive<IO>(
+    connection: http2::Connection<IO, ReqBody, Boxed>,
+    state: Weak<State>,
+    open: Arc<AtomicUsize>,
+    id: u64,
+    idle: Duration,
+) where
+    IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    tokio::pin!(connection);
+    let check = idle / (QUIET_CHECKS - 1);
+    let mut quiet = 0;
+    let mut sent_before = None;
+    let closed = loop {
+        tokio::select! {
+            result = &mut connection => {
+                if let Err(e) = result {
+                    tracing::debug!(connection = id, error = %e, "HTTP/2 connection to the apiserver ended");
+                }
+                break true;
+            }
+            () = tokio::time::sleep(check) => {
+                let Some(state) = state.upgrade() else { break false };
+                let mut sender = state.sender.lock().unwrap_or_else(|p| p.into_inner());
+                let sent = state.sent.load(Ordering::Relaxed);
+                if open.load(Ordering::Acquire) == 0 && sent_before == Some(sent) {
+                    quiet += 1;
+                } else {
+                    quiet = u32::from(open.load(Ordering::Acquire) == 0);
+                }
+                sent_before = Some(sent);
+                if quiet >= QUIET_CHECKS {
+                    if sender.as_ref().is_some_and(|live| live.id == id) {
+                        *sender = None;
+                    }
+                    tracing::debug!(connection = id, "closing an idle HTTP/2 connection to the apiserver");
+                    break false;
+                }
+            }
+        }
+    };
+    if closed && let Some(state) = state.upgrade() {
+        let mut sender = state.sender.lock().unwrap_or_else(|p| p.into_inner());
+        if sender.as_ref().is_some_and(|live| live.id == id) {
+            *sender = None;
+        }
+    }
+}
+
+/// Spawns what hyper's HTTP/2 connection hands it (a task per request, for the response) boxed: a task
+/// holding a box is small, so creating and finishing it moves a pointer instead of the whole future (as
+/// hyper-util's client did; callgrind counted ~1.9k instructions per small GET for the two moves unboxed).
+#[derive(Clone, Copy)]
+struct Boxed;
+
+impl<F> hyper::rt::Executor<F> for Boxed
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, future: F) {
+        tokio::spawn(Box::pin(future));
+    }
+}
+
+/// Marks a connect attempt that ran out of time, so the caller can answer 504 instead of 502.
+#[derive(Debug, thiserror::Error)]
+#[error("connecting to the apiserver timed out after {0:?}")]
+pub(crate) struct ConnectTimedOut(pub(crate) Duration);
+
+/// Bounds the whole connect (TCP and TLS handshake) with one timeout.
+#[derive(Clone)]
+pub(crate) struct TimeoutConnector<C> {
+    pub(crate) inner: C,
+    pub(crate) timeout: Duration,
+}
+
+impl<C> tower::Service<Uri> for TimeoutConnector<C>
+where
+    C: tower::Service<Uri> + Send + 'static,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, dst: Uri) -> Self::Future {
+        let timeout = self.timeout;
+        let connecting = self.inner.call(dst);
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, connecting).await {
+                Ok(result) => result.map_err(Into::into),
+                Err(_) => Err(Box::new(ConnectTimedOut(timeout)) as BoxError),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use anyhow::{Context as _, Result, bail};
+    use http_body_util::BodyExt as _;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tether_testkit::certs::{self, Ca};
+    use tokio::net::TcpListener;
+    use tokio::sync::Notify;
+
+    use super::*;
+
+    /// A TLS server offering `alpn` that answers every request with its HTTP version, counting connections
+    /// accepted and open; `kill` drops every open connection.
+    struct Server {
+        base: Uri,
+        ca_pem: String,
+        accepted: Arc<AtomicUsize>,
+        live: Arc<AtomicUsize>,
+        kill: Arc<Notify>,
+    }
+
+    impl Server {
+        async fn start(alpn: &[&[u8]]) -> Result<Server> {
+            let ca = Ca::new("upstream test CA")?;
+            let served = ca.issue_server(&["127.0.0.1".to_string()])?;
+            let mut config =
+                (*certs::server_config(vec![served.cert_der()], served.key_der())?).clone();
+            config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+            let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+            let listener = TcpListener::bind("127.0.0.1:0").await?;
+            let addr = listener.local_addr()?;
+            let (accepted, live, kill) = (
+                Arc::new(AtomicUsize::new(0)),
+                Arc::new(AtomicUsize::new(0)),
+                Arc::new(Notify::new()),
+            );
+            tokio::spawn({
+                let (accepted, live, kill) = (accepted.clone(), live.clone(), kill.clone());
+                async move {
+                    while let Ok((tcp, _)) = listener.accept().await {
+                        accepted.fetch_add(1, Ordering::SeqCst);
+                        live.fetch_add(1, Ordering::SeqCst);
+                        let (acceptor, live, kill) = (acceptor.clone(), live.clone(), kill.clone());
+                        tokio::spawn(async move {
+                            let killed = kill.notified();
+                            tokio::pin!(killed);
+                            killed.as_mut().enable();
+                            if let Ok(tls) = acceptor.accept(tcp).await {
+                                let service = hyper::service::service_fn(
+                                    |req: Request<Incoming>| async move {
+                                        let version = format!("{:?}", req.version());
+                                        Ok::<_, std::convert::Infallible>(Response::new(
+                                            http_body_util::Full::new(bytes::Bytes::from(version)),
+                                        ))
+                                    },
+                                );
+                                let builder = hyper_util::server::conn::auto::Builder::new(
+                                    TokioExecutor::new(),
+                                );
+                                tokio::select! {
+                                    _ = builder.serve_connection(TokioIo::new(tls), service) => {}
+                                    () = killed => {}
+                                }
+                            }
+                            live.fetch_sub(1, Ordering::SeqCst);
+                        });
+                    }
+                }
+            });
+            Ok(Server {
+                base: format!("https://{addr}/").parse()?,
+                ca_pem: ca.cert_pem().to_string(),
+                accepted,
+                live,
+                kill,
+            })
+        }
+
+        fn settings(&self, idle: Duration) -> Result<Arc<Settings>> {
+            let tls = (*certs::client_config(self.ca_pem.as_bytes(), &[])?).clone();
+            let connector = |http2: bool| {
+                let builder = hyper_rustls::HttpsConnectorBuilder::new()
+                    .with_tls_config(tls.clone())
+                    .https_or_http();
+                let mut http = HttpConnector::new();
+                http.enforce_http(false);
+                TimeoutConnector {
+                    inner: if http2 {
+                        builder.enable_http1().enable_http2().wrap_connector(http)
+                    } else {
+                        builder.enable_http1().wrap_connector(http)
+                    },
+                    timeout: Duration::from_secs(5),
+                }
+            };
+            let http1 = connector(false);
+            Ok(Arc::new(Settings::new(
+                self.base.clone(),
+                connector(true),
+                Duration::from_secs(5),
+                256 * 1024,
+                1024 * 1024,
+                idle,
+                move || Client::builder(TokioExecutor::new()).build(http1.clone()),
+            )))
+        }
+
+        async fn until_closed(&self) -> Result<()> {
+            tokio::time::timeout(Duration::from_secs(20), async {
+                while self.live.load(Ordering::SeqCst) > 0 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+            .await
+            .context("the server's connections stay open")
+        }
+    }
+
+    /// The version the server saw, read from the body of a GET sent on `conn`.
+    async fn get(conn: &Conn, server: &Server) -> Result<String> {
+        let req = Request::get(format!("{}x", server.base)).body(ReqBody::Empty)?;
+        let response = conn.send(req).await?;
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok(String::from_utf8(body.to_vec())?)
+    }
+
+    #[tokio::test]
+    async fn requests_share_one_http2_connection_and_a_closed_one_is_made_again() -> Result<()> {
+        let server = Server::start(&[b"h2", b"http/1.1"]).await?;
+        let conn = Arc::new(Conn::new(
+            server.settings(Duration::from_secs(90))?,
+            Arc::default(),
+        ));
+        assert_eq!(get(&conn, &server).await?, "HTTP/2.0");
+        let together = (0..16).map(|_| {
+            let conn = conn.clone();
+            let base = server.base.clone();
+            tokio::spawn(async move {
+                let req = Request::get(format!("{base}y")).body(ReqBody::Empty)?;
+                conn.send(req).await?.into_body().collect().await?;
+                anyhow::Ok(())
+            })
+        });
+        for done in futures_util::future::join_all(together).await {
+            done??;
+        }
+        assert_eq!(server.accepted.load(Ordering::SeqCst), 1);
+
+        server.kill.notify_waiters();
+        server.until_closed().await?;
+        assert_eq!(get(&conn, &server).await?, "HTTP/2.0");
+        assert_eq!(server.accepted.load(Ordering::SeqCst), 2);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_connection_is_closed_once_idle_and_never_while_a_request_is_open() -> Result<()> {
+        let server = Server::start(&[b"h2"]).await?;
+        let open = Arc::new(AtomicUsize::new(1));
+        let conn = Conn::new(server.settings(Duration::from_millis(200))?, open.clone());
+        get(&conn, &server).await?;
+        // A request still open (its body not finished): the connection stays through many idle periods.
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        assert_eq!(server.live.load(Ordering::SeqCst), 1);
+        open.store(0, Ordering::SeqCst);
+        server.until_closed().await?;
+        assert_eq!(get(&conn, &server).await?, "HTTP/2.0");
+        assert_eq!(server.accepted.load(Ordering::SeqCst), 2);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn an_apiserver_without_http2_is_spoken_to_in_http1() -> Result<()> {
+        let server = Server::start(&[b"http/1.1"]).await?;
+        let settings = server.settings(Duration::from_secs(90))?;
+        let conn = Conn::new(settings.clone(), Arc::default());
+        assert_eq!(get(&conn, &server).await?, "HTTP/1.1");
+        assert!(settings.speaks_http1());
+        // Another slot of the same pool goes straight to HTTP/1.1 (no probing connection of its own).
+        let accepted = server.accepted.load(Ordering::SeqCst);
+        let other = Conn::new(settings, Arc::default());
+        assert_eq!(get(&other, &server).await?, "HTTP/1.1");
+        assert_eq!(server.accepted.load(Ordering::SeqCst), accepted + 1);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_refused_connect_is_a_connect_error() -> Result<()> {
+        let server = Server::start(&[b"h2"]).await?;
+        let unused = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = unused.local_addr()?;
+        drop(unused);
+        let mut settings = server.settings(Duration::from_secs(90))?;
+        let Some(settings_mut) = Arc::get_mut(&mut settings) else {
+            bail!("settings are shared");
+        };
+        settings_mut.base = format!("https://{addr}/").parse()?;
+        let conn = Conn::new(settings, Arc::default());
+        let req = Request::get(format!("https://{addr}/x")).body(ReqBody::Empty)?;
+        match conn.send(req).await {
+            Err(e) => assert!(e.is_connect(), "{e}"),
+            Ok(response) => bail!("answered {}", response.status()),
+        }
+        Ok(())
+    }
+}
