@@ -253,15 +253,17 @@ impl Upstream {
         {
             return Err(TargetError::OtherHost);
         }
-        let path_and_query = request_uri
-            .path_and_query()
-            .map(PathAndQuery::as_str)
-            .unwrap_or("/");
-        if !path_and_query.starts_with('/') {
+        let given = request_uri.path_and_query();
+        let path = given.map(PathAndQuery::as_str).unwrap_or("/");
+        if !path.starts_with('/') {
             return Err(TargetError::NotAPath);
         }
-        let joined = format!("{}{}", self.inner.base_path, path_and_query);
-        let path_and_query = PathAndQuery::try_from(joined).map_err(|_| TargetError::NotAPath)?;
+        let path_and_query = match given {
+            // Parsed already: used as it is (a clone shares its bytes).
+            Some(given) if self.inner.base_path.is_empty() => given.clone(),
+            _ => PathAndQuery::try_from(format!("{}{}", self.inner.base_path, path))
+                .map_err(|_| TargetError::NotAPath)?,
+        };
         Uri::builder()
             .scheme(self.inner.scheme.clone())
             .authority(self.inner.authority.clone())
@@ -1011,7 +1013,7 @@ fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &str> {
 }
 
 /// Headers that describe one hop, not the message (RFC 9110 §7.6.1), plus the legacy ones proxies drop.
-const HOP_BY_HOP: [HeaderName; 8] = [
+static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),

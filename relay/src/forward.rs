@@ -25,7 +25,7 @@ use crate::ends;
 use crate::spdy;
 
 /// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1, plus the legacy proxy ones).
-const HOP_BY_HOP: [HeaderName; 8] = [
+static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),

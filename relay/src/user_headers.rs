@@ -21,7 +21,7 @@ pub(crate) const MAX_TOKEN_BYTES: usize = 16 * 1024;
 
 /// Headers that describe one hop (RFC 9110 §7.6.1, plus the legacy proxy ones); `Connection` and `Upgrade`
 /// are handled apart.
-const HOP_BY_HOP: [HeaderName; 6] = [
+static HOP_BY_HOP: [HeaderName; 6] = [
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
     header::PROXY_AUTHENTICATE,
@@ -34,7 +34,8 @@ const HOP_BY_HOP: [HeaderName; 6] = [
 const IDENTITY_PREFIXES: [&str; 2] = ["x-remote-", "x-forwarded-"];
 
 /// Single identity headers a user must not send.
-const IDENTITY_HEADERS: [HeaderName; 2] = [header::FORWARDED, HeaderName::from_static("x-real-ip")];
+static IDENTITY_HEADERS: [HeaderName; 2] =
+    [header::FORWARDED, HeaderName::from_static("x-real-ip")];
 
 /// Removes hop-by-hop and forged identity headers from a user request and adds `X-Forwarded-For: PEER`.
 /// Keeps `Connection: upgrade` with `Upgrade` when the request asks to upgrade (the forwarder needs them), and
