@@ -1077,7 +1077,7 @@ fn upstream_error(e: &SendError, base: &str) -> Response<ResponseBody> {
     status_response(StatusCode::BAD_GATEWAY, "InternalError", &message)
 }
 
-fn chain_has<T: StdError + 'static>(e: &(dyn StdError + 'static)) -> bool {
+pub(crate) fn chain_has<T: StdError + 'static>(e: &(dyn StdError + 'static)) -> bool {
     let mut cur = Some(e);
     while let Some(err) = cur {
         if err.is::<T>() {

@@ -138,6 +138,9 @@ struct State {
     connecting: tokio::sync::Mutex<()>,
     /// Requests sent on this slot so far (the idle check's clock).
     sent: AtomicU64,
+    /// Connect attempts finished, and why the last one failed (`None`: it succeeded).
+    attempts: AtomicU64,
+    last_failure: Mutex<Option<Arc<dyn std::error::Error + Send + Sync>>>,
     /// This slot's HTTP/1.1 client, built when first needed.
     legacy: OnceLock<LegacyClient>,
 }
@@ -158,6 +161,8 @@ impl Conn {
                 sender: Mutex::new(None),
                 connecting: tokio::sync::Mutex::new(()),
                 sent: AtomicU64::new(0),
+                attempts: AtomicU64::new(0),
+                last_failure: Mutex::new(None),
                 legacy: OnceLock::new(),
             }),
         }
@@ -235,8 +240,10 @@ impl Conn {
     }
 
     /// Makes the HTTP/2 connection unless another request did meanwhile. `Ok(false)`: the apiserver does not
-    /// speak HTTP/2 (use the HTTP/1.1 client).
+    /// speak HTTP/2 (use the HTTP/1.1 client). Requests that waited for a connect that failed get its error
+    /// instead of each trying (and timing out) in turn.
     async fn connect(&self) -> Result<bool, SendError> {
+        let attempts = self.state.attempts.load(Ordering::Acquire);
         let _one_at_a_time = self.state.connecting.lock().await;
         if self.settings.speaks_http1() {
             return Ok(false);
@@ -251,13 +258,36 @@ impl Conn {
         {
             return Ok(true);
         }
+        if self.state.attempts.load(Ordering::Acquire) != attempts
+            && let Some(failure) = self
+                .state
+                .last_failure
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+        {
+            return Err(SendError::Connect(Box::new(Shared(failure))));
+        }
+        let made = self.make().await;
+        let failure = made.as_ref().err().cloned();
+        *self
+            .state
+            .last_failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = failure;
+        self.state.attempts.fetch_add(1, Ordering::Release);
+        made.map_err(|failure| SendError::Connect(Box::new(Shared(failure))))
+    }
+
+    /// One connect: TCP, TLS, and the HTTP/2 handshake when ALPN chose `h2` (`Ok(false)` when it did not).
+    async fn make(&self) -> Result<bool, Arc<dyn std::error::Error + Send + Sync>> {
         let settings = &self.settings;
         let io = settings
             .connector
             .clone()
             .oneshot(settings.base.clone())
             .await
-            .map_err(SendError::Connect)?;
+            .map_err(Arc::from)?;
         if !io.connected().is_negotiated_h2() {
             if settings.protocol.swap(PROTOCOL_HTTP1, Ordering::AcqRel) != PROTOCOL_HTTP1 {
                 tracing::info!(apiserver = %settings.base, "the apiserver did not offer HTTP/2; using HTTP/1.1 keep-alive connections");
@@ -273,12 +303,8 @@ impl Conn {
         let (send, connection) =
             match tokio::time::timeout(settings.connect_timeout, handshake).await {
                 Ok(Ok(made)) => made,
-                Ok(Err(e)) => return Err(SendError::Connect(e.into())),
-                Err(_) => {
-                    return Err(SendError::Connect(Box::new(ConnectTimedOut(
-                        settings.connect_timeout,
-                    ))));
-                }
+                Ok(Err(e)) => return Err(Arc::new(e)),
+                Err(_) => return Err(Arc::new(ConnectTimedOut(settings.connect_timeout))),
             };
         let id = settings.made.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(apiserver = %settings.base, connection = id, "HTTP/2 connection to the apiserver made");
@@ -291,6 +317,23 @@ impl Conn {
         ));
         *self.state.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(Live { send, id });
         Ok(true)
+    }
+}
+
+/// A connect failure, shared by the requests that waited for that connect: shows as the failure itself, whose
+/// causes (a [`ConnectTimedOut`] among them) stay in the chain.
+#[derive(Debug)]
+struct Shared(Arc<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for Shared {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
     }
 }
 
@@ -481,32 +524,7 @@ mod tests {
         }
 
         fn settings(&self, idle: Duration) -> Result<Arc<Settings>> {
-            let tls = (*certs::client_config(self.ca_pem.as_bytes(), &[])?).clone();
-            let connector = |http2: bool| {
-                let builder = hyper_rustls::HttpsConnectorBuilder::new()
-                    .with_tls_config(tls.clone())
-                    .https_or_http();
-                let mut http = HttpConnector::new();
-                http.enforce_http(false);
-                TimeoutConnector {
-                    inner: if http2 {
-                        builder.enable_http1().enable_http2().wrap_connector(http)
-                    } else {
-                        builder.enable_http1().wrap_connector(http)
-                    },
-                    timeout: Duration::from_secs(5),
-                }
-            };
-            let http1 = connector(false);
-            Ok(Arc::new(Settings::new(
-                self.base.clone(),
-                connector(true),
-                Duration::from_secs(5),
-                256 * 1024,
-                1024 * 1024,
-                idle,
-                move || Client::builder(TokioExecutor::new()).build(http1.clone()),
-            )))
+            settings_for(&self.base, &self.ca_pem, idle, Duration::from_secs(5))
         }
 
         async fn until_closed(&self) -> Result<()> {
@@ -518,6 +536,41 @@ mod tests {
             .await
             .context("the server's connections stay open")
         }
+    }
+
+    /// Settings for a pool of connections to `base`, trusting `ca_pem`.
+    fn settings_for(
+        base: &Uri,
+        ca_pem: &str,
+        idle: Duration,
+        connect_timeout: Duration,
+    ) -> Result<Arc<Settings>> {
+        let tls = (*certs::client_config(ca_pem.as_bytes(), &[])?).clone();
+        let connector = |http2: bool| {
+            let builder = hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config(tls.clone())
+                .https_or_http();
+            let mut http = HttpConnector::new();
+            http.enforce_http(false);
+            TimeoutConnector {
+                inner: if http2 {
+                    builder.enable_http1().enable_http2().wrap_connector(http)
+                } else {
+                    builder.enable_http1().wrap_connector(http)
+                },
+                timeout: connect_timeout,
+            }
+        };
+        let http1 = connector(false);
+        Ok(Arc::new(Settings::new(
+            base.clone(),
+            connector(true),
+            connect_timeout,
+            256 * 1024,
+            1024 * 1024,
+            idle,
+            move || Client::builder(TokioExecutor::new()).build(http1.clone()),
+        )))
     }
 
     /// The version the server saw, read from the body of a GET sent on `conn`.
@@ -592,19 +645,69 @@ mod tests {
     async fn a_refused_connect_is_a_connect_error() -> Result<()> {
         let server = Server::start(&[b"h2"]).await?;
         let unused = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = unused.local_addr()?;
+        let base: Uri = format!("https://{}/", unused.local_addr()?).parse()?;
         drop(unused);
-        let mut settings = server.settings(Duration::from_secs(90))?;
-        let Some(settings_mut) = Arc::get_mut(&mut settings) else {
-            bail!("settings are shared");
-        };
-        settings_mut.base = format!("https://{addr}/").parse()?;
+        let settings = settings_for(
+            &base,
+            &server.ca_pem,
+            Duration::from_secs(90),
+            Duration::from_secs(5),
+        )?;
         let conn = Conn::new(settings, Arc::default());
-        let req = Request::get(format!("https://{addr}/x")).body(ReqBody::Empty)?;
+        let req = Request::get(format!("{base}x")).body(ReqBody::Empty)?;
         match conn.send(req).await {
             Err(e) => assert!(e.is_connect(), "{e}"),
             Ok(response) => bail!("answered {}", response.status()),
         }
+        Ok(())
+    }
+
+    /// An apiserver that takes TCP connections and never answers the TLS handshake: requests that queued behind
+    /// the one connect get its timeout (one connection tried, not one each in turn), and the timeout stays
+    /// recognisable (a 504, not a 502).
+    #[tokio::test]
+    async fn requests_waiting_for_a_connect_that_times_out_share_its_failure() -> Result<()> {
+        let server = Server::start(&[b"h2"]).await?;
+        let silent = TcpListener::bind("127.0.0.1:0").await?;
+        let base: Uri = format!("https://{}/", silent.local_addr()?).parse()?;
+        let accepted = Arc::new(AtomicUsize::new(0));
+        tokio::spawn({
+            let accepted = accepted.clone();
+            async move {
+                let mut held = Vec::new();
+                while let Ok((tcp, _)) = silent.accept().await {
+                    accepted.fetch_add(1, Ordering::SeqCst);
+                    held.push(tcp);
+                }
+            }
+        });
+        let settings = settings_for(
+            &base,
+            &server.ca_pem,
+            Duration::from_secs(90),
+            Duration::from_millis(300),
+        )?;
+        let conn = Arc::new(Conn::new(settings, Arc::default()));
+        let sends = (0..4).map(|_| {
+            let (conn, base) = (conn.clone(), base.clone());
+            tokio::spawn(async move {
+                let req = Request::get(format!("{base}x")).body(ReqBody::Empty)?;
+                match conn.send(req).await {
+                    Err(e) => anyhow::Ok(e),
+                    Ok(response) => bail!("answered {}", response.status()),
+                }
+            })
+        });
+        for sent in futures_util::future::join_all(sends).await {
+            let e = sent??;
+            assert!(e.is_connect(), "{e}");
+            assert!(
+                crate::forward::chain_has::<ConnectTimedOut>(&e),
+                "{}",
+                crate::error_chain(&e)
+            );
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
         Ok(())
     }
 }
