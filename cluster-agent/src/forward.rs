@@ -18,7 +18,6 @@ use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -40,7 +39,9 @@ use tower::ServiceExt as _;
 
 use crate::auth_proxy::{AuthProxy, Credential, impersonate};
 use crate::pool::{self, Busy, Lease, Leased, Pool, PoolOptions};
-use crate::upstream::{Conn, ConnectTimedOut, LegacyClient, SendError, Settings, TimeoutConnector};
+use crate::upstream::{
+    Conn, ConnectTimedOut, LegacyClient, ReqBody, SendError, Settings, TimeoutConnector,
+};
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -97,49 +98,6 @@ pub enum UpstreamError {
 #[derive(Clone)]
 pub struct Upstream {
     inner: Arc<UpstreamInner>,
-}
-
-/// The body of a request sent upstream: hyper's (an HTTP/1.1 stream), the bytes after the head on a stream of
-/// kind `HTTP_HEADS`, or none.
-pub(crate) enum ReqBody {
-    /// From the HTTP/1.1 server on a stream of kind `HTTP`.
-    Http1(Incoming),
-    /// The rest of a stream of kind `HTTP_HEADS`.
-    Stream(BodyReader<Box<dyn ReadChunk + Send>>),
-    /// No body.
-    Empty,
-}
-
-impl http_body::Body for ReqBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
-        match self.get_mut() {
-            ReqBody::Http1(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
-            ReqBody::Stream(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
-            ReqBody::Empty => Poll::Ready(None),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            ReqBody::Http1(b) => b.is_end_stream(),
-            ReqBody::Stream(b) => b.is_end_stream(),
-            ReqBody::Empty => true,
-        }
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        match self {
-            ReqBody::Http1(b) => b.size_hint(),
-            ReqBody::Stream(b) => b.size_hint(),
-            ReqBody::Empty => http_body::SizeHint::with_exact(0),
-        }
-    }
 }
 
 struct UpstreamInner {
@@ -1059,7 +1017,7 @@ fn forwarded_headers(mut headers: HeaderMap, upgrade: bool) -> HeaderMap {
 }
 
 fn upstream_error(e: &SendError, base: &str) -> Response<ResponseBody> {
-    if chain_has::<ConnectTimedOut>(e) {
+    if crate::chain_has::<ConnectTimedOut>(e) {
         tracing::warn!(apiserver = base, "apiserver connect timed out");
         return status_response(
             StatusCode::GATEWAY_TIMEOUT,
@@ -1075,17 +1033,6 @@ fn upstream_error(e: &SendError, base: &str) -> Response<ResponseBody> {
         format!("the apiserver at {base} failed the request: {detail}")
     };
     status_response(StatusCode::BAD_GATEWAY, "InternalError", &message)
-}
-
-pub(crate) fn chain_has<T: StdError + 'static>(e: &(dyn StdError + 'static)) -> bool {
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        if err.is::<T>() {
-            return true;
-        }
-        cur = err.source();
-    }
-    false
 }
 
 /// A Kubernetes `Status` failure response, which kubectl and client libraries know how to show.

@@ -72,3 +72,17 @@ pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     }
     out
 }
+
+/// Whether `e` or one of its causes is a `T`.
+pub(crate) fn chain_has<T: std::error::Error + 'static>(
+    e: &(dyn std::error::Error + 'static),
+) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.is::<T>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{Request, Response, Uri};
 use hyper::body::Incoming;
 use hyper::client::conn::http2;
@@ -24,9 +25,8 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connection as _, HttpConnector};
 use hyper_util::rt::TokioTimer;
+use tether_tunnel::heads::{BodyReader, ReadChunk};
 use tower::ServiceExt as _;
-
-use crate::forward::ReqBody;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -35,6 +35,49 @@ pub(crate) type Connector = TimeoutConnector<HttpsConnector<HttpConnector>>;
 
 /// hyper-util's pooled client: the HTTP/1.1 fallback, and the upgrade client.
 pub(crate) type LegacyClient = Client<Connector, ReqBody>;
+
+/// The body of a request sent upstream: hyper's (an HTTP/1.1 stream), the bytes after the head on a stream of
+/// kind `HTTP_HEADS`, or none.
+pub(crate) enum ReqBody {
+    /// From the HTTP/1.1 server on a stream of kind `HTTP`.
+    Http1(Incoming),
+    /// The rest of a stream of kind `HTTP_HEADS`.
+    Stream(BodyReader<Box<dyn ReadChunk + Send>>),
+    /// No body.
+    Empty,
+}
+
+impl http_body::Body for ReqBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            ReqBody::Http1(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+            ReqBody::Stream(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+            ReqBody::Empty => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ReqBody::Http1(b) => b.is_end_stream(),
+            ReqBody::Stream(b) => b.is_end_stream(),
+            ReqBody::Empty => true,
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            ReqBody::Http1(b) => b.size_hint(),
+            ReqBody::Stream(b) => b.size_hint(),
+            ReqBody::Empty => http_body::SizeHint::with_exact(0),
+        }
+    }
+}
 
 /// What a pool's connections share: where and how to connect, and what the apiserver was found to speak.
 pub(crate) struct Settings {
@@ -702,7 +745,7 @@ mod tests {
             let e = sent??;
             assert!(e.is_connect(), "{e}");
             assert!(
-                crate::forward::chain_has::<ConnectTimedOut>(&e),
+                crate::chain_has::<ConnectTimedOut>(&e),
                 "{}",
                 crate::error_chain(&e)
             );
