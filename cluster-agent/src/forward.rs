@@ -40,7 +40,7 @@ use tower::ServiceExt as _;
 use crate::auth_proxy::{AuthProxy, Credential, impersonate};
 use crate::pool::{self, Busy, Lease, Leased, Pool, PoolOptions};
 use crate::upstream::{
-    Conn, ConnectTimedOut, LegacyClient, ReqBody, SendError, Settings, TimeoutConnector,
+    Conn, ConnectTimedOut, Http2, LegacyClient, ReqBody, SendError, Settings, TimeoutConnector,
 };
 
 type BoxError = Box<dyn StdError + Send + Sync>;
@@ -374,21 +374,19 @@ fn clients(
         })?;
     // An apiserver without HTTP/2: hyper-util's pooled HTTP/1.1 keep-alive connections, one client per slot.
     let http1 = connector(false);
-    let settings = Arc::new(Settings::new(
-        base,
-        connector(true),
+    let http2 = Http2 {
         connect_timeout,
-        UPSTREAM_STREAM_WINDOW,
+        stream_window: UPSTREAM_STREAM_WINDOW,
         connection_window,
-        POOL_IDLE_TIMEOUT,
-        move || {
-            Client::builder(TokioExecutor::new())
-                .timer(TokioTimer::new())
-                .pool_timer(TokioTimer::new())
-                .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-                .build(http1.clone())
-        },
-    ));
+        idle: POOL_IDLE_TIMEOUT,
+    };
+    let settings = Arc::new(Settings::new(base, connector(true), http2, move || {
+        Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .build(http1.clone())
+    }));
     let pooled = Pool::new(pool.clone(), move |open| {
         Conn::new(settings.clone(), open.clone())
     });

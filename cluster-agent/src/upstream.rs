@@ -82,9 +82,21 @@ impl http_body::Body for ReqBody {
 /// What a pool's connections share: where and how to connect, and what the apiserver was found to speak.
 pub(crate) struct Settings {
     /// `scheme://authority` of the apiserver: what the connector dials.
-    pub(crate) base: Uri,
+    base: Uri,
     /// TCP and TLS, ALPN `h2` and `http/1.1` offered.
-    pub(crate) connector: Connector,
+    connector: Connector,
+    http2: Http2,
+    /// Builds the HTTP/1.1 client of a slot, when the apiserver turns out not to speak HTTP/2.
+    legacy: Box<dyn Fn() -> LegacyClient + Send + Sync>,
+    /// [`PROTOCOL_UNKNOWN`], [`PROTOCOL_H2`] or [`PROTOCOL_HTTP1`]: learnt by the first connect.
+    protocol: AtomicU8,
+    /// Numbers the HTTP/2 connections made, for the logs.
+    made: AtomicU64,
+}
+
+/// How the HTTP/2 connections are made and kept.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Http2 {
     /// Bounds the HTTP/2 handshake after the connector's own timeout.
     pub(crate) connect_timeout: Duration,
     /// HTTP/2 receive window of each stream.
@@ -93,12 +105,6 @@ pub(crate) struct Settings {
     pub(crate) connection_window: u32,
     /// A connection with no request open for this long is closed.
     pub(crate) idle: Duration,
-    /// Builds the HTTP/1.1 client of a slot, when the apiserver turns out not to speak HTTP/2.
-    pub(crate) legacy: Box<dyn Fn() -> LegacyClient + Send + Sync>,
-    /// [`PROTOCOL_UNKNOWN`], [`PROTOCOL_H2`] or [`PROTOCOL_HTTP1`]: learnt by the first connect.
-    protocol: AtomicU8,
-    /// Numbers the HTTP/2 connections made, for the logs.
-    made: AtomicU64,
 }
 
 const PROTOCOL_UNKNOWN: u8 = 0;
@@ -108,14 +114,10 @@ const PROTOCOL_HTTP1: u8 = 2;
 impl Settings {
     /// Settings for `base`; an `http://` apiserver is spoken to in HTTP/1.1 from the start (no prior-knowledge
     /// HTTP/2 without TLS, as hyper-util's client does).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         base: Uri,
         connector: Connector,
-        connect_timeout: Duration,
-        stream_window: u32,
-        connection_window: u32,
-        idle: Duration,
+        http2: Http2,
         legacy: impl Fn() -> LegacyClient + Send + Sync + 'static,
     ) -> Self {
         let protocol = if base.scheme() == Some(&http::uri::Scheme::HTTPS) {
@@ -126,10 +128,7 @@ impl Settings {
         Self {
             base,
             connector,
-            connect_timeout,
-            stream_window,
-            connection_window,
-            idle,
+            http2,
             legacy: Box::new(legacy),
             protocol: AtomicU8::new(protocol),
             made: AtomicU64::new(0),
@@ -340,14 +339,14 @@ impl Conn {
         settings.protocol.store(PROTOCOL_H2, Ordering::Release);
         let handshake = http2::Builder::new(Boxed)
             .timer(TokioTimer::new())
-            .initial_stream_window_size(settings.stream_window)
-            .initial_connection_window_size(settings.connection_window)
+            .initial_stream_window_size(settings.http2.stream_window)
+            .initial_connection_window_size(settings.http2.connection_window)
             .handshake(io);
         let (send, connection) =
-            match tokio::time::timeout(settings.connect_timeout, handshake).await {
+            match tokio::time::timeout(settings.http2.connect_timeout, handshake).await {
                 Ok(Ok(made)) => made,
                 Ok(Err(e)) => return Err(Arc::new(e)),
-                Err(_) => return Err(Arc::new(ConnectTimedOut(settings.connect_timeout))),
+                Err(_) => return Err(Arc::new(ConnectTimedOut(settings.http2.connect_timeout))),
             };
         let id = settings.made.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(apiserver = %settings.base, connection = id, "HTTP/2 connection to the apiserver made");
@@ -356,7 +355,7 @@ impl Conn {
             Arc::downgrade(&self.state),
             self.open.clone(),
             id,
-            settings.idle,
+            settings.http2.idle,
         ));
         *self.state.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(Live { send, id });
         Ok(true)
@@ -605,13 +604,16 @@ mod tests {
             }
         };
         let http1 = connector(false);
+        let http2 = Http2 {
+            connect_timeout,
+            stream_window: 256 * 1024,
+            connection_window: 1024 * 1024,
+            idle,
+        };
         Ok(Arc::new(Settings::new(
             base.clone(),
             connector(true),
-            connect_timeout,
-            256 * 1024,
-            1024 * 1024,
-            idle,
+            http2,
             move || Client::builder(TokioExecutor::new()).build(http1.clone()),
         )))
     }
