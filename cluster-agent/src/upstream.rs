@@ -499,13 +499,18 @@ mod tests {
     use super::*;
 
     /// A TLS server offering `alpn` that answers every request with its HTTP version, counting connections
-    /// accepted and open; `kill` drops every open connection.
+    /// accepted and open; `kill` drops every open connection, `goaway` shuts them down gracefully (HTTP/2
+    /// GOAWAY: streams open go on, no new ones). `/held` answers once `release` is notified, after notifying
+    /// `held`.
     struct Server {
         base: Uri,
         ca_pem: String,
         accepted: Arc<AtomicUsize>,
         live: Arc<AtomicUsize>,
         kill: Arc<Notify>,
+        goaway: Arc<Notify>,
+        held: Arc<Notify>,
+        release: Arc<Notify>,
     }
 
     impl Server {
@@ -518,37 +523,63 @@ mod tests {
             let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             let addr = listener.local_addr()?;
-            let (accepted, live, kill) = (
-                Arc::new(AtomicUsize::new(0)),
-                Arc::new(AtomicUsize::new(0)),
+            let (accepted, live) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+            let (kill, goaway, held, release) = (
+                Arc::new(Notify::new()),
+                Arc::new(Notify::new()),
+                Arc::new(Notify::new()),
                 Arc::new(Notify::new()),
             );
             tokio::spawn({
-                let (accepted, live, kill) = (accepted.clone(), live.clone(), kill.clone());
+                let (accepted, live) = (accepted.clone(), live.clone());
+                let (kill, goaway, held, release) =
+                    (kill.clone(), goaway.clone(), held.clone(), release.clone());
                 async move {
                     while let Ok((tcp, _)) = listener.accept().await {
                         accepted.fetch_add(1, Ordering::SeqCst);
                         live.fetch_add(1, Ordering::SeqCst);
-                        let (acceptor, live, kill) = (acceptor.clone(), live.clone(), kill.clone());
+                        let (acceptor, live) = (acceptor.clone(), live.clone());
+                        let (kill, goaway, held, release) =
+                            (kill.clone(), goaway.clone(), held.clone(), release.clone());
                         tokio::spawn(async move {
                             let killed = kill.notified();
                             tokio::pin!(killed);
                             killed.as_mut().enable();
+                            let going = goaway.notified();
+                            tokio::pin!(going);
+                            going.as_mut().enable();
                             if let Ok(tls) = acceptor.accept(tcp).await {
-                                let service = hyper::service::service_fn(
-                                    |req: Request<Incoming>| async move {
-                                        let version = format!("{:?}", req.version());
-                                        Ok::<_, std::convert::Infallible>(Response::new(
-                                            http_body_util::Full::new(bytes::Bytes::from(version)),
-                                        ))
-                                    },
-                                );
+                                let service =
+                                    hyper::service::service_fn(move |req: Request<Incoming>| {
+                                        let (held, release) = (held.clone(), release.clone());
+                                        async move {
+                                            if req.uri().path() == "/held" {
+                                                held.notify_one();
+                                                release.notified().await;
+                                            }
+                                            let version = format!("{:?}", req.version());
+                                            Ok::<_, std::convert::Infallible>(Response::new(
+                                                http_body_util::Full::new(bytes::Bytes::from(
+                                                    version,
+                                                )),
+                                            ))
+                                        }
+                                    });
                                 let builder = hyper_util::server::conn::auto::Builder::new(
                                     TokioExecutor::new(),
                                 );
+                                let served = builder.serve_connection(TokioIo::new(tls), service);
+                                tokio::pin!(served);
                                 tokio::select! {
-                                    _ = builder.serve_connection(TokioIo::new(tls), service) => {}
-                                    () = killed => {}
+                                    _ = served.as_mut() => {}
+                                    () = killed.as_mut() => {}
+                                    () = going => {
+                                        served.as_mut().graceful_shutdown();
+                                        tokio::select! {
+                                            _ = served.as_mut() => {}
+                                            () = killed => {}
+                                        }
+                                    }
                                 }
                             }
                             live.fetch_sub(1, Ordering::SeqCst);
@@ -562,6 +593,9 @@ mod tests {
                 accepted,
                 live,
                 kill,
+                goaway,
+                held,
+                release,
             })
         }
 
@@ -649,6 +683,41 @@ mod tests {
         assert_eq!(server.accepted.load(Ordering::SeqCst), 1);
 
         server.kill.notify_waiters();
+        server.until_closed().await?;
+        assert_eq!(get(&conn, &server).await?, "HTTP/2.0");
+        assert_eq!(server.accepted.load(Ordering::SeqCst), 2);
+        Ok(())
+    }
+
+    /// The apiserver shuts a connection down gracefully (GOAWAY, as kube-apiserver's `--goaway-chance` does to
+    /// rebalance): the request open on it is answered, and the next one goes out on a new connection.
+    #[tokio::test]
+    async fn a_goaway_lets_the_open_request_finish_and_the_next_one_reconnects() -> Result<()> {
+        let server = Server::start(&[b"h2"]).await?;
+        let conn = Arc::new(Conn::new(
+            server.settings(Duration::from_secs(90))?,
+            Arc::default(),
+        ));
+        let held = tokio::spawn({
+            let (conn, base) = (conn.clone(), server.base.clone());
+            async move {
+                let req = Request::get(format!("{base}held")).body(ReqBody::Empty)?;
+                let body = conn
+                    .send(req)
+                    .await?
+                    .into_body()
+                    .collect()
+                    .await?
+                    .to_bytes();
+                anyhow::Ok(String::from_utf8(body.to_vec())?)
+            }
+        });
+        tokio::time::timeout(Duration::from_secs(20), server.held.notified())
+            .await
+            .context("the held request never reached the server")?;
+        server.goaway.notify_waiters();
+        server.release.notify_one();
+        assert_eq!(held.await??, "HTTP/2.0");
         server.until_closed().await?;
         assert_eq!(get(&conn, &server).await?, "HTTP/2.0");
         assert_eq!(server.accepted.load(Ordering::SeqCst), 2);
