@@ -219,7 +219,7 @@ impl<C> Pool<C> {
     }
 
     /// What is in use now: connections with at least one request open, and requests open, over both sets.
-    /// A connection idle in its client's pool counts as unused (its client closes it after the idle timeout).
+    /// A connection with no request open counts as unused (it is closed after the idle timeout).
     pub(crate) fn usage(&self) -> Usage {
         let sets = self.sets.lock().unwrap_or_else(|p| p.into_inner());
         let mut usage = Usage::default();

@@ -193,6 +193,19 @@ struct Live {
     id: u64,
 }
 
+impl State {
+    fn sender(&self) -> std::sync::MutexGuard<'_, Option<Live>> {
+        self.sender.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Forgets connection `id` if it is still the slot's, so the next request makes a new one.
+fn forget(sender: &mut Option<Live>, id: u64) {
+    if sender.as_ref().is_some_and(|live| live.id == id) {
+        *sender = None;
+    }
+}
+
 impl Conn {
     /// A slot that has not connected yet; `open` is the pool's count of requests open on it.
     pub(crate) fn new(settings: Arc<Settings>, open: Arc<AtomicUsize>) -> Self {
@@ -222,7 +235,7 @@ impl Conn {
         loop {
             // Handed to the live connection under the lock, awaited after it (the future owns what it needs).
             let sending = {
-                let mut sender = self.state.sender.lock().unwrap_or_else(|p| p.into_inner());
+                let mut sender = self.state.sender();
                 match sender.as_mut() {
                     Some(live) if !live.send.is_closed() => {
                         self.state.sent.fetch_add(1, Ordering::Relaxed);
@@ -272,12 +285,9 @@ impl Conn {
 
     /// Drops connection `id` if it has closed, so the next request makes a new one.
     fn forget_if_closed(&self, id: u64) {
-        let mut sender = self.state.sender.lock().unwrap_or_else(|p| p.into_inner());
-        if sender
-            .as_ref()
-            .is_some_and(|live| live.id == id && live.send.is_closed())
-        {
-            *sender = None;
+        let mut sender = self.state.sender();
+        if sender.as_ref().is_some_and(|live| live.send.is_closed()) {
+            forget(&mut sender, id);
         }
     }
 
@@ -292,9 +302,7 @@ impl Conn {
         }
         if self
             .state
-            .sender
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .sender()
             .as_ref()
             .is_some_and(|live| !live.send.is_closed())
         {
@@ -357,7 +365,7 @@ impl Conn {
             id,
             settings.http2.idle,
         ));
-        *self.state.sender.lock().unwrap_or_else(|p| p.into_inner()) = Some(Live { send, id });
+        *self.state.sender() = Some(Live { send, id });
         Ok(true)
     }
 }
@@ -397,38 +405,34 @@ async fn drive<IO>(
     let check = idle / (QUIET_CHECKS - 1);
     let mut quiet = 0;
     let mut sent_before = None;
-    let closed = loop {
+    loop {
         tokio::select! {
             result = &mut connection => {
                 if let Err(e) = result {
                     tracing::debug!(connection = id, error = %e, "HTTP/2 connection to the apiserver ended");
                 }
-                break true;
+                if let Some(state) = state.upgrade() {
+                    forget(&mut state.sender(), id);
+                }
+                return;
             }
             () = tokio::time::sleep(check) => {
-                let Some(state) = state.upgrade() else { break false };
-                let mut sender = state.sender.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(state) = state.upgrade() else { return };
+                // Under the lock requests take the connection with, so none takes it while it is closed.
+                let mut sender = state.sender();
                 let sent = state.sent.load(Ordering::Relaxed);
-                if open.load(Ordering::Acquire) == 0 && sent_before == Some(sent) {
-                    quiet += 1;
-                } else {
-                    quiet = u32::from(open.load(Ordering::Acquire) == 0);
-                }
+                quiet = match (open.load(Ordering::Acquire), sent_before == Some(sent)) {
+                    (0, true) => quiet + 1,
+                    (0, false) => 1,
+                    _ => 0,
+                };
                 sent_before = Some(sent);
                 if quiet >= QUIET_CHECKS {
-                    if sender.as_ref().is_some_and(|live| live.id == id) {
-                        *sender = None;
-                    }
+                    forget(&mut sender, id);
                     tracing::debug!(connection = id, "closing an idle HTTP/2 connection to the apiserver");
-                    break false;
+                    return;
                 }
             }
-        }
-    };
-    if closed && let Some(state) = state.upgrade() {
-        let mut sender = state.sender.lock().unwrap_or_else(|p| p.into_inner());
-        if sender.as_ref().is_some_and(|live| live.id == id) {
-            *sender = None;
         }
     }
 }
@@ -494,7 +498,7 @@ mod tests {
     use hyper_util::rt::{TokioExecutor, TokioIo};
     use tether_testkit::certs::{self, Ca};
     use tokio::net::TcpListener;
-    use tokio::sync::Notify;
+    use tokio::sync::{Notify, watch};
 
     use super::*;
 
@@ -506,7 +510,8 @@ mod tests {
         base: Uri,
         ca_pem: String,
         accepted: Arc<AtomicUsize>,
-        live: Arc<AtomicUsize>,
+        /// Connections open now.
+        live: Arc<watch::Sender<usize>>,
         kill: Arc<Notify>,
         goaway: Arc<Notify>,
         held: Arc<Notify>,
@@ -523,7 +528,10 @@ mod tests {
             let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             let addr = listener.local_addr()?;
-            let (accepted, live) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+            let (accepted, live) = (
+                Arc::new(AtomicUsize::new(0)),
+                Arc::new(watch::Sender::new(0)),
+            );
             let (kill, goaway, held, release) = (
                 Arc::new(Notify::new()),
                 Arc::new(Notify::new()),
@@ -537,7 +545,7 @@ mod tests {
                 async move {
                     while let Ok((tcp, _)) = listener.accept().await {
                         accepted.fetch_add(1, Ordering::SeqCst);
-                        live.fetch_add(1, Ordering::SeqCst);
+                        live.send_modify(|n| *n += 1);
                         let (acceptor, live) = (acceptor.clone(), live.clone());
                         let (kill, goaway, held, release) =
                             (kill.clone(), goaway.clone(), held.clone(), release.clone());
@@ -582,7 +590,7 @@ mod tests {
                                     }
                                 }
                             }
-                            live.fetch_sub(1, Ordering::SeqCst);
+                            live.send_modify(|n| *n -= 1);
                         });
                     }
                 }
@@ -604,13 +612,11 @@ mod tests {
         }
 
         async fn until_closed(&self) -> Result<()> {
-            tokio::time::timeout(Duration::from_secs(20), async {
-                while self.live.load(Ordering::SeqCst) > 0 {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            })
-            .await
-            .context("the server's connections stay open")
+            let mut live = self.live.subscribe();
+            tokio::time::timeout(Duration::from_secs(20), live.wait_for(|n| *n == 0))
+                .await
+                .context("the server's connections stay open")??;
+            Ok(())
         }
     }
 
@@ -654,9 +660,19 @@ mod tests {
 
     /// The version the server saw, read from the body of a GET sent on `conn`.
     async fn get(conn: &Conn, server: &Server) -> Result<String> {
-        let req = Request::get(format!("{}x", server.base)).body(ReqBody::Empty)?;
-        let response = conn.send(req).await?;
-        let body = response.into_body().collect().await?.to_bytes();
+        get_path(conn, &server.base, "x").await
+    }
+
+    /// The body of a GET of `path` under `base`, sent on `conn`.
+    async fn get_path(conn: &Conn, base: &Uri, path: &str) -> Result<String> {
+        let req = Request::get(format!("{base}{path}")).body(ReqBody::Empty)?;
+        let body = conn
+            .send(req)
+            .await?
+            .into_body()
+            .collect()
+            .await?
+            .to_bytes();
         Ok(String::from_utf8(body.to_vec())?)
     }
 
@@ -671,11 +687,7 @@ mod tests {
         let together = (0..16).map(|_| {
             let conn = conn.clone();
             let base = server.base.clone();
-            tokio::spawn(async move {
-                let req = Request::get(format!("{base}y")).body(ReqBody::Empty)?;
-                conn.send(req).await?.into_body().collect().await?;
-                anyhow::Ok(())
-            })
+            tokio::spawn(async move { get_path(&conn, &base, "y").await })
         });
         for done in futures_util::future::join_all(together).await {
             done??;
@@ -700,17 +712,7 @@ mod tests {
         ));
         let held = tokio::spawn({
             let (conn, base) = (conn.clone(), server.base.clone());
-            async move {
-                let req = Request::get(format!("{base}held")).body(ReqBody::Empty)?;
-                let body = conn
-                    .send(req)
-                    .await?
-                    .into_body()
-                    .collect()
-                    .await?
-                    .to_bytes();
-                anyhow::Ok(String::from_utf8(body.to_vec())?)
-            }
+            async move { get_path(&conn, &base, "held").await }
         });
         tokio::time::timeout(Duration::from_secs(20), server.held.notified())
             .await
@@ -730,9 +732,17 @@ mod tests {
         let open = Arc::new(AtomicUsize::new(1));
         let conn = Conn::new(server.settings(Duration::from_millis(200))?, open.clone());
         get(&conn, &server).await?;
-        // A request still open (its body not finished): the connection stays through many idle periods.
+        // A request still open (its body not finished): the connection stays through five idle periods. On
+        // the paused clock the idle checks run as the clock advances, with no wait (and the connection would be
+        // gone from the slot after one period: the checks take its sender first).
+        tokio::time::pause();
         tokio::time::sleep(Duration::from_millis(1_000)).await;
-        assert_eq!(server.live.load(Ordering::SeqCst), 1);
+        tokio::time::resume();
+        assert!(
+            conn.state.sender().is_some(),
+            "the slot dropped a connection in use"
+        );
+        assert_eq!(*server.live.borrow(), 1);
         open.store(0, Ordering::SeqCst);
         server.until_closed().await?;
         assert_eq!(get(&conn, &server).await?, "HTTP/2.0");
