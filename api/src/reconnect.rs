@@ -20,6 +20,13 @@ pub const DRAINING_WAIT: Duration = Duration::from_secs(2);
 /// The longest reconnect window an agent accepts from a relay (a larger one is cut to this).
 pub const MAX_RECONNECT_WINDOW: Duration = Duration::from_secs(300);
 
+/// The largest ceiling between attempts of a make-before-break move (see [`Reconnect::move_delay`]).
+pub const MOVE_RETRY_CAP: Duration = Duration::from_secs(2);
+
+/// How many failed attempts of one move are paced by [`Reconnect::move_delay`]; later ones wait out the ordinary
+/// backoff (a fleet with nowhere to move to is in trouble, not merely unlucky).
+pub const MOVE_RETRIES: u32 = 8;
+
 /// Reconnect backoff policy. The sleep before retry number `n` (from 0) is uniform in
 /// `[0, min(cap, base·2^n)]` ("full jitter"); the counter goes back to 0 once a tunnel stayed up for `stable`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,6 +154,20 @@ impl Reconnect {
         uniform(ceiling, &mut rand::rng())
     }
 
+    /// How long to wait before retry number `retry` (from 0) of a make-before-break move off a draining
+    /// replica: the policy's first ceilings, held at [`MOVE_RETRY_CAP`], whatever failures were counted before;
+    /// the attempt counter is left as it is. During a move the old tunnel still serves and its replica waits for
+    /// the move before it ends its watches cleanly, and the attempts that fail are mostly landings the load
+    /// balancer sent to that replica before it left rotation, or to one this agent's other tunnel holds: bad
+    /// luck, not a fleet in trouble. Waiting out a backoff grown by earlier moves (a rolling restart moves a
+    /// tunnel once per replica, well within [`Backoff::stable`]) could outlast the replica's drain timeout.
+    pub fn move_delay(&self, retry: u32) -> Duration {
+        uniform(
+            self.policy.ceiling(retry).min(MOVE_RETRY_CAP),
+            &mut rand::rng(),
+        )
+    }
+
     /// The ceiling for the next retry: the policy's, held down during recovery (but never below the relay's
     /// window, so retries stay spread over it).
     fn ceiling_now(&self) -> Duration {
@@ -192,6 +213,27 @@ mod tests {
             // Full jitter spreads over the whole range, not just near the ceiling.
             assert!(seen_low && seen_high, "attempt {attempt}");
         }
+    }
+
+    #[test]
+    fn a_move_retries_from_the_first_ceiling_after_any_number_of_failures() {
+        let mut r = Reconnect::new(Backoff::default());
+        for _ in 0..10 {
+            r.next_delay();
+        }
+        assert_eq!(r.attempt(), 10);
+        for retry in 0..MOVE_RETRIES {
+            for _ in 0..200 {
+                let d = r.move_delay(retry);
+                assert!(
+                    d <= Backoff::default().ceiling(retry),
+                    "retry {retry}: {d:?}"
+                );
+                assert!(d <= MOVE_RETRY_CAP, "retry {retry}: {d:?}");
+            }
+        }
+        // The slot's own backoff is left where it was.
+        assert_eq!(r.attempt(), 10);
     }
 
     #[tokio::test(start_paused = true)]

@@ -20,7 +20,10 @@
 //! new tunnels), a renewed identity (every tunnel still on the previous certificate moves onto the new one;
 //! the relay refuses a replaced certificate), and QUIC working again for a tunnel on WebSocket (a QUIC tunnel
 //! replaces a WebSocket one in its slot whenever one connects). Without `makeBeforeBreak`, a relay going
-//! away is left to end the tunnel, and the slot redials within the relay's reconnect window.
+//! away is left to end the tunnel, and the slot redials within the relay's reconnect window. A move off a
+//! draining replica retries on its own short pacing (`Reconnect::move_delay`), not the slot's backoff: the
+//! replica waits for the move to end its watches cleanly, and a rolling restart moves a tunnel once per
+//! replica, which would otherwise grow the backoff past the drain timeout.
 //!
 //! On shutdown every tunnel is retired at once and the supervisor returns when their streams are done (at
 //! most the drain timeout).
@@ -32,7 +35,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rand::RngExt as _;
-use tether_api::reconnect::{Backoff, Reconnect};
+use tether_api::reconnect::{Backoff, MOVE_RETRIES, Reconnect};
 use tether_tunnel::{TransportKind, code};
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
@@ -127,6 +130,8 @@ struct Slot {
     /// Dial no earlier than this (backoff); `None`: as soon as the slot needs a tunnel.
     retry_at: Option<Instant>,
     moving: Option<Move>,
+    /// While the slot moves off a draining replica: the failed attempts of that move so far.
+    move_retries: Option<u32>,
     reconnect: Reconnect,
     /// The next relay URL (index) to dial.
     relay: usize,
@@ -135,6 +140,21 @@ struct Slot {
     /// The slot's tunnel went away while its replacement was on its way: why it moved.
     moving_since_down: Option<&'static str>,
     last_failure: Option<String>,
+}
+
+impl Slot {
+    /// How long to wait before dialling again after a failed attempt: during a move off a draining replica,
+    /// its first [`MOVE_RETRIES`] retries are paced by [`Reconnect::move_delay`]; otherwise the slot's backoff.
+    fn retry_delay(&mut self) -> Duration {
+        match &mut self.move_retries {
+            Some(n) if *n < MOVE_RETRIES => {
+                let delay = self.reconnect.move_delay(*n);
+                *n += 1;
+                delay
+            }
+            _ => self.reconnect.next_delay(),
+        }
+    }
 }
 
 type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -215,6 +235,7 @@ impl Supervisor {
                 dial: None,
                 retry_at: None,
                 moving: None,
+                move_retries: None,
                 reconnect: Reconnect::new(settings.backoff),
                 relay: i % relay_count,
                 lost: false,
@@ -481,7 +502,7 @@ impl Supervisor {
         if slot.dial == Some(dial) {
             slot.dial = None;
         }
-        let delay = slot.reconnect.next_delay();
+        let delay = slot.retry_delay();
         slot.retry_at = Some(Instant::now() + delay);
         slot.relay = (slot.relay + 1) % relay_count;
         let relay = &self.relays[d.relay].url;
@@ -546,7 +567,7 @@ impl Supervisor {
             );
             let relay_count = self.relays.len().max(1);
             let slot = &mut self.slots[index];
-            let delay = slot.reconnect.next_delay();
+            let delay = slot.retry_delay();
             slot.retry_at = Some(Instant::now() + delay);
             slot.relay = (slot.relay + 1) % relay_count;
             tracing::info!(%replica, slot = index, retry_in = ?delay, "the tunnel landed on a replica another tunnel holds; dialling again");
@@ -582,6 +603,7 @@ impl Supervisor {
         let moved_after_down = slot.moving_since_down.take();
         slot.current = Some(tunnel);
         slot.moving = None;
+        slot.move_retries = None;
         slot.retry_at = None;
         slot.last_failure = None;
         slot.reconnect.connected();
@@ -646,6 +668,7 @@ impl Supervisor {
         if rec.state == State::Active && self.slots[index].current == Some(tunnel) {
             let slot = &mut self.slots[index];
             slot.moving = Some(Move::Drain);
+            slot.move_retries = Some(0);
             slot.retry_at = None;
             // A draining replica takes no new tunnels: the replacement goes to the next relay URL (the same
             // one behind a load balancer, which no longer sends new connections there).
@@ -703,6 +726,7 @@ impl Supervisor {
                     tracing::info!(%reason, replica = %rec.replica, slot = rec.slot, "tunnel going away; its replacement is on its way");
                 } else {
                     slot.lost = true;
+                    slot.move_retries = None;
                     let delay = slot.reconnect.lost(rec.window.take());
                     slot.retry_at = Some(Instant::now() + delay);
                     tracing::warn!(%reason, replica = %rec.replica, slot = rec.slot, retry_in = ?delay, "disconnected from the relay");
@@ -713,7 +737,7 @@ impl Supervisor {
                     // The replacement of a tunnel that went away failed: the slot has lost its tunnel.
                     slot.lost = true;
                 }
-                let delay = slot.reconnect.next_delay();
+                let delay = slot.retry_delay();
                 slot.retry_at = Some(Instant::now() + delay);
                 tracing::warn!(%reason, slot = rec.slot, retry_in = ?delay, "tunnel lost before the relay welcomed it");
             }
