@@ -18,7 +18,9 @@ struct Args {
     #[arg(long, env = "TETHER_RELAY_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
     /// Worker threads of the async runtime; 0: one per CPU. Each one more lets the relay use one more core,
-    /// at some CPU per request for handing work between them.
+    /// at some CPU per request for handing work between them: with one, a request never changes threads
+    /// between the user's connection and the tunnel (about a fifth less CPU per request where measured,
+    /// docs/BENCHMARKS.md), for a replica whose load fits one core.
     #[arg(long, env = "TETHER_RELAY_WORKER_THREADS", default_value_t = 0)]
     worker_threads: usize,
     #[command(flatten)]
