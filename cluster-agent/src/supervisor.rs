@@ -822,3 +822,52 @@ impl Supervisor {
         self.cx.probes.set_tunnels(0, 0);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tether_api::reconnect::MOVE_RETRY_CAP;
+
+    use super::*;
+
+    fn slot(backoff: Backoff) -> Slot {
+        Slot {
+            current: None,
+            dial: None,
+            retry_at: None,
+            moving: None,
+            move_retries: None,
+            reconnect: Reconnect::new(backoff),
+            relay: 0,
+            lost: false,
+            moving_since_down: None,
+            last_failure: None,
+        }
+    }
+
+    /// A rolling restart moves a tunnel once per replica: the failures of earlier moves must not slow the next
+    /// move's retries, nor may a move's own failures grow the slot's backoff.
+    #[test]
+    fn a_moves_retries_ignore_the_grown_backoff_and_leave_it_as_it_was() {
+        let mut slot = slot(Backoff::default());
+        for _ in 0..6 {
+            slot.retry_delay();
+        }
+        assert_eq!(slot.reconnect.attempt(), 6);
+        slot.move_retries = Some(0);
+        for retry in 0..MOVE_RETRIES {
+            let delay = slot.retry_delay();
+            assert!(
+                delay <= MOVE_RETRY_CAP,
+                "retry {retry} of the move: {delay:?}"
+            );
+        }
+        assert_eq!(
+            slot.reconnect.attempt(),
+            6,
+            "the move's failures are its own"
+        );
+        // A move that keeps failing is a fleet in trouble: the slot's backoff takes over and grows.
+        slot.retry_delay();
+        assert_eq!(slot.reconnect.attempt(), 7);
+    }
+}
