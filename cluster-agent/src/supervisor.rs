@@ -143,6 +143,22 @@ struct Slot {
 }
 
 impl Slot {
+    /// A slot with no tunnel yet, dialling `relay` (an index into the `--relay` URLs) first.
+    fn new(backoff: Backoff, relay: usize) -> Slot {
+        Slot {
+            current: None,
+            dial: None,
+            retry_at: None,
+            moving: None,
+            move_retries: None,
+            reconnect: Reconnect::new(backoff),
+            relay,
+            lost: false,
+            moving_since_down: None,
+            last_failure: None,
+        }
+    }
+
     /// How long to wait before dialling again after a failed attempt: during a move off a draining replica,
     /// its first [`MOVE_RETRIES`] retries are paced by [`Reconnect::move_delay`]; otherwise the slot's backoff.
     fn retry_delay(&mut self) -> Duration {
@@ -230,18 +246,7 @@ impl Supervisor {
     ) -> Self {
         let relay_count = relays.len().max(1);
         let slots = (0..settings.tunnels as usize)
-            .map(|i| Slot {
-                current: None,
-                dial: None,
-                retry_at: None,
-                moving: None,
-                move_retries: None,
-                reconnect: Reconnect::new(settings.backoff),
-                relay: i % relay_count,
-                lost: false,
-                moving_since_down: None,
-                last_failure: None,
-            })
+            .map(|i| Slot::new(settings.backoff, i % relay_count))
             .collect();
         cx.shared.set_tunnels(settings.tunnels);
         Self {
@@ -829,26 +834,11 @@ mod tests {
 
     use super::*;
 
-    fn slot(backoff: Backoff) -> Slot {
-        Slot {
-            current: None,
-            dial: None,
-            retry_at: None,
-            moving: None,
-            move_retries: None,
-            reconnect: Reconnect::new(backoff),
-            relay: 0,
-            lost: false,
-            moving_since_down: None,
-            last_failure: None,
-        }
-    }
-
     /// A rolling restart moves a tunnel once per replica: the failures of earlier moves must not slow the next
     /// move's retries, nor may a move's own failures grow the slot's backoff.
     #[test]
     fn a_moves_retries_ignore_the_grown_backoff_and_leave_it_as_it_was() {
-        let mut slot = slot(Backoff::default());
+        let mut slot = Slot::new(Backoff::default(), 0);
         for _ in 0..6 {
             slot.retry_delay();
         }
