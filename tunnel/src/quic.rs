@@ -797,6 +797,21 @@ fn spawn<F: Future<Output = ()> + Send + 'static>(f: F) -> Option<AbortHandle> {
         .map(|rt| rt.spawn(f).abort_handle())
 }
 
+/// Runs `work` here as far as it goes without waiting and spawns a task only for what is left (`None`: done
+/// here, or no runtime to run it in, as [`spawn`]). What a stream waits for at its start (the peer's header)
+/// has usually arrived already, and a task per stream was a spawn and a wake-up per request. A timeout
+/// inside `work` arms no timer when what it waits for is ready. Call it from a task, never from a drop:
+/// a timer polled while the runtime shuts down panics.
+fn run_or_spawn<F: Future<Output = ()> + Send + 'static>(work: F) -> Option<AbortHandle> {
+    let rt = tokio::runtime::Handle::try_current().ok()?;
+    let mut work = Box::pin(work);
+    match work.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(()) => None,
+        // The task's first poll registers its own waker in place of the no-op one.
+        Poll::Pending => Some(rt.spawn(work).abort_handle()),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Connection
 
@@ -1128,7 +1143,8 @@ impl QuicConnection {
 async fn accept_streams(shared: Arc<Shared>) {
     while let Ok((mut send, mut recv)) = shared.conn.accept_bi().await {
         let shared = shared.clone();
-        tokio::spawn(async move {
+        // The header nearly always came with the stream's first packet: read here, no task.
+        run_or_spawn(async move {
             let limit = shared.config.handshake_timeout;
             let read =
                 tokio::time::timeout(limit, read_header(&mut recv, shared.config.max_metadata));
@@ -1501,13 +1517,21 @@ impl Drop for StreamShared {
         let h = self.inner.get_mut().unwrap_or_else(PoisonError::into_inner);
         let guard = h.guard.take();
         if h.finished && h.failed.is_none() {
-            // Keep the connection from closing gracefully until the peer has our last bytes. Without a
-            // runtime the guard goes with the task that was never spawned.
-            let stopped = h.send.stopped();
-            spawn(async move {
-                let _ = tokio::time::timeout(CLOSE_LINGER, stopped).await;
-                drop(guard);
-            });
+            // Keep the connection from closing gracefully until the peer has our last bytes. They are
+            // often acknowledged already: no task then. (Only the acknowledgement is looked at here: a
+            // timer polled in a drop could find the runtime shutting down, which panics.) Without a runtime
+            // the guard goes with the task that was never spawned.
+            let mut stopped = Box::pin(h.send.stopped());
+            if stopped
+                .as_mut()
+                .poll(&mut Context::from_waker(Waker::noop()))
+                .is_pending()
+            {
+                spawn(async move {
+                    let _ = tokio::time::timeout(CLOSE_LINGER, stopped).await;
+                    drop(guard);
+                });
+            }
         }
     }
 }

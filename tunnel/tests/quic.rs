@@ -604,6 +604,36 @@ async fn a_header_that_never_completes_is_reset_after_the_handshake_timeout() ->
     Ok(())
 }
 
+/// The relay reads a stream's header without a task when it came whole; one that arrives in pieces is read
+/// on where the first piece left off (nothing read twice, nothing lost), and a whole one behind it is not held up.
+#[tokio::test]
+async fn a_header_that_arrives_in_pieces_is_read_whole() -> anyhow::Result<()> {
+    let mut relay = relay(SessionConfig::new(Role::Server)).await?;
+    let conn = raw_client(&relay).await?;
+    let server = within("accepted", relay.accepted.recv())
+        .await?
+        .context("not accepted")?;
+    let whole = header(1, 1, 5, b"split");
+    let (mut split_send, _split_recv) = conn.open_bi().await?;
+    split_send.write_all(&whole[..3]).await?;
+    // A whole header on a second stream is accepted while the first waits for the rest of its own.
+    let (mut send, _recv) = conn.open_bi().await?;
+    send.write_all(&header(1, 1, 5, b"whole")).await?;
+    let first = within("accept", server.accept())
+        .await?
+        .context("no stream")?;
+    assert_eq!(first.metadata, &b"whole"[..]);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    split_send.write_all(&whole[3..14]).await?;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    split_send.write_all(&whole[14..]).await?;
+    let second = within("accept", server.accept())
+        .await?
+        .context("no stream")?;
+    assert_eq!(second.metadata, &b"split"[..]);
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_peer_cannot_open_more_streams_than_allowed() -> anyhow::Result<()> {
     let mut config = SessionConfig::new(Role::Server);
