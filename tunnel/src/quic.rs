@@ -797,18 +797,19 @@ fn spawn<F: Future<Output = ()> + Send + 'static>(f: F) -> Option<AbortHandle> {
         .map(|rt| rt.spawn(f).abort_handle())
 }
 
-/// Runs `work` here as far as it goes without waiting and spawns a task only for what is left (`None`: done
-/// here, or no runtime to run it in, as [`spawn`]). What a stream waits for at its start (the peer's header)
-/// has usually arrived already, and a task per stream was a spawn and a wake-up per request. A timeout
-/// inside `work` arms no timer when what it waits for is ready. Call it from a task, never from a drop:
-/// a timer polled while the runtime shuts down panics.
-fn run_or_spawn<F: Future<Output = ()> + Send + 'static>(work: F) -> Option<AbortHandle> {
-    let rt = tokio::runtime::Handle::try_current().ok()?;
+/// Runs `work` here as far as it goes without waiting and spawns a task only for what is left. What a stream
+/// waits for at its start (the peer's header) has usually arrived already, and a task per stream was a spawn
+/// and a wake-up per request. A timeout inside `work` arms no timer when what it waits for is ready. Call it
+/// from a task, never from a drop: a timer polled while the runtime shuts down panics.
+fn run_or_spawn<F: Future<Output = ()> + Send + 'static>(work: F) {
     let mut work = Box::pin(work);
-    match work.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-        Poll::Ready(()) => None,
+    if work
+        .as_mut()
+        .poll(&mut Context::from_waker(Waker::noop()))
+        .is_pending()
+    {
         // The task's first poll registers its own waker in place of the no-op one.
-        Poll::Pending => Some(rt.spawn(work).abort_handle()),
+        tokio::spawn(work);
     }
 }
 

@@ -558,13 +558,21 @@ async fn reset_code(recv: &mut quinn::RecvStream) -> Option<u32> {
     }
 }
 
-#[tokio::test]
-async fn malformed_stream_headers_are_reset_and_the_tunnel_lives_on() -> anyhow::Result<()> {
-    let mut relay = relay(SessionConfig::new(Role::Server)).await?;
+/// A relay with `config`, a raw quinn client connected to it (HELLO sent), and the relay's side of that tunnel.
+async fn raw_tunnel(
+    config: SessionConfig,
+) -> anyhow::Result<(Relay, quinn::Connection, Connection)> {
+    let mut relay = relay(config).await?;
     let conn = raw_client(&relay).await?;
     let server = within("accepted", relay.accepted.recv())
         .await?
         .context("not accepted")?;
+    Ok((relay, conn, server))
+}
+
+#[tokio::test]
+async fn malformed_stream_headers_are_reset_and_the_tunnel_lives_on() -> anyhow::Result<()> {
+    let (_relay, conn, server) = raw_tunnel(SessionConfig::new(Role::Server)).await?;
     for (what, bytes) in [
         ("wrong version", header(9, 1, 0, b"")),
         ("unknown priority", header(1, 7, 0, b"")),
@@ -608,11 +616,7 @@ async fn a_header_that_never_completes_is_reset_after_the_handshake_timeout() ->
 /// on where the first piece left off (nothing read twice, nothing lost), and a whole one behind it is not held up.
 #[tokio::test]
 async fn a_header_that_arrives_in_pieces_is_read_whole() -> anyhow::Result<()> {
-    let mut relay = relay(SessionConfig::new(Role::Server)).await?;
-    let conn = raw_client(&relay).await?;
-    let server = within("accepted", relay.accepted.recv())
-        .await?
-        .context("not accepted")?;
+    let (_relay, conn, server) = raw_tunnel(SessionConfig::new(Role::Server)).await?;
     let whole = header(1, 1, 5, b"split");
     let (mut split_send, _split_recv) = conn.open_bi().await?;
     split_send.write_all(&whole[..3]).await?;
@@ -623,10 +627,9 @@ async fn a_header_that_arrives_in_pieces_is_read_whole() -> anyhow::Result<()> {
         .await?
         .context("no stream")?;
     assert_eq!(first.metadata, &b"whole"[..]);
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    split_send.write_all(&whole[3..14]).await?;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    split_send.write_all(&whole[14..]).await?;
+    // Streams are taken in order: the split one was read as far as it went before the whole one was queued,
+    // so the rest of its header arrives after that read.
+    split_send.write_all(&whole[3..]).await?;
     let second = within("accept", server.accept())
         .await?
         .context("no stream")?;
@@ -638,11 +641,7 @@ async fn a_header_that_arrives_in_pieces_is_read_whole() -> anyhow::Result<()> {
 async fn a_peer_cannot_open_more_streams_than_allowed() -> anyhow::Result<()> {
     let mut config = SessionConfig::new(Role::Server);
     config.max_concurrent_streams = 4;
-    let mut relay = relay(config).await?;
-    let conn = raw_client(&relay).await?;
-    let server = within("accepted", relay.accepted.recv())
-        .await?
-        .context("not accepted")?;
+    let (_relay, conn, server) = raw_tunnel(config).await?;
     let mut streams = Vec::new();
     for _ in 0..4 {
         let (mut send, recv) = within("open", conn.open_bi()).await??;
