@@ -569,6 +569,10 @@ pub struct Session {
     rx: BytesMut,
     /// Control frames to send, in order.
     control: VecDeque<Frame>,
+    /// ACCEPT frames waiting for other output to leave with ([`Session::accept_stream_deferred`]).
+    deferred: Vec<Frame>,
+    /// When the first of `deferred` must go at the latest.
+    deferred_due: Option<Instant>,
     pending_pongs: usize,
     events: VecDeque<Event>,
     streams: StreamMap<u32, Stream>,
@@ -687,6 +691,8 @@ impl Session {
             peer: None,
             rx: BytesMut::new(),
             control,
+            deferred: Vec::new(),
+            deferred_due: None,
             pending_pongs: 0,
             events: VecDeque::new(),
             streams: StreamMap::default(),
@@ -1163,6 +1169,8 @@ impl Session {
         if code != code::NO_ERROR && code != code::SHUTDOWN {
             // An error GOAWAY ends the connection at once.
             self.control.clear();
+            self.deferred.clear();
+            self.deferred_due = None;
             self.shut_keeping_received(Some(ConnectionError::ClosedByPeer { code, reason }));
             return;
         }
@@ -1260,6 +1268,8 @@ impl Session {
     /// Streams whose data the peer finished sending stay readable until drained; the others are failed.
     pub fn handle_transport_closed(&mut self) {
         self.control.clear();
+        self.deferred.clear();
+        self.deferred_due = None;
         self.pending_pongs = 0;
         if self.phase == Phase::Closed {
             return;
@@ -1288,6 +1298,7 @@ impl Session {
     /// whole send chunk is that chunk (its header written into reserved headroom): no copy. Only a chunk split
     /// by flow control or by the peer's frame size is copied, and only the part sent.
     pub fn poll_transmit(&mut self, now: Instant) -> Option<Bytes> {
+        self.release_deferred(now);
         if let Some(batch) = self.transmit_control(now) {
             return Some(batch);
         }
@@ -1299,6 +1310,24 @@ impl Session {
             .or_else(|| self.transmit_data(Priority::Normal));
         self.after_op();
         chunk
+    }
+
+    /// Moves the deferred ACCEPTs ahead of the other control frames once anything else is to be sent (a frame
+    /// for their stream can only follow them) or the first of them is due.
+    fn release_deferred(&mut self, now: Instant) {
+        let Some(due) = self.deferred_due else {
+            return;
+        };
+        if due <= now
+            || !self.control.is_empty()
+            || !self.ready_control.is_empty()
+            || !self.ready_normal.is_empty()
+        {
+            while let Some(frame) = self.deferred.pop() {
+                self.control.push_front(frame);
+            }
+            self.deferred_due = None;
+        }
     }
 
     fn transmit_control(&mut self, now: Instant) -> Option<Bytes> {
@@ -1450,6 +1479,7 @@ impl Session {
             consider(self.keepalive_at());
         }
         consider(self.deadlines.first().map(|&(d, _)| d));
+        consider(self.deferred_due);
         next
     }
 
@@ -1527,6 +1557,30 @@ impl Session {
 
     /// Accepts a stream the peer opened.
     pub fn accept_stream(&mut self, id: StreamId, metadata: Bytes) -> Result<(), StreamError> {
+        self.accept(id, metadata, None)
+    }
+
+    /// Accepts a stream the peer opened, holding the ACCEPT frame back until other output is sent (the
+    /// stream's first data, another stream's, any control frame) or `send_by` comes, whichever is first: an
+    /// answer that follows the acceptance shortly (an HTTP response) then leaves in the same transport write,
+    /// and the peer is woken once instead of twice. The stream is accepted at once on our side; the peer
+    /// learns it at the latest at `send_by`, which should be well within the stream's deadline.
+    /// [`Session::poll_timeout`] includes `send_by`.
+    pub fn accept_stream_deferred(
+        &mut self,
+        id: StreamId,
+        metadata: Bytes,
+        send_by: Instant,
+    ) -> Result<(), StreamError> {
+        self.accept(id, metadata, Some(send_by))
+    }
+
+    fn accept(
+        &mut self,
+        id: StreamId,
+        metadata: Bytes,
+        send_by: Option<Instant>,
+    ) -> Result<(), StreamError> {
         if self.phase == Phase::Closed {
             return Err(StreamError::ConnectionClosed);
         }
@@ -1541,10 +1595,17 @@ impl Session {
             return Err(StreamError::InvalidState("metadata too large"));
         }
         s.answer = Answer::Accepted;
-        self.control.push_back(Frame::Accept {
+        let frame = Frame::Accept {
             stream: id,
             metadata,
-        });
+        };
+        match send_by {
+            Some(at) => {
+                self.deferred.push(frame);
+                self.deferred_due = Some(self.deferred_due.map_or(at, |due| due.min(at)));
+            }
+            None => self.control.push_back(frame),
+        }
         self.schedule(id.0);
         self.maybe_forget(id.0);
         self.after_op();
@@ -1875,6 +1936,8 @@ impl Session {
         self.phase = Phase::Closed;
         self.control
             .retain(|f| matches!(f, Frame::Hello { .. } | Frame::Settings(_)));
+        self.deferred.clear();
+        self.deferred_due = None;
         self.pending_pongs = 0;
         if let Some((code, reason)) = goaway {
             let last_stream = StreamId(self.max_peer_id);

@@ -1273,3 +1273,152 @@ fn streams_that_grew_and_stalled_leave_room_for_the_others() {
         "the new stream was stuck behind the stalled ones"
     );
 }
+
+/// Opens a stream from the client and returns its id once the server has seen it (not answered yet).
+fn offered(pair: &mut Pair) -> StreamId {
+    let now = pair.now;
+    let id = pair
+        .client
+        .session
+        .open_stream(now, kind::HTTP, Priority::Normal, None, Bytes::new())
+        .expect("open");
+    pair.run();
+    assert!(
+        pair.server
+            .take(|e| matches!(e, Event::StreamOpened { .. }))
+            .is_some()
+    );
+    id
+}
+
+fn accepts(frames: &[Frame]) -> usize {
+    frames
+        .iter()
+        .filter(|f| matches!(f, Frame::Accept { .. }))
+        .count()
+}
+
+#[test]
+fn a_deferred_accept_leaves_with_the_stream_s_first_data() {
+    let mut pair = Pair::connected();
+    let id = offered(&mut pair);
+    let sent_before = pair.server.sent.len();
+    let send_by = pair.now + Duration::from_secs(5);
+    pair.server
+        .session
+        .accept_stream_deferred(id, Bytes::from_static(b"ok"), send_by)
+        .expect("accept");
+    assert_eq!(
+        pair.server.session.stream_state(id),
+        Some(StreamState::Open),
+        "accepted on our side at once"
+    );
+    assert!(
+        pair.server
+            .session
+            .poll_timeout()
+            .is_some_and(|t| t <= send_by)
+    );
+    pair.run();
+    assert_eq!(
+        pair.server.sent.len(),
+        sent_before,
+        "nothing sent for it alone"
+    );
+    assert!(
+        !pair
+            .client
+            .has(|e| matches!(e, Event::StreamAccepted { .. }))
+    );
+
+    send_all(&mut pair, false, id, b"the response", true);
+    // One poll of the server's output: the ACCEPT comes first, the DATA right behind it.
+    let now = pair.now;
+    let first = pair.server.session.poll_transmit(now).expect("a chunk");
+    let second = pair.server.session.poll_transmit(now).expect("a chunk");
+    let mut wire = bytes::BytesMut::new();
+    wire.extend_from_slice(&first);
+    wire.extend_from_slice(&second);
+    let mut wire = wire.freeze();
+    let mut frames = Vec::new();
+    while let Some(f) = Frame::decode(&mut wire, 1 << 20).expect("decode") {
+        frames.push(f);
+    }
+    assert!(
+        matches!(
+            frames.as_slice(),
+            [Frame::Accept { stream, .. }, Frame::Data { stream: d, fin: true, .. }]
+                if *stream == id && *d == id
+        ),
+        "{frames:?}"
+    );
+}
+
+#[test]
+fn a_deferred_accept_goes_alone_at_its_time_and_any_other_frame_takes_it_along() {
+    let mut pair = Pair::connected();
+    // Nothing else to send: it goes at its time, not before.
+    let id = offered(&mut pair);
+    let send_by = pair.now + Duration::from_millis(20);
+    pair.server
+        .session
+        .accept_stream_deferred(id, Bytes::new(), send_by)
+        .expect("accept");
+    pair.advance(Duration::from_millis(19));
+    assert!(
+        !pair
+            .client
+            .has(|e| matches!(e, Event::StreamAccepted { .. }))
+    );
+    pair.advance(Duration::from_millis(2));
+    assert!(
+        pair.client
+            .take(|e| matches!(e, Event::StreamAccepted { .. }))
+            .is_some()
+    );
+
+    // A reset of the stream (the upstream failed) follows its ACCEPT, which goes at once with it.
+    let id = offered(&mut pair);
+    let send_by = pair.now + Duration::from_secs(60);
+    pair.server
+        .session
+        .accept_stream_deferred(id, Bytes::new(), send_by)
+        .expect("accept");
+    pair.server.session.reset(id, code::CANCEL);
+    pair.run();
+    let frames = pair.server.sent_frames();
+    let accept_at = frames
+        .iter()
+        .position(|f| matches!(f, Frame::Accept { stream, .. } if *stream == id));
+    let reset_at = frames
+        .iter()
+        .position(|f| matches!(f, Frame::Reset { stream, .. } if *stream == id));
+    assert!(
+        matches!((accept_at, reset_at), (Some(a), Some(r)) if a < r),
+        "{frames:?}"
+    );
+    assert!(
+        pair.client
+            .take(|e| matches!(e, Event::StreamReset { .. }))
+            .is_some()
+    );
+}
+
+#[test]
+fn a_closed_session_drops_its_deferred_accepts() {
+    let mut pair = Pair::connected();
+    let id = offered(&mut pair);
+    let send_by = pair.now + Duration::from_secs(60);
+    pair.server
+        .session
+        .accept_stream_deferred(id, Bytes::new(), send_by)
+        .expect("accept");
+    pair.server
+        .session
+        .close(code::INTERNAL_ERROR, "going down");
+    assert_eq!(pair.server.session.poll_timeout(), None);
+    pair.run();
+    let frames = pair.server.sent_frames();
+    assert_eq!(accepts(&frames), 0, "{frames:?}");
+    assert!(frames.iter().any(|f| matches!(f, Frame::GoAway { .. })));
+}

@@ -216,9 +216,29 @@ impl Incoming {
 
     /// Accepts the stream.
     pub fn accept(self, metadata: Bytes) -> Result<Stream, TunnelError> {
+        self.answer(metadata, None)
+    }
+
+    /// Accepts the stream, letting the answer wait up to `hold` (and at most half the time left before the
+    /// opener's deadline) for the stream's first bytes or other output to leave with: for a stream whose
+    /// reply follows shortly (an HTTP response), the opener then reads the answer and the reply in one
+    /// transport write instead of being woken for each. Over QUIC the answer is written at once.
+    pub fn accept_deferred(self, metadata: Bytes, hold: Duration) -> Result<Stream, TunnelError> {
+        let hold = match self.deadline {
+            Some(deadline) => {
+                // The session's clock (tokio's, which tests may pause).
+                let now = tokio::time::Instant::now().into_std();
+                hold.min(deadline.saturating_duration_since(now) / 2)
+            }
+            None => hold,
+        };
+        self.answer(metadata, Some(hold))
+    }
+
+    fn answer(self, metadata: Bytes, hold: Option<Duration>) -> Result<Stream, TunnelError> {
         Ok(Stream {
             inner: match self.inner {
-                IncomingInner::Session(i) => StreamInner::Session(i.accept(metadata)?),
+                IncomingInner::Session(i) => StreamInner::Session(i.accept(metadata, hold)?),
                 IncomingInner::Quic(i) => StreamInner::Quic(i.accept(metadata)?),
             },
         })

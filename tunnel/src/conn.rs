@@ -629,8 +629,13 @@ impl SessionIncoming {
         self.id
     }
 
-    /// Accepts the stream.
-    pub(crate) fn accept(mut self, metadata: Bytes) -> Result<SessionStream, TunnelError> {
+    /// Accepts the stream; with `hold`, the ACCEPT waits up to that long for other output to leave with
+    /// ([`tether_proto::Session::accept_stream_deferred`]).
+    pub(crate) fn accept(
+        mut self,
+        metadata: Bytes,
+        hold: Option<Duration>,
+    ) -> Result<SessionStream, TunnelError> {
         let Some(inner) = self.inner.take() else {
             return Err(TunnelError::Closed("stream already answered".to_owned()));
         };
@@ -640,7 +645,14 @@ impl SessionIncoming {
         if let Some(e) = failed {
             return Err(e);
         }
-        if let Err(e) = st.session.accept_stream(inner.id, metadata.clone()) {
+        let accepted = match hold {
+            Some(hold) => {
+                st.session
+                    .accept_stream_deferred(inner.id, metadata.clone(), now() + hold)
+            }
+            None => st.session.accept_stream(inner.id, metadata.clone()),
+        };
+        if let Err(e) = accepted {
             return Err(TunnelError::from_stream_error(e, &closed));
         }
         if let Some(slot) = st.streams.get_mut(&inner.id) {

@@ -55,6 +55,33 @@ pub(crate) async fn open_accept_and_echo_both_directions<H: Harness>() -> anyhow
     Ok(())
 }
 
+/// An answer deferred for longer than the test waits leaves with the stream's first bytes: the opener reads
+/// both, and learns the stream was accepted, as soon as the acceptor writes.
+pub(crate) async fn a_deferred_answer_leaves_with_the_first_bytes<H: Harness>() -> anyhow::Result<()>
+{
+    let p = H::pair().await?;
+    let mut stream = p.client.open(tether_tunnel::OpenOptions {
+        deadline: None,
+        ..open_options("GET /healthz")
+    })?;
+    let control = stream.control();
+    let incoming = within("accept", p.server.accept())
+        .await?
+        .context("no incoming stream")?;
+    let mut served =
+        incoming.accept_deferred(Bytes::from_static(b"ok"), Duration::from_secs(3600))?;
+    served.write_all(b"the reply").await?;
+    served.shutdown().await?;
+    let mut reply = Vec::new();
+    within("reply", stream.read_to_end(&mut reply)).await??;
+    assert_eq!(reply, b"the reply");
+    assert_eq!(
+        within("accepted", control.accepted()).await??,
+        Bytes::from_static(b"ok")
+    );
+    Ok(())
+}
+
 pub(crate) async fn eight_mib_transfer_keeps_every_byte<H: Harness>() -> anyhow::Result<()> {
     let p = H::pair().await?;
     let _server = spawn_echo_server(p.server.clone());
@@ -570,6 +597,7 @@ macro_rules! stream_cases {
     ($h:ty) => {
         stream_cases!($h;
             open_accept_and_echo_both_directions,
+            a_deferred_answer_leaves_with_the_first_bytes,
             eight_mib_transfer_keeps_every_byte,
             a_hundred_concurrent_streams,
             half_close_still_reads_the_reply,
