@@ -1169,8 +1169,6 @@ impl Session {
         if code != code::NO_ERROR && code != code::SHUTDOWN {
             // An error GOAWAY ends the connection at once.
             self.control.clear();
-            self.deferred.clear();
-            self.deferred_due = None;
             self.shut_keeping_received(Some(ConnectionError::ClosedByPeer { code, reason }));
             return;
         }
@@ -1268,8 +1266,6 @@ impl Session {
     /// Streams whose data the peer finished sending stay readable until drained; the others are failed.
     pub fn handle_transport_closed(&mut self) {
         self.control.clear();
-        self.deferred.clear();
-        self.deferred_due = None;
         self.pending_pongs = 0;
         if self.phase == Phase::Closed {
             return;
@@ -1936,6 +1932,7 @@ impl Session {
         self.phase = Phase::Closed;
         self.control
             .retain(|f| matches!(f, Frame::Hello { .. } | Frame::Settings(_)));
+        // Every ending but a drained GOAWAY comes here (that one leaves no live stream to accept).
         self.deferred.clear();
         self.deferred_due = None;
         self.pending_pongs = 0;

@@ -1274,8 +1274,8 @@ fn streams_that_grew_and_stalled_leave_room_for_the_others() {
     );
 }
 
-/// Opens a stream from the client and returns its id once the server has seen it (not answered yet).
-fn offered(pair: &mut Pair) -> StreamId {
+/// Opens a stream from the client and has the server accept it with its ACCEPT deferred for `hold`.
+fn deferred(pair: &mut Pair, metadata: &'static [u8], hold: Duration) -> StreamId {
     let now = pair.now;
     let id = pair
         .client
@@ -1288,26 +1288,19 @@ fn offered(pair: &mut Pair) -> StreamId {
             .take(|e| matches!(e, Event::StreamOpened { .. }))
             .is_some()
     );
+    pair.server
+        .session
+        .accept_stream_deferred(id, Bytes::from_static(metadata), now + hold)
+        .expect("accept");
     id
-}
-
-fn accepts(frames: &[Frame]) -> usize {
-    frames
-        .iter()
-        .filter(|f| matches!(f, Frame::Accept { .. }))
-        .count()
 }
 
 #[test]
 fn a_deferred_accept_leaves_with_the_stream_s_first_data() {
     let mut pair = Pair::connected();
-    let id = offered(&mut pair);
+    let id = deferred(&mut pair, b"ok", Duration::from_secs(5));
     let sent_before = pair.server.sent.len();
     let send_by = pair.now + Duration::from_secs(5);
-    pair.server
-        .session
-        .accept_stream_deferred(id, Bytes::from_static(b"ok"), send_by)
-        .expect("accept");
     assert_eq!(
         pair.server.session.stream_state(id),
         Some(StreamState::Open),
@@ -1358,12 +1351,7 @@ fn a_deferred_accept_leaves_with_the_stream_s_first_data() {
 fn a_deferred_accept_goes_alone_at_its_time_and_any_other_frame_takes_it_along() {
     let mut pair = Pair::connected();
     // Nothing else to send: it goes at its time, not before.
-    let id = offered(&mut pair);
-    let send_by = pair.now + Duration::from_millis(20);
-    pair.server
-        .session
-        .accept_stream_deferred(id, Bytes::new(), send_by)
-        .expect("accept");
+    deferred(&mut pair, b"", Duration::from_millis(20));
     pair.advance(Duration::from_millis(19));
     assert!(
         !pair
@@ -1378,12 +1366,7 @@ fn a_deferred_accept_goes_alone_at_its_time_and_any_other_frame_takes_it_along()
     );
 
     // A reset of the stream (the upstream failed) follows its ACCEPT, which goes at once with it.
-    let id = offered(&mut pair);
-    let send_by = pair.now + Duration::from_secs(60);
-    pair.server
-        .session
-        .accept_stream_deferred(id, Bytes::new(), send_by)
-        .expect("accept");
+    let id = deferred(&mut pair, b"", Duration::from_secs(60));
     pair.server.session.reset(id, code::CANCEL);
     pair.run();
     let frames = pair.server.sent_frames();
@@ -1407,18 +1390,16 @@ fn a_deferred_accept_goes_alone_at_its_time_and_any_other_frame_takes_it_along()
 #[test]
 fn a_closed_session_drops_its_deferred_accepts() {
     let mut pair = Pair::connected();
-    let id = offered(&mut pair);
-    let send_by = pair.now + Duration::from_secs(60);
-    pair.server
-        .session
-        .accept_stream_deferred(id, Bytes::new(), send_by)
-        .expect("accept");
+    deferred(&mut pair, b"", Duration::from_secs(60));
     pair.server
         .session
         .close(code::INTERNAL_ERROR, "going down");
     assert_eq!(pair.server.session.poll_timeout(), None);
     pair.run();
     let frames = pair.server.sent_frames();
-    assert_eq!(accepts(&frames), 0, "{frames:?}");
+    assert!(
+        !frames.iter().any(|f| matches!(f, Frame::Accept { .. })),
+        "{frames:?}"
+    );
     assert!(frames.iter().any(|f| matches!(f, Frame::GoAway { .. })));
 }
