@@ -778,63 +778,6 @@ fn encode_refuse(code: u32, reason: &str) -> Bytes {
     out.freeze()
 }
 
-/// What the first bytes of an answer make so far.
-#[derive(Debug, PartialEq, Eq)]
-enum ParsedAnswer {
-    /// The answer is this many bytes long at least; read up to there.
-    Need(usize),
-    Accepted(Bytes),
-    Refused {
-        code: u32,
-        reason: String,
-    },
-}
-
-/// Parses an ACCEPT or REFUSE from its first bytes; `buf` never holds more than the last
-/// [`ParsedAnswer::Need`] asked for, so nothing of the stream's data is taken.
-fn parse_answer(buf: &[u8], max_metadata: usize) -> Result<ParsedAnswer, &'static str> {
-    let be32 = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
-    let [version, kind, rest @ ..] = buf else {
-        return Ok(ParsedAnswer::Need(2));
-    };
-    if *version != VERSION {
-        return Err("version");
-    }
-    match *kind {
-        ANSWER_ACCEPT => {
-            if rest.len() < 4 {
-                return Ok(ParsedAnswer::Need(6));
-            }
-            let len = be32(rest) as usize;
-            if len > max_metadata {
-                return Err("metadata too large");
-            }
-            match rest.get(4..4 + len) {
-                Some(metadata) => Ok(ParsedAnswer::Accepted(Bytes::copy_from_slice(metadata))),
-                None => Ok(ParsedAnswer::Need(6 + len)),
-            }
-        }
-        ANSWER_REFUSE => {
-            if rest.len() < 6 {
-                return Ok(ParsedAnswer::Need(8));
-            }
-            let code = be32(rest);
-            let len = usize::from(u16::from_be_bytes([rest[4], rest[5]]));
-            if len > MAX_REASON {
-                return Err("reason too long");
-            }
-            match rest.get(6..6 + len) {
-                Some(reason) => Ok(ParsedAnswer::Refused {
-                    code,
-                    reason: String::from_utf8_lossy(reason).into_owned(),
-                }),
-                None => Ok(ParsedAnswer::Need(8 + len)),
-            }
-        }
-        _ => Err("answer type"),
-    }
-}
-
 fn stream_id(id: quinn::StreamId) -> StreamId {
     let n = id.index() * 2
         + match id.initiator() {
@@ -906,48 +849,6 @@ struct Shared {
     /// Wakes `closed()` waiters, once the connection has closed: every stream's task may wait there, so it is
     /// not woken at each new stream (see the WebSocket transport's `Shared`).
     closed_notify: Notify,
-    /// Answers waiting to leave with their stream's first bytes, by due time.
-    deferred: Mutex<DeferredAnswers>,
-    /// Wakes the task that writes deferred answers when one is due sooner than it waits for.
-    deferred_notify: Notify,
-}
-
-/// Answers held back by [`QuicIncoming::accept`] with a hold: each leaves with its stream's first write, or at
-/// its due time from one task per connection (started with the first deferred answer), so that a stream costs
-/// no timer or task of its own. The heap holds at most the answers of the last hold's worth of streams.
-#[derive(Default)]
-struct DeferredAnswers {
-    heap: std::collections::BinaryHeap<DeferredAnswer>,
-    /// Keeps the order of answers due at the same instant.
-    seq: u64,
-    task_started: bool,
-}
-
-struct DeferredAnswer {
-    due: tokio::time::Instant,
-    seq: u64,
-    stream: std::sync::Weak<StreamShared>,
-}
-
-impl PartialEq for DeferredAnswer {
-    fn eq(&self, other: &Self) -> bool {
-        (self.due, self.seq) == (other.due, other.seq)
-    }
-}
-
-impl Eq for DeferredAnswer {}
-
-impl PartialOrd for DeferredAnswer {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for DeferredAnswer {
-    /// Reversed: the heap's top is the answer due first.
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (other.due, other.seq).cmp(&(self.due, self.seq))
-    }
 }
 
 impl Shared {
@@ -1020,31 +921,6 @@ impl Shared {
         self.notify.notify_waiters();
     }
 
-    /// Holds `ss`'s answer back for up to `hold`: it leaves with the stream's first write, or then.
-    fn defer(self: &Arc<Self>, ss: &Arc<StreamShared>, hold: Duration) {
-        let due = tokio::time::Instant::now() + hold;
-        let mut q = lock(&self.deferred);
-        let sooner = q.heap.peek().is_none_or(|next| due < next.due);
-        q.seq += 1;
-        let seq = q.seq;
-        q.heap.push(DeferredAnswer {
-            due,
-            seq,
-            stream: Arc::downgrade(ss),
-        });
-        let start = !std::mem::replace(&mut q.task_started, true);
-        drop(q);
-        if start {
-            if spawn(write_deferred(self.clone())).is_none() {
-                // No runtime to time it: the answer goes now.
-                lock(&self.deferred).task_started = false;
-                ss.write_head();
-            }
-        } else if sooner {
-            self.deferred_notify.notify_one();
-        }
-    }
-
     fn queue(&self, send: SendStream, recv: RecvStream, header: Header) {
         let mut st = self.lock();
         if st.going_away || st.closed.is_some() {
@@ -1060,39 +936,6 @@ impl Shared {
         });
         drop(st);
         self.notify.notify_waiters();
-    }
-}
-
-/// Writes deferred answers as they fall due (those whose stream wrote first are gone already, or find their
-/// head written), until the connection closes.
-async fn write_deferred(shared: Arc<Shared>) {
-    let closed = shared.conn.closed();
-    tokio::pin!(closed);
-    let mut due = Vec::new();
-    loop {
-        let notified = shared.deferred_notify.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        let next = {
-            let now = tokio::time::Instant::now();
-            let mut q = lock(&shared.deferred);
-            while q.heap.peek().is_some_and(|next| next.due <= now) {
-                if let Some(answer) = q.heap.pop() {
-                    due.push(answer.stream);
-                }
-            }
-            q.heap.peek().map(|next| next.due)
-        };
-        for stream in due.drain(..) {
-            if let Some(ss) = stream.upgrade() {
-                ss.write_head();
-            }
-        }
-        tokio::select! {
-            _ = &mut closed => return,
-            () = &mut notified => {}
-            () = tokio::time::sleep_until(next.unwrap_or_else(tokio::time::Instant::now)), if next.is_some() => {}
-        }
     }
 }
 
@@ -1156,8 +999,6 @@ impl QuicConnection {
             }),
             notify: Notify::new(),
             closed_notify: Notify::new(),
-            deferred: Mutex::new(DeferredAnswers::default()),
-            deferred_notify: Notify::new(),
         });
         tokio::spawn(accept_streams(shared.clone()));
         tokio::spawn(watch_session(shared.clone(), session_recv));
@@ -1201,17 +1042,12 @@ impl QuicConnection {
         }
         let head = encode_open(&options);
         let ss = StreamShared::new(self.handle.clone(), send, recv, head, Answer::Pending);
-        if let Some(d) = options.deadline {
-            ss.halves().answer_deadline = Some((tokio::time::Instant::now() + d, d));
-        }
-        // No task per stream: the header is written here (a task finishes it only if it does not fit), and the
-        // answer is read by whoever waits for it — the reader or `accepted` — under the stream's deadline.
-        ss.write_head();
+        let task = spawn(drive_open(ss.clone(), options.deadline));
+        lock(&ss.inner).task = task;
         Ok(QuicStream {
             ss,
             finished: false,
             eof: false,
-            answer_timer: None,
         })
     }
 
@@ -1442,13 +1278,6 @@ struct Halves {
     head: Bytes,
     head_waiter: Option<Waker>,
     answer: Answer,
-    /// The answer's bytes read so far (an opened stream's, while it is pending).
-    answer_read: Vec<u8>,
-    /// When an opened stream's answer is due, and its deadline.
-    answer_deadline: Option<(tokio::time::Instant, Duration)>,
-    /// [`QuicStreamControl::accepted`] calls waiting for the answer (they time it; a reader times it only
-    /// when none is).
-    answer_watchers: usize,
     /// A reader waiting for the answer.
     answer_waiter: Option<Waker>,
     /// The reader and writer last left pending by quinn: a local reset must wake them, quinn does not.
@@ -1458,7 +1287,7 @@ struct Halves {
     failed: Option<TunnelError>,
     /// Our direction was finished.
     finished: bool,
-    /// The task finishing the head's write, when it did not fit at once.
+    /// The task writing the head / waiting for the answer.
     task: Option<AbortHandle>,
     guard: Option<OpenGuard>,
 }
@@ -1523,9 +1352,6 @@ impl StreamShared {
                 head,
                 head_waiter: None,
                 answer,
-                answer_read: Vec::new(),
-                answer_deadline: None,
-                answer_watchers: 0,
                 answer_waiter: None,
                 read_waiter: None,
                 write_waiter: None,
@@ -1564,10 +1390,8 @@ impl StreamShared {
         }
     }
 
-    /// Writes the head (header or answer); wakes writers waiting behind it once done. `writer`: the stream's
-    /// writer drives it (its waker is kept, and a task finishing the head is no longer needed); otherwise the
-    /// task that finishes it, or a deferred answer's time.
-    fn poll_head(&self, cx: &mut Context<'_>, writer: bool) -> Poll<Result<(), TunnelError>> {
+    /// Writes the head (header or answer); wakes writers waiting behind it once done.
+    fn poll_head(&self, cx: &mut Context<'_>) -> Poll<Result<(), TunnelError>> {
         let mut h = self.halves();
         if let Some(e) = &h.failed {
             return Poll::Ready(Err(e.clone()));
@@ -1581,143 +1405,101 @@ impl StreamShared {
                     h.fail(error.clone(), code);
                     return Poll::Ready(Err(error));
                 }
-                Poll::Pending => {
-                    // quinn keeps one waker: whoever finishes the head wakes the writer.
-                    if writer {
-                        h.head_waiter = Some(cx.waker().clone());
-                    }
-                    return Poll::Pending;
-                }
+                Poll::Pending => return Poll::Pending,
             }
         }
         if let Some(w) = h.head_waiter.take() {
             w.wake();
         }
-        if writer && let Some(task) = h.task.take() {
-            task.abort();
-        }
         Poll::Ready(Ok(()))
     }
 
-    /// Writes the head now if it fits (it nearly always does); otherwise a task finishes it and then wakes
-    /// whoever waits behind it.
-    fn write_head(self: &Arc<Self>) {
-        if self
-            .poll_head(&mut Context::from_waker(Waker::noop()), false)
-            .is_pending()
-        {
-            let writer = self.clone();
-            let task = spawn(async move {
-                if std::future::poll_fn(|cx| writer.poll_head(cx, false))
-                    .await
-                    .is_ok()
-                {
-                    if let Some(w) = writer.halves().answer_waiter.take() {
-                        w.wake();
+    /// Reads exactly `n` bytes of the answer.
+    async fn read_exact(&self, n: usize) -> Result<Vec<u8>, TunnelError> {
+        let mut buf = vec![0u8; n];
+        let mut filled = 0;
+        std::future::poll_fn(|cx| {
+            let mut h = self.halves();
+            while filled < n {
+                match h.recv.poll_read(cx, &mut buf[filled..]) {
+                    Poll::Ready(Ok(0)) => {
+                        let e = TunnelError::Reset(code::PROTOCOL_ERROR);
+                        h.fail(e.clone(), code::PROTOCOL_ERROR);
+                        return Poll::Ready(Err(e));
                     }
-                    writer.answered.notify_waiters();
+                    Poll::Ready(Ok(k)) => filled += k,
+                    Poll::Ready(Err(e)) => {
+                        let (error, code) = self.read_error(e);
+                        h.fail(error.clone(), code);
+                        return Poll::Ready(Err(error));
+                    }
+                    Poll::Pending => return Poll::Pending,
                 }
-            });
-            self.halves().task = task;
+            }
+            Poll::Ready(Ok(()))
+        })
+        .await?;
+        Ok(buf)
+    }
+
+    /// Reads the acceptor's ACCEPT or REFUSE.
+    async fn read_answer(&self) -> Result<Bytes, TunnelError> {
+        let malformed = |why: &str| {
+            tracing::debug!(why, "malformed QUIC stream answer");
+            TunnelError::Reset(code::PROTOCOL_ERROR)
+        };
+        let head = self.read_exact(2).await?;
+        if head[0] != VERSION {
+            return Err(malformed("version"));
+        }
+        match head[1] {
+            ANSWER_ACCEPT => {
+                let len = self.read_exact(4).await?;
+                let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+                if len > self.conn.config.max_metadata {
+                    return Err(malformed("metadata too large"));
+                }
+                Ok(Bytes::from(self.read_exact(len).await?))
+            }
+            ANSWER_REFUSE => {
+                let fixed = self.read_exact(6).await?;
+                let code = u32::from_be_bytes([fixed[0], fixed[1], fixed[2], fixed[3]]);
+                let len = usize::from(u16::from_be_bytes([fixed[4], fixed[5]]));
+                if len > MAX_REASON {
+                    return Err(malformed("reason too long"));
+                }
+                let reason = self.read_exact(len).await?;
+                Err(TunnelError::Refused {
+                    code,
+                    reason: String::from_utf8_lossy(&reason).into_owned(),
+                })
+            }
+            _ => Err(malformed("answer type")),
         }
     }
 
-    /// Drives an opened stream's start: once its header is out, reads the peer's ACCEPT or REFUSE — its bytes
-    /// only, what follows is the stream's data. Called by whoever waits for the answer (the reader, or
-    /// [`QuicStreamControl::accepted`]); `register`: leave the caller's waker to be woken when the answer is in
-    /// (the reader; `accepted` listens to [`StreamShared::answered`] instead). Each caller also registers with
-    /// quinn, which keeps the last one only: whoever completes the answer wakes the others.
-    fn poll_answer(
-        &self,
-        cx: &mut Context<'_>,
-        register: bool,
-    ) -> Poll<Result<Bytes, TunnelError>> {
-        let mut guard = self.halves();
-        let h = &mut *guard;
-        match &h.answer {
-            Answer::Accepted(metadata) => return Poll::Ready(Ok(metadata.clone())),
-            Answer::Failed(e) => return Poll::Ready(Err(e.clone())),
-            Answer::Pending => {}
-        }
-        if let Some(e) = &h.failed {
-            return Poll::Ready(Err(e.clone()));
-        }
-        if !h.head.is_empty() {
-            // The task writing the header wakes us when it is out.
-            if register {
-                h.answer_waiter = Some(cx.waker().clone());
-            }
-            return Poll::Pending;
-        }
-        let failed = |h: &mut Halves, error: TunnelError, code: u32| {
-            h.answer_read = Vec::new();
-            h.fail(error.clone(), code);
-            Poll::Ready(Err(error))
-        };
-        let result = loop {
-            let need = match parse_answer(&h.answer_read, self.conn.config.max_metadata) {
-                Ok(ParsedAnswer::Need(n)) => n,
-                Ok(ParsedAnswer::Accepted(metadata)) => {
-                    h.answer_read = Vec::new();
-                    h.answer = Answer::Accepted(metadata.clone());
-                    // (Not our own task again: the reader is usually polled beside `accepted`.)
-                    if let Some(w) = h.answer_waiter.take()
-                        && !w.will_wake(cx.waker())
-                    {
-                        w.wake();
-                    }
-                    break Poll::Ready(Ok(metadata));
-                }
-                Ok(ParsedAnswer::Refused { code, reason }) => {
-                    break failed(h, TunnelError::Refused { code, reason }, code);
-                }
-                Err(why) => {
-                    tracing::debug!(why, "malformed QUIC stream answer");
-                    let e = TunnelError::Reset(code::PROTOCOL_ERROR);
-                    break failed(h, e, code::PROTOCOL_ERROR);
-                }
-            };
-            let have = h.answer_read.len();
-            h.answer_read.resize(need, 0);
-            match h.recv.poll_read(cx, &mut h.answer_read[have..]) {
-                Poll::Ready(Ok(0)) => {
-                    tracing::debug!("QUIC stream ended inside its answer");
-                    let e = TunnelError::Reset(code::PROTOCOL_ERROR);
-                    break failed(h, e, code::PROTOCOL_ERROR);
-                }
-                Poll::Ready(Ok(k)) => h.answer_read.truncate(have + k),
-                Poll::Ready(Err(e)) => {
-                    let (error, code) = self.read_error(e);
-                    break failed(h, error, code);
-                }
-                Poll::Pending => {
-                    h.answer_read.truncate(have);
-                    if register {
-                        h.answer_waiter = Some(cx.waker().clone());
-                    }
-                    return Poll::Pending;
-                }
-            }
-        };
-        drop(guard);
-        self.answered.notify_waiters();
-        result
-    }
-
-    /// The answer was not in by the stream's deadline `d`: the stream fails with [`TunnelError::TimedOut`]
-    /// and is reset with TIMEOUT (unless the answer came in meanwhile).
-    fn time_out(&self, d: Duration) -> Result<Bytes, TunnelError> {
+    fn set_answer(&self, result: Result<Bytes, TunnelError>) {
         let mut h = self.halves();
-        match &h.answer {
-            Answer::Accepted(metadata) => return Ok(metadata.clone()),
-            Answer::Failed(e) => return Err(e.clone()),
-            Answer::Pending => {}
+        h.task = None;
+        match result {
+            Ok(metadata) => {
+                if matches!(h.answer, Answer::Pending) {
+                    h.answer = Answer::Accepted(metadata);
+                }
+                h.wake();
+            }
+            Err(e) => {
+                let code = match &e {
+                    TunnelError::TimedOut(_) => code::TIMEOUT,
+                    TunnelError::Refused { code, .. } => *code,
+                    TunnelError::Reset(c) => *c,
+                    _ => code::CANCEL,
+                };
+                h.fail(e, code);
+            }
         }
-        let e = TunnelError::TimedOut(d);
-        h.fail(e.clone(), code::TIMEOUT);
         drop(h);
         self.answered.notify_waiters();
-        Err(e)
     }
 
     fn reset(&self, code: u32) {
@@ -1755,13 +1537,25 @@ impl Drop for StreamShared {
     }
 }
 
+async fn drive_open(ss: Arc<StreamShared>, deadline: Option<Duration>) {
+    let work = async {
+        std::future::poll_fn(|cx| ss.poll_head(cx)).await?;
+        ss.read_answer().await
+    };
+    let result = match deadline {
+        Some(d) => tokio::time::timeout(d, work)
+            .await
+            .unwrap_or(Err(TunnelError::TimedOut(d))),
+        None => work.await,
+    };
+    ss.set_answer(result);
+}
+
 /// The QUIC side of [`crate::Stream`].
 pub(crate) struct QuicStream {
     ss: Arc<StreamShared>,
     finished: bool,
     eof: bool,
-    /// The stream's deadline, armed when the reader waits for the answer with no `accepted` timing it.
-    answer_timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl QuicStream {
@@ -1797,13 +1591,8 @@ impl QuicStream {
         }
         match &h.answer {
             Answer::Pending => {
-                drop(h);
-                match self.ss.poll_answer(cx, true) {
-                    Poll::Ready(Ok(_)) => {}
-                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
-                    Poll::Pending => return self.poll_deadline(cx),
-                }
-                h = self.ss.halves();
+                h.answer_waiter = Some(cx.waker().clone());
+                return Poll::Pending;
             }
             Answer::Failed(e) => return Poll::Ready(Err(e.clone().into())),
             Answer::Accepted(_) => {}
@@ -1832,35 +1621,6 @@ impl QuicStream {
         }
     }
 
-    /// The reader waits for the answer: past the stream's deadline it fails, unless an `accepted` call times
-    /// the answer already (when that call goes, it wakes the reader, which then times it here).
-    fn poll_deadline(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let (watchers, deadline) = {
-            let h = self.ss.halves();
-            (h.answer_watchers, h.answer_deadline)
-        };
-        let Some((at, d)) = deadline else {
-            return Poll::Pending;
-        };
-        if watchers > 0 {
-            return Poll::Pending;
-        }
-        let timer = self
-            .answer_timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
-        if timer.as_mut().poll(cx).is_pending() {
-            return Poll::Pending;
-        }
-        match self.ss.time_out(d) {
-            Err(e) => Poll::Ready(Err(e.into())),
-            // The answer came in meanwhile: read on.
-            Ok(_) => {
-                cx.waker().wake_by_ref();
-                Poll::Pending
-            }
-        }
-    }
-
     pub(crate) fn poll_write(
         &mut self,
         cx: &mut Context<'_>,
@@ -1883,12 +1643,8 @@ impl QuicStream {
             return Poll::Ready(Err(e.clone().into()));
         }
         if !h.head.is_empty() {
-            // The head goes first (a deferred answer leaves with these bytes).
-            drop(h);
-            if let Err(e) = std::task::ready!(self.ss.poll_head(cx, true)) {
-                return Poll::Ready(Err(e.into()));
-            }
-            h = self.ss.halves();
+            h.head_waiter = Some(cx.waker().clone());
+            return Poll::Pending;
         }
         match Pin::new(&mut h.send).poll_write(cx, buf) {
             Poll::Ready(Ok(n)) => Poll::Ready(Ok(n)),
@@ -1915,11 +1671,8 @@ impl QuicStream {
             return Poll::Ready(Err(e.clone().into()));
         }
         if !h.head.is_empty() {
-            drop(h);
-            if let Err(e) = std::task::ready!(self.ss.poll_head(cx, true)) {
-                return Poll::Ready(Err(e.into()));
-            }
-            h = self.ss.halves();
+            h.head_waiter = Some(cx.waker().clone());
+            return Poll::Pending;
         }
         match h.send.finish() {
             Ok(()) => {
@@ -1951,36 +1704,17 @@ impl QuicStreamControl {
         self.ss.id
     }
 
-    /// The peer's answer, read here if no reader has read it yet, within the stream's deadline.
     pub(crate) async fn accepted(&self) -> Result<Bytes, TunnelError> {
-        let ss = &*self.ss;
-        let deadline = {
-            let mut h = ss.halves();
-            h.answer_watchers += 1;
-            h.answer_deadline
-        };
-        let _watching = Watching(ss);
-        let answer = async {
-            loop {
-                let notified = ss.answered.notified();
-                tokio::pin!(notified);
-                notified.as_mut().enable();
-                let polled = std::future::poll_fn(|cx| match ss.poll_answer(cx, false) {
-                    Poll::Ready(result) => Poll::Ready(Some(result)),
-                    Poll::Pending => notified.as_mut().poll(cx).map(|()| None),
-                })
-                .await;
-                if let Some(result) = polled {
-                    return result;
-                }
+        loop {
+            let notified = self.ss.answered.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match &self.ss.halves().answer {
+                Answer::Accepted(metadata) => return Ok(metadata.clone()),
+                Answer::Failed(e) => return Err(e.clone()),
+                Answer::Pending => {}
             }
-        };
-        match deadline {
-            Some((at, d)) => match tokio::time::timeout_at(at, answer).await {
-                Ok(result) => result,
-                Err(_) => ss.time_out(d),
-            },
-            None => answer.await,
+            notified.await;
         }
     }
 
@@ -2025,20 +1759,6 @@ impl QuicStreamControl {
     }
 }
 
-/// An [`QuicStreamControl::accepted`] call waiting for the answer. When it goes, a reader that left the
-/// answer to it is woken to time it (and to register with quinn again).
-struct Watching<'a>(&'a StreamShared);
-
-impl Drop for Watching<'_> {
-    fn drop(&mut self) {
-        let mut h = self.0.halves();
-        h.answer_watchers = h.answer_watchers.saturating_sub(1);
-        if let Some(w) = h.answer_waiter.take() {
-            w.wake();
-        }
-    }
-}
-
 /// The QUIC side of [`crate::Incoming`].
 pub(crate) struct QuicIncoming {
     pub(crate) kind: u16,
@@ -2052,13 +1772,7 @@ pub(crate) struct QuicIncoming {
 }
 
 impl QuicIncoming {
-    /// Accepts the stream; with `hold`, the answer waits up to that long to leave with the stream's first
-    /// bytes (the caller has capped it by the opener's deadline).
-    pub(crate) fn accept(
-        mut self,
-        metadata: Bytes,
-        hold: Option<Duration>,
-    ) -> Result<QuicStream, TunnelError> {
+    pub(crate) fn accept(mut self, metadata: Bytes) -> Result<QuicStream, TunnelError> {
         let Some((send, recv)) = self.parts.take() else {
             return Err(TunnelError::Closed("stream already answered".to_owned()));
         };
@@ -2076,16 +1790,21 @@ impl QuicIncoming {
             head,
             Answer::Accepted(metadata),
         );
-        match hold {
-            Some(hold) if !hold.is_zero() => self.handle.shared.defer(&ss, hold),
-            // The answer nearly always fits at once; a task finishes it otherwise.
-            _ => ss.write_head(),
+        // The answer nearly always fits at once; a task finishes it otherwise.
+        if ss
+            .poll_head(&mut Context::from_waker(Waker::noop()))
+            .is_pending()
+        {
+            let writer = ss.clone();
+            let task = spawn(async move {
+                let _ = std::future::poll_fn(|cx| writer.poll_head(cx)).await;
+            });
+            ss.halves().task = task;
         }
         Ok(QuicStream {
             ss,
             finished: false,
             eof: false,
-            answer_timer: None,
         })
     }
 
@@ -2101,57 +1820,5 @@ impl Drop for QuicIncoming {
         if let Some((send, recv)) = self.parts.take() {
             refuse_parts(send, recv, code::REFUSED, "not accepted");
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_answer_is_parsed_from_its_first_bytes_and_no_further() {
-        let accept = encode_accept(&Bytes::from_static(b"meta"));
-        let refuse = encode_refuse(code::REFUSED, "full");
-        for (wire, whole) in [
-            (&accept, ParsedAnswer::Accepted(Bytes::from_static(b"meta"))),
-            (
-                &refuse,
-                ParsedAnswer::Refused {
-                    code: code::REFUSED,
-                    reason: "full".to_owned(),
-                },
-            ),
-        ] {
-            // Byte by byte, as the reader reads it: each step asks for no more than the answer holds.
-            let mut have = 0;
-            let parsed = loop {
-                match parse_answer(&wire[..have], 64) {
-                    Ok(ParsedAnswer::Need(n)) => {
-                        assert!(n > have && n <= wire.len(), "{n} after {have}");
-                        have += 1;
-                    }
-                    other => break other,
-                }
-            };
-            assert_eq!(have, wire.len());
-            assert_eq!(parsed, Ok(whole));
-        }
-    }
-
-    #[test]
-    fn a_malformed_answer_is_an_error() {
-        assert_eq!(parse_answer(&[9, 0], 64), Err("version"));
-        assert_eq!(parse_answer(&[VERSION, 7], 64), Err("answer type"));
-        assert_eq!(
-            parse_answer(&encode_accept(&Bytes::from(vec![0u8; 65])), 64),
-            Err("metadata too large")
-        );
-        let mut long = vec![VERSION, ANSWER_REFUSE, 0, 0, 0, 1];
-        long.extend_from_slice(
-            &u16::try_from(MAX_REASON + 1)
-                .unwrap_or(u16::MAX)
-                .to_be_bytes(),
-        );
-        assert_eq!(parse_answer(&long, 64), Err("reason too long"));
     }
 }

@@ -16,10 +16,7 @@ use common::{Harness, Pair, open_options, round_trip, spawn_echo_server, within}
 use http::{HeaderMap, HeaderValue};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tether_tunnel::quic::{self, Listener, PendingTunnel, QuicError};
-use tether_tunnel::{
-    Connection, ConnectionError, Role, SessionConfig, TransportKind, TunnelError, code,
-};
-use tokio::io::AsyncReadExt as _;
+use tether_tunnel::{Connection, ConnectionError, Role, SessionConfig, TransportKind, code};
 use tokio::net::UdpSocket;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -262,11 +259,6 @@ async fn quic_handles_can_move_between_tasks() -> anyhow::Result<()> {
 #[tokio::test]
 async fn unanswered_stream_times_out_at_its_deadline() -> anyhow::Result<()> {
     common::cases::unanswered_stream_times_out_at_its_deadline::<Quic>().await
-}
-
-#[tokio::test]
-async fn a_lone_reader_times_out_at_the_deadline() -> anyhow::Result<()> {
-    common::cases::a_lone_reader_times_out_at_the_deadline::<Quic>().await
 }
 
 #[tokio::test]
@@ -642,113 +634,6 @@ async fn a_header_that_arrives_in_pieces_is_read_whole() -> anyhow::Result<()> {
         .await?
         .context("no stream")?;
     assert_eq!(second.metadata, &b"split"[..]);
-    Ok(())
-}
-
-/// Deferred answers with nothing to leave with go on their own at their hold (one task per connection times
-/// them, in due order whatever order they came in), and before the opener's deadline when that is sooner.
-#[tokio::test]
-async fn deferred_answers_with_nothing_to_carry_them_go_when_their_holds_end() -> anyhow::Result<()>
-{
-    let p = Quic::pair().await?;
-    let mut waiting = Vec::new();
-    for (deadline, hold, not_before) in [
-        (None, 600, 600),
-        (None, 200, 200),
-        // Cut to half the time left when it is accepted: a little under a second.
-        (Some(2_000), 3_600_000, 900),
-        (None, 400, 400),
-    ] {
-        let stream = p.client.open(tether_tunnel::OpenOptions {
-            deadline: deadline.map(Duration::from_millis),
-            ..open_options("GET /slow")
-        })?;
-        let control = stream.control();
-        let incoming = within("accept", p.server.accept())
-            .await?
-            .context("no incoming stream")?;
-        let start = tokio::time::Instant::now();
-        let served =
-            incoming.accept_deferred(Bytes::from_static(b"later"), Duration::from_millis(hold))?;
-        waiting.push(tokio::spawn(async move {
-            let answer = control.accepted().await;
-            (answer, start.elapsed(), hold, not_before, stream, served)
-        }));
-    }
-    for task in waiting {
-        let (answer, took, hold, not_before, _stream, _served) = within("accepted", task).await??;
-        // Accepted, not timed out: a hold past the deadline was cut to half the time left.
-        assert_eq!(answer?, Bytes::from_static(b"later"), "hold {hold} ms");
-        assert!(
-            took >= Duration::from_millis(not_before),
-            "hold {hold} ms: answered after {took:?}"
-        );
-    }
-    Ok(())
-}
-
-/// The opener reads the peer's answer where it waits for it, with no task of its own: an ACCEPT or a REFUSE
-/// that arrives in pieces is read whole, and none of the data behind it is taken, whether `accepted` (in
-/// another task) or the reader gets to it first.
-#[tokio::test]
-async fn an_answer_that_arrives_in_pieces_is_read_whole() -> anyhow::Result<()> {
-    let (_relay, conn, server) = raw_tunnel(SessionConfig::new(Role::Server)).await?;
-    // Our (raw) side answers; "whole" streams from it show the tunnel has read what was sent before them.
-    let sent_before = |n: u8| {
-        let conn = conn.clone();
-        let server = server.clone();
-        async move {
-            let (mut send, _recv) = conn.open_bi().await?;
-            send.write_all(&header(1, 1, 1, &[n])).await?;
-            let incoming = within("accept", server.accept())
-                .await?
-                .context("no stream")?;
-            anyhow::ensure!(incoming.metadata == [n][..]);
-            Ok::<_, anyhow::Error>(())
-        }
-    };
-
-    let mut stream = server.open(open_options("accept me"))?;
-    let control = stream.control();
-    let accepted = tokio::spawn(async move { control.accepted().await });
-    let (mut send, mut recv) = within("stream", conn.accept_bi()).await??;
-    let mut head = vec![0u8; 12 + "accept me".len()];
-    within("header", recv.read_exact(&mut head)).await??;
-    let answer = [&[1u8, 0, 0, 0, 0, 3][..], b"abc"].concat();
-    send.write_all(&answer[..1]).await?;
-    sent_before(1).await?;
-    send.write_all(&answer[1..4]).await?;
-    sent_before(2).await?;
-    send.write_all(&[&answer[4..], &b"the data"[..]].concat())
-        .await?;
-    send.finish()?;
-    let mut data = Vec::new();
-    within("data", stream.read_to_end(&mut data)).await??;
-    assert_eq!(data, b"the data");
-    assert_eq!(within("accepted", accepted).await???, &b"abc"[..]);
-
-    let mut stream = server.open(open_options("refuse me"))?;
-    let (mut send, mut recv) = within("stream", conn.accept_bi()).await??;
-    let mut head = vec![0u8; 12 + "refuse me".len()];
-    within("header", recv.read_exact(&mut head)).await??;
-    let mut refusal = vec![1u8, 1];
-    refusal.extend_from_slice(&code::REFUSED.to_be_bytes());
-    refusal.extend_from_slice(&7u16.to_be_bytes());
-    refusal.extend_from_slice(b"go away");
-    send.write_all(&refusal[..5]).await?;
-    sent_before(3).await?;
-    send.write_all(&refusal[5..]).await?;
-    let mut data = Vec::new();
-    let err = within("refusal", stream.read_to_end(&mut data))
-        .await?
-        .err()
-        .context("expected a refusal")?;
-    let err = common::tunnel_error(&err).context("not a tunnel error")?;
-    assert!(
-        matches!(&err, TunnelError::Refused { code: c, reason } if *c == code::REFUSED && reason == "go away"),
-        "{err:?}"
-    );
-    assert!(data.is_empty());
     Ok(())
 }
 
