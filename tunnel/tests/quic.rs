@@ -16,7 +16,10 @@ use common::{Harness, Pair, open_options, round_trip, spawn_echo_server, within}
 use http::{HeaderMap, HeaderValue};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tether_tunnel::quic::{self, Listener, PendingTunnel, QuicError};
-use tether_tunnel::{Connection, ConnectionError, Role, SessionConfig, TransportKind, code};
+use tether_tunnel::{
+    Connection, ConnectionError, Role, SessionConfig, TransportKind, TunnelError, code,
+};
+use tokio::io::AsyncReadExt as _;
 use tokio::net::UdpSocket;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -259,6 +262,11 @@ async fn quic_handles_can_move_between_tasks() -> anyhow::Result<()> {
 #[tokio::test]
 async fn unanswered_stream_times_out_at_its_deadline() -> anyhow::Result<()> {
     common::cases::unanswered_stream_times_out_at_its_deadline::<Quic>().await
+}
+
+#[tokio::test]
+async fn a_lone_reader_times_out_at_the_deadline() -> anyhow::Result<()> {
+    common::cases::a_lone_reader_times_out_at_the_deadline::<Quic>().await
 }
 
 #[tokio::test]
@@ -634,6 +642,70 @@ async fn a_header_that_arrives_in_pieces_is_read_whole() -> anyhow::Result<()> {
         .await?
         .context("no stream")?;
     assert_eq!(second.metadata, &b"split"[..]);
+    Ok(())
+}
+
+/// An ACCEPT or a REFUSE that arrives in pieces is read whole by the opener, and none of the data behind it
+/// is taken; `accepted` (in another task) and the reader both learn the answer.
+#[tokio::test]
+async fn an_answer_that_arrives_in_pieces_is_read_whole() -> anyhow::Result<()> {
+    let (_relay, conn, server) = raw_tunnel(SessionConfig::new(Role::Server)).await?;
+    // Our (raw) side answers; "whole" streams from it show the tunnel has read what was sent before them.
+    let sent_before = |n: u8| {
+        let conn = conn.clone();
+        let server = server.clone();
+        async move {
+            let (mut send, _recv) = conn.open_bi().await?;
+            send.write_all(&header(1, 1, 1, &[n])).await?;
+            let incoming = within("accept", server.accept())
+                .await?
+                .context("no stream")?;
+            anyhow::ensure!(incoming.metadata == [n][..]);
+            Ok::<_, anyhow::Error>(())
+        }
+    };
+
+    let mut stream = server.open(open_options("accept me"))?;
+    let control = stream.control();
+    let accepted = tokio::spawn(async move { control.accepted().await });
+    let (mut send, mut recv) = within("stream", conn.accept_bi()).await??;
+    let mut head = vec![0u8; 12 + "accept me".len()];
+    within("header", recv.read_exact(&mut head)).await??;
+    let answer = [&[1u8, 0, 0, 0, 0, 3][..], b"abc"].concat();
+    send.write_all(&answer[..1]).await?;
+    sent_before(1).await?;
+    send.write_all(&answer[1..4]).await?;
+    sent_before(2).await?;
+    send.write_all(&[&answer[4..], &b"the data"[..]].concat())
+        .await?;
+    send.finish()?;
+    let mut data = Vec::new();
+    within("data", stream.read_to_end(&mut data)).await??;
+    assert_eq!(data, b"the data");
+    assert_eq!(within("accepted", accepted).await???, &b"abc"[..]);
+
+    let mut stream = server.open(open_options("refuse me"))?;
+    let (mut send, mut recv) = within("stream", conn.accept_bi()).await??;
+    let mut head = vec![0u8; 12 + "refuse me".len()];
+    within("header", recv.read_exact(&mut head)).await??;
+    let mut refusal = vec![1u8, 1];
+    refusal.extend_from_slice(&code::REFUSED.to_be_bytes());
+    refusal.extend_from_slice(&7u16.to_be_bytes());
+    refusal.extend_from_slice(b"go away");
+    send.write_all(&refusal[..5]).await?;
+    sent_before(3).await?;
+    send.write_all(&refusal[5..]).await?;
+    let mut data = Vec::new();
+    let err = within("refusal", stream.read_to_end(&mut data))
+        .await?
+        .err()
+        .context("expected a refusal")?;
+    let err = common::tunnel_error(&err).context("not a tunnel error")?;
+    assert!(
+        matches!(&err, TunnelError::Refused { code: c, reason } if *c == code::REFUSED && reason == "go away"),
+        "{err:?}"
+    );
+    assert!(data.is_empty());
     Ok(())
 }
 

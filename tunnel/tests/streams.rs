@@ -18,6 +18,11 @@ async fn unanswered_stream_times_out_at_its_deadline() -> anyhow::Result<()> {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_lone_reader_times_out_at_the_deadline() -> anyhow::Result<()> {
+    common::cases::a_lone_reader_times_out_at_the_deadline::<Ws>().await
+}
+
+#[tokio::test(start_paused = true)]
 async fn idle_connection_stays_up_through_keepalives() -> anyhow::Result<()> {
     common::cases::idle_connection_stays_up_through_keepalives::<Ws>().await
 }

@@ -294,6 +294,26 @@ pub(crate) async fn unanswered_stream_times_out_at_its_deadline<H: Harness>() ->
     Ok(())
 }
 
+/// A reader waiting for the answer, with no `accepted` call to time it, still fails at the stream's deadline.
+pub(crate) async fn a_lone_reader_times_out_at_the_deadline<H: Harness>() -> anyhow::Result<()> {
+    let p = H::pair().await?;
+    let mut options = open_options("nobody answers");
+    options.deadline = Some(Duration::from_secs(2));
+    let mut stream = p.client.open(options)?;
+    // The server never calls accept(); virtual time runs to the deadline where the transport allows it.
+    let mut buf = Vec::new();
+    let err = within("read", stream.read_to_end(&mut buf))
+        .await?
+        .err()
+        .context("expected a timeout")?;
+    let err = tunnel_error(&err).with_context(|| format!("not a tunnel error: {err:?}"))?;
+    assert!(
+        matches!(err, TunnelError::TimedOut(d) if d == Duration::from_secs(2)),
+        "{err:?}"
+    );
+    Ok(())
+}
+
 pub(crate) async fn go_away_by_the_server_drains_open_streams_then_closes<H: Harness>()
 -> anyhow::Result<()> {
     go_away_drains::<H>(true).await
