@@ -38,6 +38,10 @@ pub struct CommonArgs {
     /// How rathole's client and server talk.
     #[arg(long, global = true, value_enum, default_value_t = RatholeTransport::Tcp)]
     pub rathole_transport: RatholeTransport,
+    /// The HAProxy binary, for the `haproxy` path and `failover`'s load balancer (default: $TETHER_HAPROXY,
+    /// else PATH, else /usr/sbin/haproxy); without one, haproxy runs are skipped.
+    #[arg(long, global = true)]
+    pub haproxy: Option<PathBuf>,
     /// The iperf3 binary (default: PATH); without one, the raw loopback figure is skipped.
     #[arg(long, global = true)]
     pub iperf3: Option<PathBuf>,
@@ -98,7 +102,8 @@ impl AgentTransport {
 /// The scenarios.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Concurrent kubectl-like requests (get, list, watch) through Tether, directly, and through rathole.
+    /// Concurrent kubectl-like requests (get, list, watch) through Tether, directly, and through rathole (and,
+    /// asked for, HAProxy).
     Requests(RequestsArgs),
     /// Large streamed responses over one stream and over many, against the same paths and iperf3.
     Bulk(BulkArgs),
@@ -134,6 +139,9 @@ pub enum PathKind {
     Direct,
     /// Client → rathole server → rathole client → upstream (TCP; TLS end to end).
     Rathole,
+    /// Client → HAProxy → upstream (HTTP mode; HAProxy terminates the client's TLS and opens its own to the
+    /// upstream). Not measured unless asked for: `--paths direct,tether,rathole,haproxy`.
+    Haproxy,
 }
 
 impl PathKind {
@@ -143,6 +151,7 @@ impl PathKind {
             PathKind::Tether => "tether",
             PathKind::Direct => "direct",
             PathKind::Rathole => "rathole",
+            PathKind::Haproxy => "haproxy",
         }
     }
 }
@@ -170,7 +179,7 @@ pub struct RequestsArgs {
     /// Pods in the list response.
     #[arg(long, default_value_t = 50)]
     pub list_items: usize,
-    /// Paths to measure.
+    /// Paths to measure (`haproxy` only when named here).
     #[arg(
         long,
         value_enum,
@@ -207,7 +216,7 @@ pub struct BulkArgs {
     /// HTTP version of the client.
     #[arg(long, value_enum, default_value_t = Protocol::H1)]
     pub protocol: Protocol,
-    /// Paths to measure.
+    /// Paths to measure (`haproxy` only when named here).
     #[arg(
         long,
         value_enum,
@@ -621,6 +630,32 @@ mod tests {
         match cli.command {
             Command::Bulk(a) => assert_eq!((a.streams, a.size), (vec![1, 4], 8 << 20)),
             other => panic!("parsed {other:?}"),
+        }
+        for scenario in ["requests", "bulk"] {
+            let cli = Cli::try_parse_from([
+                "tether-loadtest",
+                "--haproxy",
+                "/opt/haproxy",
+                scenario,
+                "--paths",
+                "direct,tether,rathole,haproxy",
+            ])
+            .expect("haproxy is a path");
+            let paths = match cli.command {
+                Command::Requests(a) => a.paths,
+                Command::Bulk(a) => a.paths,
+                other => panic!("parsed {other:?}"),
+            };
+            assert_eq!(paths.last(), Some(&PathKind::Haproxy), "{scenario}");
+            assert_eq!(cli.common.haproxy, Some(PathBuf::from("/opt/haproxy")));
+        }
+        // Opt-in: the default paths stay those of the recorded runs.
+        let defaults = [RequestsArgs::default().paths, BulkArgs::default().paths];
+        for paths in defaults {
+            assert_eq!(
+                paths,
+                [PathKind::Direct, PathKind::Tether, PathKind::Rathole]
+            );
         }
         for (scenario, ok) in [
             ("tunnels", true),

@@ -71,9 +71,10 @@ pub fn http_client(ca_pems: &[&str], protocol: Protocol) -> anyhow::Result<HttpC
 /// Where requests go: a label and a base URL the request paths are appended to.
 #[derive(Debug, Clone)]
 pub struct Target {
-    /// "tether", "direct" or "rathole".
+    /// "tether", "direct", "rathole" or "haproxy".
     pub label: String,
-    /// `https://127.0.0.1:PORT` (direct, rathole) or `https://127.0.0.1:PORT/clusters/NAME` (through the relay).
+    /// `https://127.0.0.1:PORT` (direct, rathole, haproxy) or `https://127.0.0.1:PORT/clusters/NAME` (through
+    /// the relay).
     pub base: String,
 }
 

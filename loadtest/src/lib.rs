@@ -1,6 +1,7 @@
 //! `tether-loadtest`: measures Tether's throughput, latency and scale on one machine, side by side with the
-//! direct path to the same upstream and with rathole (a well-known reverse tunnel), and iperf3's raw
-//! loopback figure as the physical limit.
+//! direct path to the same upstream and with rathole (a well-known reverse tunnel), when asked for with HAProxy
+//! (one HTTP proxy terminating TLS: the floor for an HTTP-aware gateway), and iperf3's raw loopback figure as
+//! the physical limit.
 //!
 //! Scenarios ([`cli::Command`]): `requests` (kubectl-like get/list/watch from N concurrent clients), `bulk`
 //! (large streamed responses over one stream and many), `tunnels` (M idle tunnels on one relay: RSS, heartbeat

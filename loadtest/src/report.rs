@@ -26,7 +26,7 @@ pub struct Report {
     pub runs: Vec<RunResult>,
     /// Scalar results (RSS per tunnel, CPU, connect rate, …).
     pub figures: Vec<Figure>,
-    /// Ratios between runs (Tether/direct, Tether/rathole, Tether/iperf3).
+    /// Ratios between runs (Tether/direct, Tether/rathole, Tether/haproxy, Tether/iperf3).
     pub ratios: Vec<Figure>,
     /// The targets, met or with the measured distance.
     pub targets: Vec<TargetCheck>,

@@ -126,10 +126,13 @@ fn ratios_and_targets(report: &mut Report, streams: &[usize]) {
             .find(|f| f.name == format!("iperf3 ×{n}"))
             .map(|f| f.value);
         let (d, r) = (mbps(report, "direct"), mbps(report, "rathole"));
+        // Only when asked for with `--paths …,haproxy`.
+        let h = mbps(report, "haproxy");
         for path in &tether {
             let t = mbps(report, path);
             report.ratio(&format!("MB/s ×{n} {path}/direct"), t, d);
             let vs_rathole = report.ratio(&format!("MB/s ×{n} {path}/rathole"), t, r);
+            report.ratio(&format!("MB/s ×{n} {path}/haproxy"), t, h);
             report.ratio(&format!("MB/s ×{n} {path}/iperf3"), t, iperf);
             let who = match path.as_str() {
                 "tether" => String::new(),
@@ -145,6 +148,7 @@ fn ratios_and_targets(report: &mut Report, streams: &[usize]) {
         }
         report.ratio(&format!("MB/s ×{n} direct/iperf3"), d, iperf);
         report.ratio(&format!("MB/s ×{n} rathole/iperf3"), r, iperf);
+        report.ratio(&format!("MB/s ×{n} haproxy/iperf3"), h, iperf);
         if let (Some(quic), Some(wss)) = transport_labels(report) {
             report.ratio(
                 &format!("MB/s ×{n} quic/wss"),
@@ -183,6 +187,25 @@ mod tests {
     }
 
     #[test]
+    fn haproxy_runs_get_their_ratios() {
+        let mut r = Report::new("bulk");
+        for (l, mbps) in [("tether ×1", 300.0), ("haproxy ×1", 600.0)] {
+            r.runs.push(RunResult {
+                label: l.into(),
+                mb_per_sec: mbps,
+                ..RunResult::default()
+            });
+        }
+        r.figures.push(Figure::new("iperf3 ×1", 3000.0, "MB/s"));
+        ratios_and_targets(&mut r, &[1]);
+        let get = |n: &str| r.ratios.iter().find(|f| f.name == n).map(|f| f.value);
+        assert_eq!(get("MB/s ×1 tether/haproxy"), Some(0.5));
+        assert_eq!(get("MB/s ×1 haproxy/iperf3"), Some(0.2));
+        // A reference, not a target: only the rathole target, not measurable here.
+        assert_eq!(r.targets.iter().map(|t| t.met).collect::<Vec<_>>(), [None]);
+    }
+
+    #[test]
     fn ratios_use_matching_stream_counts() {
         let mut r = Report::new("bulk");
         for (l, mbps) in [
@@ -204,6 +227,7 @@ mod tests {
         assert_eq!(get("MB/s ×1 tether/iperf3"), Some(0.1));
         assert_eq!(get("MB/s ×8 tether/rathole"), Some(1.0));
         assert_eq!(get("MB/s ×8 tether/iperf3"), None);
+        assert!(!r.ratios.iter().any(|f| f.name.contains("haproxy")));
         assert_eq!(
             r.targets.iter().map(|t| t.met).collect::<Vec<_>>(),
             [Some(false), Some(true)]

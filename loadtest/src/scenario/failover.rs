@@ -42,7 +42,10 @@ pub async fn run(env: &Env, args: &FailoverArgs) -> anyhow::Result<Report> {
     let binaries = FleetBinaries {
         relay: bins.relay,
         agent: bins.agent,
-        haproxy: tether_cli::fleet::haproxy_binary()?,
+        haproxy: match &env.common.haproxy {
+            Some(haproxy) => haproxy.clone(),
+            None => tether_cli::fleet::haproxy_binary()?,
+        },
     };
     let mut options = FleetOptions::for_tests(&env.dir("fleet")?, binaries);
     options.replicas = args.replicas;

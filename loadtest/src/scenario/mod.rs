@@ -1,5 +1,5 @@
 //! The scenarios and the environment they share: working directory, progress bars, the upstream child
-//! process, and the Tether and rathole paths to it.
+//! process, and the Tether, rathole and HAProxy paths to it.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,7 +13,7 @@ use tokio::process::Command;
 use crate::certs::ServerTls;
 use crate::cli::{AgentTransport, CommonArgs, PathKind};
 use crate::client::{self, HttpClient, Protocol, Target};
-use crate::peers::Rathole;
+use crate::peers::{Haproxy, Rathole};
 use crate::procs::{self, Proc};
 use crate::report::{Figure, Report};
 use crate::tether::{AgentOptions, AgentProcess, Binaries, RelayOptions, RelayProcess};
@@ -101,6 +101,14 @@ impl Env {
             .rathole
             .clone()
             .or_else(|| procs::find_program("rathole", None))
+    }
+
+    /// The HAProxy binary, if one can be found: `--haproxy`, else `$TETHER_HAPROXY`, `PATH`, `/usr/sbin`.
+    pub fn haproxy_binary(&self) -> Option<PathBuf> {
+        self.common
+            .haproxy
+            .clone()
+            .or_else(tether_testkit::haproxy::HaProxy::binary)
     }
 
     /// The iperf3 binary, if one can be found.
@@ -259,6 +267,33 @@ impl Env {
             .map_err(|e| format!("rathole could not start: {e:#}"))
     }
 
+    /// Starts HAProxy in front of `up` with a certificate of its own, or explains why not.
+    pub async fn haproxy(&self, up: &UpstreamProcess) -> Result<Haproxy, String> {
+        let Some(bin) = self.haproxy_binary() else {
+            return Err(
+                "haproxy not found (apt-get install haproxy, or --haproxy PATH): haproxy runs skipped"
+                    .to_owned(),
+            );
+        };
+        let probe = async {
+            let tls = ServerTls::generate()?;
+            let client = client::http_client(&[&tls.ca_pem], Protocol::H1)?;
+            Haproxy::start(
+                &bin,
+                &self.dir("haproxy")?,
+                up.addr,
+                &up.ca_pem,
+                &tls,
+                &client,
+                "/version",
+            )
+            .await
+        };
+        probe
+            .await
+            .map_err(|e| format!("haproxy could not start: {e:#}"))
+    }
+
     /// The paths asked for, starting what each needs; unavailable peers are noted in `report` and skipped.
     pub async fn paths(
         &self,
@@ -275,6 +310,10 @@ impl Env {
                 PathKind::Tether => paths.tether = self.tether_paths(up).await?,
                 PathKind::Rathole => match self.rathole(up).await {
                     Ok(r) => paths.rathole = Some(r),
+                    Err(note) => report.notes.push(note),
+                },
+                PathKind::Haproxy => match self.haproxy(up).await {
+                    Ok(h) => paths.haproxy = Some(h),
                     Err(note) => report.notes.push(note),
                 },
             }
@@ -316,6 +355,8 @@ pub struct Paths {
     pub tether: Vec<TetherPath>,
     /// Through rathole.
     pub rathole: Option<Rathole>,
+    /// Through HAProxy.
+    pub haproxy: Option<Haproxy>,
 }
 
 impl Paths {
@@ -354,8 +395,17 @@ impl Paths {
                 vec![
                     ("rathole server".to_owned(), r.server.pid()),
                     ("rathole client".to_owned(), r.client.pid()),
-                    upstream,
+                    upstream.clone(),
                 ],
+            ));
+        }
+        if let Some(h) = &self.haproxy {
+            out.push((
+                Target {
+                    label: "haproxy".into(),
+                    base: format!("https://{}", h.addr),
+                },
+                vec![("haproxy".to_owned(), h.proc.pid()), upstream],
             ));
         }
         out
@@ -366,6 +416,9 @@ impl Paths {
         let mut cas = vec![up.ca_pem.as_str()];
         for t in &self.tether {
             cas.push(&t.relay.ca_pem);
+        }
+        if let Some(h) = &self.haproxy {
+            cas.push(&h.ca_pem);
         }
         client::http_client(&cas, protocol)
     }
@@ -378,6 +431,9 @@ impl Paths {
         }
         if let Some(r) = self.rathole {
             r.stop().await;
+        }
+        if let Some(h) = self.haproxy {
+            h.stop().await;
         }
     }
 }

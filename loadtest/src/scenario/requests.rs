@@ -119,10 +119,13 @@ fn ratios_and_targets(report: &mut Report) {
         .filter(|l| l.starts_with("tether"))
         .collect();
     let (d, r) = (rps(report, "direct"), rps(report, "rathole"));
+    // HAProxy is measured only when asked for: its ratios appear only then.
+    let h = rps(report, "haproxy");
     for label in &tether {
         let t = rps(report, label);
         let vs_direct = report.ratio(&format!("req/s {label}/direct"), t, d);
         let vs_rathole = report.ratio(&format!("req/s {label}/rathole"), t, r);
+        report.ratio(&format!("req/s {label}/haproxy"), t, h);
         let (tp50, dp50, rp50) = (
             p50(report, label),
             p50(report, "direct"),
@@ -130,6 +133,8 @@ fn ratios_and_targets(report: &mut Report) {
         );
         report.ratio(&format!("p50 latency {label}/direct"), tp50, dp50);
         report.ratio(&format!("p50 latency {label}/rathole"), tp50, rp50);
+        let hp50 = p50(report, "haproxy");
+        report.ratio(&format!("p50 latency {label}/haproxy"), tp50, hp50);
         let (tp99, dp99, rp99) = (
             p99(report, label),
             p99(report, "direct"),
@@ -137,6 +142,8 @@ fn ratios_and_targets(report: &mut Report) {
         );
         report.ratio(&format!("p99 latency {label}/direct"), tp99, dp99);
         report.ratio(&format!("p99 latency {label}/rathole"), tp99, rp99);
+        let hp99 = p99(report, "haproxy");
+        report.ratio(&format!("p99 latency {label}/haproxy"), tp99, hp99);
         let who = match label.as_str() {
             "tether" => String::new(),
             label => format!("{label}: "),
@@ -157,6 +164,7 @@ fn ratios_and_targets(report: &mut Report) {
         ));
     }
     report.ratio("req/s rathole/direct", r, d);
+    report.ratio("req/s haproxy/direct", h, d);
     if let (Some(quic), Some(wss)) = transport_labels(report) {
         report.ratio("req/s quic/wss", rps(report, &quic), rps(report, &wss));
         report.ratio(
@@ -205,6 +213,47 @@ mod tests {
                 .iter()
                 .any(|f| f.name == "req/s tether/direct" && (f.value - 0.6).abs() < 1e-9)
         );
+    }
+
+    #[test]
+    fn haproxy_gets_ratios_only_when_measured() {
+        let run = |label: &str, rps: f64, p50_ms: f64| RunResult {
+            label: label.into(),
+            requests_per_sec: rps,
+            latency: Some(crate::stats::LatencySummary {
+                count: 1,
+                min_ms: p50_ms,
+                mean_ms: p50_ms,
+                p50_ms,
+                p90_ms: p50_ms,
+                p99_ms: p50_ms * 2.0,
+                p999_ms: p50_ms * 2.0,
+                max_ms: p50_ms * 2.0,
+                curve: Vec::new(),
+            }),
+            ..RunResult::default()
+        };
+        let mut r = Report::new("requests");
+        r.runs.push(run("direct", 1000.0, 1.0));
+        r.runs.push(run("tether", 600.0, 3.0));
+        ratios_and_targets(&mut r);
+        assert!(
+            !r.ratios.iter().any(|f| f.name.contains("haproxy")),
+            "{:?}",
+            r.ratios
+        );
+
+        r.ratios.clear();
+        r.targets.clear();
+        r.runs.push(run("haproxy", 800.0, 2.0));
+        ratios_and_targets(&mut r);
+        let get = |n: &str| r.ratios.iter().find(|f| f.name == n).map(|f| f.value);
+        assert_eq!(get("req/s tether/haproxy"), Some(0.75));
+        assert_eq!(get("p50 latency tether/haproxy"), Some(1.5));
+        assert_eq!(get("p99 latency tether/haproxy"), Some(1.5));
+        assert_eq!(get("req/s haproxy/direct"), Some(0.8));
+        // A reference, not a target: the targets stay those against direct and rathole.
+        assert_eq!(r.targets.len(), 2);
     }
 
     #[test]
