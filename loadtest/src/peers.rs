@@ -145,21 +145,9 @@ impl Rathole {
             &dir.join("rathole-client.log"),
         )?;
         let uri: http::Uri = format!("https://{service}{probe_path}").parse()?;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            server.check_running()?;
-            rclient.check_running()?;
-            let probe =
-                tokio::time::timeout(Duration::from_secs(2), fetch(client, uri.clone(), |_| {}))
-                    .await;
-            if matches!(probe, Ok(Ok(_))) {
-                break;
-            }
-            if Instant::now() > deadline {
-                bail!("rathole did not forward a request within 20 s: {probe:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_forwarding(client, &uri, &mut [&mut server, &mut rclient])
+            .await
+            .context("rathole did not forward a request")?;
         Ok(Self {
             server,
             client: rclient,
@@ -171,6 +159,30 @@ impl Rathole {
     pub async fn stop(self) {
         self.client.kill().await;
         self.server.kill().await;
+    }
+}
+
+/// GETs `uri` through a peer just started (its processes `procs`) until one succeeds: at most 20 s, each try 2 s;
+/// fails at once if one of the processes exits.
+async fn wait_forwarding(
+    client: &HttpClient,
+    uri: &http::Uri,
+    procs: &mut [&mut Proc],
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        for proc in procs.iter_mut() {
+            proc.check_running()?;
+        }
+        let probe =
+            tokio::time::timeout(Duration::from_secs(2), fetch(client, uri.clone(), |_| {})).await;
+        if matches!(probe, Ok(Ok(_))) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("none within 20 s: {probe:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -305,23 +317,12 @@ impl Haproxy {
             &log,
         )?;
         let uri: http::Uri = format!("https://{addr}{probe_path}").parse()?;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            proc.check_running()?;
-            let probe =
-                tokio::time::timeout(Duration::from_secs(2), fetch(client, uri.clone(), |_| {}))
-                    .await;
-            if matches!(probe, Ok(Ok(_))) {
-                break;
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "HAProxy did not forward a request within 20 s: {probe:?}; last lines of {}:\n{}",
-                    log.display(),
-                    procs::tail(&log, 15)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Err(e) = wait_forwarding(client, &uri, &mut [&mut proc]).await {
+            bail!(
+                "HAProxy did not forward a request: {e:#}; last lines of {}:\n{}",
+                log.display(),
+                procs::tail(&log, 15)
+            );
         }
         Ok(Self {
             proc,
