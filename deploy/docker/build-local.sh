@@ -4,8 +4,9 @@
 # binary at the path the charts run, the shared libraries `ldd` lists for it, CA roots, a passwd entry for
 # user 65532 and an empty /tmp — the same layout as the distroless images of deploy/docker/*.Dockerfile.
 #
-#   deploy/docker/build-local.sh [--profile release|dev] [--no-build] [--out DIR] [BIN...]
+#   deploy/docker/build-local.sh [--profile release|dev] [--no-build] [--bin-dir DIR] [--out DIR] [BIN...]
 #
+# --bin-dir DIR takes the binaries from DIR instead of building them (e.g. scripts/pgo-build.sh's output).
 # BIN is any of tether-relay tether-agent tether-guard tether (default: all). Images are committed to buildah's
 # local storage as localhost/tether/BIN:PROFILE and written to DIR/BIN.oci.tar (default DIR: target/images),
 # ready for `skopeo copy oci-archive:… docker://REGISTRY/…` or `kind load image-archive`. Before committing,
@@ -15,14 +16,16 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 profile=release
 build=1
+bin_dir=""
 out=""
 bins=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --profile) profile="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
+    --bin-dir) bin_dir="$2"; build=0; shift 2 ;;
     --out) out="$2"; shift 2 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) bins+=("$1"); shift ;;
   esac
 done
@@ -49,7 +52,7 @@ for bin in "${bins[@]}"; do
   if [ $build -eq 1 ]; then
     (cd "$repo" && cargo build --profile "$profile" --locked -p "$pkg" --bin "$bin")
   fi
-  binary="$target/$profile_dir/$bin"
+  binary="${bin_dir:-$target/$profile_dir}/$bin"
   [ -x "$binary" ] || { echo "no $binary (build it, or drop --no-build)" >&2; exit 1; }
 
   rootfs="$(mktemp -d)"
