@@ -188,10 +188,15 @@ where
             () = sleep_until_some(retry_at), if retry_at.is_some() => state.retry_at = None,
             // The fleet grew or shrank: the agent keeps as many tunnels as there are live replicas (up to its
             // K), so it is told again.
+            // A count the agent was already told (the welcome read it just before the change was announced) is
+            // not sent again.
             Ok(()) = live.changed(), if state.welcomed => {
                 let replicas = *live.borrow_and_update();
-                wire::send(wr, &welcome(&shared)).await?;
-                tracing::debug!(%cluster, replicas, "told the agent the fleet's new size");
+                if state.told_replicas != Some(replicas) {
+                    wire::send(wr, &welcome(&shared, replicas)).await?;
+                    state.told_replicas = Some(replicas);
+                    tracing::debug!(%cluster, replicas, "told the agent the fleet's new size");
+                }
             }
             // The relay drains with peers to move to: the agent opens its replacement tunnel elsewhere, then
             // sends GOAWAY on this one; meanwhile this tunnel and its control channel carry on.
@@ -209,13 +214,13 @@ where
     }
 }
 
-/// The `welcome` this replica says now.
-fn welcome(shared: &Shared) -> Message {
+/// The `welcome` this replica says, with `replicas` live replicas in the fleet.
+fn welcome(shared: &Shared, replicas: u32) -> Message {
     Message::Welcome(Welcome {
         heartbeat_interval_seconds: shared.config.heartbeat_interval.as_secs(),
         latest_agent_version: Some(shared.config.latest_agent_version.clone()),
         replica: shared.fleet.replica_id.clone(),
-        replicas: shared.fleet.live_replicas(),
+        replicas,
     })
 }
 
@@ -229,6 +234,8 @@ async fn sleep_until_some(at: Option<Instant>) {
 #[derive(Default)]
 struct State {
     welcomed: bool,
+    /// The fleet size the agent was last told (in a welcome).
+    told_replicas: Option<u32>,
     last_metadata: Option<wire::Metadata>,
     /// A guard snapshot should be (re)sent.
     snapshot_due: bool,
@@ -317,8 +324,10 @@ where
                 return Err(ChannelError::Protocol("the cluster was deleted"));
             }
             shared.activity.agent_version(&cluster, version, now);
-            wire::send(wr, &welcome(&shared)).await?;
+            let replicas = shared.fleet.live_replicas();
+            wire::send(wr, &welcome(&shared, replicas)).await?;
             state.welcomed = true;
+            state.told_replicas = Some(replicas);
             // Every hello gets the current snapshot, even one this channel sent before.
             state.last_sent = None;
             state.snapshot_due = true;

@@ -682,8 +682,15 @@ async fn a_draining_replica_has_its_agents_move_make_before_break() -> anyhow::R
         (status, text.as_str()),
         (StatusCode::SERVICE_UNAVAILABLE, "draining")
     );
-    // The agent is asked to move; until it does, its tunnel at A keeps taking requests.
-    match first.recv().await? {
+    // The agent is asked to move; until it does, its tunnel at A keeps taking requests. A welcome telling the
+    // fleet's size again may come first (a lease renewal that saw the count change): only the ask counts here.
+    let asked = loop {
+        match first.recv().await? {
+            Message::Welcome(_) => continue,
+            other => break other,
+        }
+    };
+    match asked {
         Message::Draining(Draining {
             make_before_break: true,
             ..
