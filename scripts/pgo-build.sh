@@ -8,7 +8,7 @@
 #   scripts/pgo-build.sh [--out DIR] [--profile PROFILE]
 #
 # DIR (default: $CARGO_TARGET_DIR or target, then /pgo) receives tether-relay and tether-agent;
-# `deploy/docker/build-local.sh --no-build --bin-dir DIR` makes images of them. PROFILE is the cargo profile of
+# `deploy/docker/build-local.sh --bin-dir DIR` makes images of them. PROFILE is the cargo profile of
 # both builds (default release: fat LTO, as shipped). Needs llvm-profdata of rustc's own LLVM version: rustup's
 # llvm-tools component, or the distribution's llvm-N package (N = the major version `rustc -vV` prints; Rust
 # 1.95 is LLVM 22: apt-get install llvm-22). The training runs on loopback only, about two minutes, and stops by
@@ -88,7 +88,6 @@ train() {
     tail -20 "$work/train.log" >&2
     exit 1
   }
-  sleep 1
   stop
 }
 train --transport wss requests --mix get=1 --paths tether --warmup 1s --duration 8s

@@ -53,7 +53,7 @@ for bin in "${bins[@]}"; do
     (cd "$repo" && cargo build --profile "$profile" --locked -p "$pkg" --bin "$bin")
   fi
   binary="${bin_dir:-$target/$profile_dir}/$bin"
-  [ -x "$binary" ] || { echo "no $binary (build it, or drop --no-build)" >&2; exit 1; }
+  [ -x "$binary" ] || { echo "no $binary (build it, drop --no-build, or name the --bin-dir that has it)" >&2; exit 1; }
 
   rootfs="$(mktemp -d)"
   chmod 0755 "$rootfs"

@@ -187,9 +187,8 @@ where
             },
             () = sleep_until_some(retry_at), if retry_at.is_some() => state.retry_at = None,
             // The fleet grew or shrank: the agent keeps as many tunnels as there are live replicas (up to its
-            // K), so it is told again.
-            // A count the agent was already told (the welcome read it just before the change was announced) is
-            // not sent again.
+            // K), so it is told again — unless its welcome already said this count (read just before the change
+            // was announced).
             Ok(()) = live.changed(), if state.welcomed => {
                 let replicas = *live.borrow_and_update();
                 if state.told_replicas != Some(replicas) {
