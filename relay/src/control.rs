@@ -180,7 +180,7 @@ where
                 Some(message) => handle(channel, &mut state, message, wr).await?,
                 None => return Ok(End::AgentClosed),
             },
-            changed = changes.changed(), if hub_open && state.welcomed => match changed {
+            changed = changes.changed(), if hub_open && state.welcomed() => match changed {
                 Ok(()) => state.snapshot_due = true,
                 // The cluster was deleted; its tunnel is being closed.
                 Err(_) => hub_open = false,
@@ -189,7 +189,7 @@ where
             // The fleet grew or shrank: the agent keeps as many tunnels as there are live replicas (up to its
             // K), so it is told again — unless its welcome already said this count (read just before the change
             // was announced).
-            Ok(()) = live.changed(), if state.welcomed => {
+            Ok(()) = live.changed(), if state.welcomed() => {
                 let replicas = *live.borrow_and_update();
                 if state.told_replicas != Some(replicas) {
                     wire::send(wr, &welcome(&shared, replicas)).await?;
@@ -199,7 +199,7 @@ where
             }
             // The relay drains with peers to move to: the agent opens its replacement tunnel elsewhere, then
             // sends GOAWAY on this one; meanwhile this tunnel and its control channel carry on.
-            () = moving.cancelled(), if !asked_to_move && state.welcomed => {
+            () = moving.cancelled(), if !asked_to_move && state.welcomed() => {
                 asked_to_move = true;
                 let window = shared.reconnect_window().unwrap_or_default();
                 let message = Message::Draining(wire::Draining {
@@ -232,8 +232,7 @@ async fn sleep_until_some(at: Option<Instant>) {
 /// What one control channel remembers between messages.
 #[derive(Default)]
 struct State {
-    welcomed: bool,
-    /// The fleet size the agent was last told (in a welcome).
+    /// The fleet size the agent was last told in a welcome; `None` until its hello was welcomed.
     told_replicas: Option<u32>,
     last_metadata: Option<wire::Metadata>,
     /// A guard snapshot should be (re)sent.
@@ -242,6 +241,12 @@ struct State {
     last_sent: Option<u64>,
     /// When to try again after the store failed.
     retry_at: Option<Instant>,
+}
+
+impl State {
+    fn welcomed(&self) -> bool {
+        self.told_replicas.is_some()
+    }
 }
 
 /// Sends the cluster's current guard snapshot unless this channel already sent that version. `Ok(false)` when
@@ -325,7 +330,6 @@ where
             shared.activity.agent_version(&cluster, version, now);
             let replicas = shared.fleet.live_replicas();
             wire::send(wr, &welcome(&shared, replicas)).await?;
-            state.welcomed = true;
             state.told_replicas = Some(replicas);
             // Every hello gets the current snapshot, even one this channel sent before.
             state.last_sent = None;
@@ -334,7 +338,7 @@ where
         Message::Unknown => {
             tracing::debug!(cluster, "ignoring a control message of an unknown type");
         }
-        _ if !state.welcomed => {
+        _ if !state.welcomed() => {
             let error = Message::Error(ErrorMessage {
                 message: "the first control message must be hello".to_owned(),
             });
