@@ -653,6 +653,142 @@ fn dockerfiles_run_the_binaries_the_charts_run() -> Result<()> {
     Ok(())
 }
 
+/// The `RUN` instructions of a Dockerfile, continuation lines joined, without their `--mount` options.
+fn run_steps(dockerfile: &str) -> Result<Vec<String>> {
+    let path = repo_root().join("deploy/docker").join(dockerfile);
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let mut steps = Vec::new();
+    let mut current: Option<String> = None;
+    for line in text.lines().map(str::trim) {
+        let mut step = match current.take() {
+            Some(step) => step + " " + line,
+            None => match line.strip_prefix("RUN ") {
+                Some(rest) => rest.to_owned(),
+                None => continue,
+            },
+        };
+        if step.ends_with('\\') {
+            step.pop();
+            current = Some(step);
+        } else {
+            let words: Vec<&str> = step
+                .split_whitespace()
+                .filter(|w| !w.starts_with("--mount="))
+                .collect();
+            steps.push(words.join(" "));
+        }
+    }
+    Ok(steps)
+}
+
+/// `--build-arg PGO=1` (relay and agent): one step, word for word the same in both Dockerfiles so that a builder
+/// keeping its cache runs it once for both images, runs `scripts/pgo-build.sh`; that script builds each binary
+/// with the Dockerfile's own cargo command (another command renames the agent's symbols and it loses its link
+/// order: docs/BENCHMARKS.md, "Thirteenth pass", as it would if `scripts/link-order.sh` wrote the order from
+/// another build); and the step's shell, run as the image's `sh` runs it, does
+/// nothing without the argument and refuses a value it does not know.
+#[test]
+fn pgo_images_are_built_by_the_script_with_the_images_own_commands() -> Result<()> {
+    let script = std::fs::read_to_string(repo_root().join("scripts/pgo-build.sh"))?;
+    let script_build = script
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("cargo build --profile \"$profile\"") && l.contains("tether-$pkg"))
+        .context("pgo-build.sh has no per-binary cargo build")?;
+    ensure!(
+        script.contains("\nprofile=release\n") && script.contains("for pkg in relay agent; do"),
+        "pgo-build.sh: the default profile or the binaries it builds changed"
+    );
+    let mut pgo_steps = Vec::new();
+    for bin in ["tether-relay", "tether-agent"] {
+        let steps = run_steps(&format!("{bin}.Dockerfile"))?;
+        let [pgo, plain] = steps.as_slice() else {
+            bail!(
+                "{bin}.Dockerfile: {} RUN steps, not the PGO one and the plain one",
+                steps.len()
+            );
+        };
+        ensure!(
+            pgo.contains("scripts/pgo-build.sh --out /out"),
+            "{bin}: the PGO step is {pgo}"
+        );
+        // The plain build's command, as the script writes it for this binary.
+        let plain_build = plain
+            .split(" && ")
+            .flat_map(|part| part.split("; then "))
+            .find(|part| part.starts_with("cargo build"))
+            .with_context(|| format!("{bin}: no cargo build in {plain}"))?
+            .replace("--release", "--profile release");
+        let expected = script_build
+            .replace("\"$profile\"", "release")
+            .replace("\"tether-$pkg\"", bin)
+            .replace(['(', ')'], "");
+        let expected = expected
+            .split_whitespace()
+            .skip_while(|w| *w != "cargo")
+            .collect::<Vec<_>>()
+            .join(" ");
+        ensure!(
+            plain_build.split_whitespace().collect::<Vec<_>>().join(" ") == expected,
+            "{bin}: the Dockerfile builds `{plain_build}`, scripts/pgo-build.sh `{expected}`"
+        );
+        if bin == "tether-agent" {
+            // The link order is written from the same build (scripts/link-order.sh).
+            let dockerfile_build = plain_build.replace("--profile release", "--release");
+            let link_order = std::fs::read_to_string(repo_root().join("scripts/link-order.sh"))?;
+            let builds: Vec<&str> = link_order
+                .lines()
+                .map(str::trim)
+                .filter(|l| l.starts_with("cargo build") && l.contains("tether-agent"))
+                .collect();
+            ensure!(
+                !builds.is_empty() && builds.iter().all(|l| *l == dockerfile_build),
+                "scripts/link-order.sh builds the agent with {builds:?}, the Dockerfile with `{dockerfile_build}`"
+            );
+        }
+        ensure!(
+            plain.contains(&format!("if [ ! -x /out/{bin} ]"))
+                && plain.contains(&format!("target/release/{bin} /out/{bin}")),
+            "{bin}: the plain step must keep a binary the PGO step made: {plain}"
+        );
+        for step in [pgo, plain] {
+            let out = Command::new("sh").args(["-n", "-c", step]).output()?;
+            ensure!(
+                out.status.success(),
+                "{bin}: sh -n: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        pgo_steps.push(pgo.clone());
+    }
+    ensure!(
+        pgo_steps[0] == pgo_steps[1],
+        "the PGO steps differ, so a builder would run the training twice:\n{}\n{}",
+        pgo_steps[0],
+        pgo_steps[1]
+    );
+    let step = &pgo_steps[0];
+    let out = Command::new("sh")
+        .args(["-c", step])
+        .env("PGO", "0")
+        .output()?;
+    ensure!(
+        out.status.success() && out.stdout.is_empty() && out.stderr.is_empty(),
+        "PGO=0 must do nothing: {out:?}"
+    );
+    let out = Command::new("sh")
+        .args(["-c", step])
+        .env("PGO", "yes")
+        .output()?;
+    ensure!(
+        out.status.code() == Some(64)
+            && String::from_utf8_lossy(&out.stderr).contains("PGO must be 0 or 1, not yes"),
+        "PGO=yes must be refused: {out:?}"
+    );
+    Ok(())
+}
+
 /// The relay DRIFT test: the rendered container, run as the pod would run it, serves its probes and its admin
 /// API with the admin token from the rendered Secret.
 #[tokio::test]
