@@ -419,6 +419,8 @@ impl PodProcess {
                             .with_context(|| format!("env {name}: no key {key}"))?
                             .clone(),
                     )?
+                } else if let Some(r) = at(from, &["resourceFieldRef"]) {
+                    resource_field(spec, container, r).with_context(|| format!("env {name}"))?
                 } else {
                     bail!("env {name}: unsupported valueFrom");
                 }
@@ -633,6 +635,52 @@ where
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A `resourceFieldRef`'s value as the kubelet gives it to `container`: its rendered `requests.cpu` or
+/// `limits.cpu` divided by the divisor (default 1) and rounded up; an unset request is 0. (An unset limit is the
+/// node's allocatable CPUs, which a test has no node for: refused, as are the other resources.)
+fn resource_field(spec: &Value, container: &str, r: &Value) -> Result<String> {
+    if let Some(name) = str_at(r, &["containerName"]) {
+        ensure!(
+            name == container,
+            "resourceFieldRef of container {name}, not {container}"
+        );
+    }
+    let resource = str_at(r, &["resource"]).context("resourceFieldRef without resource")?;
+    let kind = match resource {
+        "requests.cpu" => "requests",
+        "limits.cpu" => "limits",
+        other => bail!("resourceFieldRef {other} is not supported here"),
+    };
+    let divisor = match at(r, &["divisor"]) {
+        Some(d) => millicores(d)?,
+        None => 1000,
+    };
+    ensure!(divisor > 0, "resourceFieldRef divisor 0");
+    let milli = match at(spec, &["resources", kind, "cpu"]) {
+        Some(q) => millicores(q)?,
+        None if kind == "requests" => 0,
+        None => bail!("limits.cpu is not set: the kubelet would give the node's CPUs"),
+    };
+    Ok(milli.div_ceil(divisor).to_string())
+}
+
+/// A CPU quantity (`100m`, `1`, `1.5`, or a YAML number) in millicores, rounded up.
+fn millicores(q: &Value) -> Result<u64> {
+    let text = match q {
+        Value::String(s) => s.clone(),
+        Value::Number(n) => n.to_string(),
+        other => bail!("CPU quantity {other:?}"),
+    };
+    if let Some(m) = text.strip_suffix('m') {
+        return m.parse().with_context(|| format!("CPU quantity {text}"));
+    }
+    let cores: f64 = text
+        .parse()
+        .with_context(|| format!("CPU quantity {text}"))?;
+    ensure!(cores.is_finite() && cores >= 0.0, "CPU quantity {text}");
+    Ok((cores * 1000.0).ceil() as u64)
 }
 
 /// The final stage's `ENTRYPOINT` of `deploy/docker/BIN.Dockerfile`, its `USER`, its base and the

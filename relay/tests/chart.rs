@@ -653,6 +653,66 @@ fn dockerfiles_run_the_binaries_the_charts_run() -> Result<()> {
     Ok(())
 }
 
+/// `workerThreads: auto`, the default, gives the relay one async worker per CPU its pod requests, rounded up,
+/// through the downward API, and no `--worker-threads` argument (which would win over the variable); an integer
+/// is the argument instead; anything else is refused by the schema.
+#[test]
+fn the_relays_worker_threads_follow_its_cpu_request() -> Result<()> {
+    let Some(helm) = helm()? else { return Ok(()) };
+    let values = chart_dir("tether-relay").join("ci/default-values.yaml");
+    let dir = tempfile::tempdir()?;
+    // (--set values, TETHER_RELAY_WORKER_THREADS as resolved, --worker-threads)
+    type Case<'a> = (&'a [(&'a str, &'a str)], Option<&'a str>, Option<&'a str>);
+    let cases: [Case<'_>; 6] = [
+        (&[], Some("1"), None), // the chart's request, 100m
+        (&[("resources.requests.cpu", "1500m")], Some("2"), None),
+        (&[("resources.requests.cpu", "4")], Some("4"), None),
+        (&[("resources.requests", "null")], Some("0"), None), // no request: one per CPU
+        (&[("workerThreads", "3")], None, Some("3")),
+        (&[("workerThreads", "0")], None, Some("0")),
+    ];
+    for (sets, env, arg) in cases {
+        let mut render = Render {
+            chart: "tether-relay",
+            release: "tether-relay",
+            values: vec![values.clone()],
+            ..Render::default()
+        };
+        for (k, v) in sets {
+            render.set.push(((*k).to_owned(), (*v).to_owned()));
+        }
+        let objects = render.objects(&helm)?;
+        let pod = PodProcess::prepare(&objects, "tether-relay", "relay", dir.path(), &[])?;
+        let got_env = pod
+            .env
+            .iter()
+            .find(|(k, _)| k == "TETHER_RELAY_WORKER_THREADS")
+            .map(|(_, v)| v.as_str());
+        let got_arg = pod
+            .args
+            .iter()
+            .find_map(|a| a.strip_prefix("--worker-threads="));
+        ensure!(
+            (got_env, got_arg) == (env, arg),
+            "{sets:?}: env {got_env:?}, argument {got_arg:?}; expected {env:?}, {arg:?}"
+        );
+    }
+    for bad in ["many", "-1", "1.5"] {
+        let out = Command::new(&helm)
+            .args(["lint", "--strict"])
+            .arg(chart_dir("tether-relay"))
+            .arg("--values")
+            .arg(&values)
+            .args(["--set", &format!("workerThreads={bad}")])
+            .output()?;
+        ensure!(
+            !out.status.success(),
+            "helm lint accepted workerThreads={bad}"
+        );
+    }
+    Ok(())
+}
+
 /// The `RUN` instructions of a Dockerfile, continuation lines joined, without their `--mount` options.
 fn run_steps(dockerfile: &str) -> Result<Vec<String>> {
     let path = repo_root().join("deploy/docker").join(dockerfile);
