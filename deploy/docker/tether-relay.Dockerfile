@@ -8,9 +8,9 @@ ARG RUST_VERSION=1.95
 FROM docker.io/library/rust:${RUST_VERSION}-bookworm AS build
 WORKDIR /src
 COPY . .
-# --build-arg PGO=1: relay and agent built with profile-guided optimisation (scripts/pgo-build.sh: about a
-# quarter less CPU per request, docs/BENCHMARKS.md "Thirteenth pass"; about three times the build time, rustup's
-# llvm-tools, two minutes of load on the build container's loopback). The step is the same in
+# --build-arg PGO=1: relay and agent built with profile-guided optimisation (scripts/pgo-build.sh: 15-27 % less
+# CPU per request where measured, docs/BENCHMARKS.md "Thirteenth pass", "Fourteenth pass"; about three times the
+# build time, rustup's llvm-tools, two minutes of load on the build container's loopback). The step is the same in
 # tether-relay.Dockerfile and tether-agent.Dockerfile, so BuildKit runs it once for both images; the script
 # builds each binary with the command of the step below, which then finds its binary made.
 ARG PGO=0
