@@ -743,11 +743,11 @@ fn run_steps(dockerfile: &str) -> Result<Vec<String>> {
 }
 
 /// `--build-arg PGO=1` (relay and agent): one step, word for word the same in both Dockerfiles so that a builder
-/// keeping its cache runs it once for both images, runs `scripts/pgo-build.sh`; that script builds each binary
-/// with the Dockerfile's own cargo command (another command renames the agent's symbols and it loses its link
-/// order: docs/BENCHMARKS.md, "Thirteenth pass", as it would if `scripts/link-order.sh` wrote the order from
-/// another build); and the step's shell, run as the image's `sh` runs it, does
-/// nothing without the argument and refuses a value it does not know.
+/// keeping its cache runs it once for both images, runs `scripts/pgo-build.sh`. That script, and
+/// `scripts/link-order.sh` for the agent, build each binary with the Dockerfile's own cargo command: another
+/// command renames the agent's symbols and it loses its link order (docs/BENCHMARKS.md, "Thirteenth pass"). The
+/// step's shell, run as the image's `sh` runs it, does nothing without the argument and refuses a value it does
+/// not know.
 #[test]
 fn pgo_images_are_built_by_the_script_with_the_images_own_commands() -> Result<()> {
     let script = std::fs::read_to_string(repo_root().join("scripts/pgo-build.sh"))?;
