@@ -33,7 +33,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use kube::client::ConfigExt as _;
 use rustls::pki_types::ServerName;
 use tether_auth::Identity;
-use tether_tunnel::heads::{self, BodyReader, ReadChunk, SharedStream};
+use tether_tunnel::heads::{self, BodyReader, ReadChunk, SharedStream, WriteChunk};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tower::ServiceExt as _;
 
@@ -500,7 +500,7 @@ where
 /// so the relay sees a failure rather than a clean end.
 pub async fn serve_heads<IO, F>(io: IO, upstream: Upstream, abort: F) -> std::io::Result<()>
 where
-    IO: ReadChunk + AsyncWrite + Send + 'static,
+    IO: ReadChunk + WriteChunk + Send + 'static,
     F: FnOnce(),
 {
     let io = SharedStream::new(io);
@@ -569,7 +569,7 @@ async fn write_response<IO, F>(
     abort: F,
 ) -> std::io::Result<()>
 where
-    IO: AsyncWrite + Unpin,
+    IO: WriteChunk,
     F: FnOnce(),
 {
     use http_body_util::BodyExt as _;
@@ -579,8 +579,8 @@ where
         .map_err(std::io::Error::other)?;
     let mut writer = io.clone();
     // The head goes out with the first chunks: chunks already in hand are written back to back, so the tunnel's
-    // driver wakes once for them (the session copies each into the stream's send buffer; no copy here), not
-    // once per HTTP/2 DATA frame of the apiserver's.
+    // driver wakes once for them (the session copies each into the stream's send buffer, QUIC keeps them as
+    // they are; no copy here), not once per HTTP/2 DATA frame of the apiserver's.
     let mut batch = Batch::default();
     batch.push(block);
     loop {
@@ -632,10 +632,8 @@ impl Batch {
         self.chunks.is_empty()
     }
 
-    async fn write_to<W: AsyncWrite + Unpin>(&mut self, writer: &mut W) -> std::io::Result<()> {
-        for chunk in self.chunks.drain(..) {
-            writer.write_all(&chunk).await?;
-        }
+    async fn write_to<W: WriteChunk>(&mut self, writer: &mut W) -> std::io::Result<()> {
+        heads::write_all_chunks(writer, &mut self.chunks).await?;
         self.bytes = 0;
         Ok(())
     }

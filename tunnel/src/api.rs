@@ -307,6 +307,24 @@ impl crate::heads::ReadChunk for Stream {
     }
 }
 
+impl crate::heads::WriteChunk for Stream {
+    fn takes_chunks(&self) -> bool {
+        matches!(self.inner, StreamInner::Quic(_))
+    }
+
+    fn poll_write_chunks(
+        &mut self,
+        cx: &mut Context<'_>,
+        chunks: &mut [Bytes],
+    ) -> Poll<io::Result<usize>> {
+        match &mut self.inner {
+            // The session copies what it is given into the stream's send buffer.
+            StreamInner::Session(s) => crate::heads::poll_write_first(s, cx, chunks),
+            StreamInner::Quic(s) => s.poll_write_chunks(cx, chunks),
+        }
+    }
+}
+
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.inner {

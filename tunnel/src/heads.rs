@@ -193,6 +193,91 @@ impl<IO: ReadChunk> ReadChunk for SharedStream<IO> {
     }
 }
 
+/// A writer that can take `Bytes` as they are instead of copying them (a QUIC stream: quinn queues the
+/// chunks themselves; a WebSocket tunnel's session copies into the stream's send buffer either way).
+/// [`write_all_chunks`] writes through it.
+pub trait WriteChunk: AsyncWrite + Unpin {
+    /// Whether [`WriteChunk::poll_write_chunks`] keeps the chunks themselves rather than copying them.
+    fn takes_chunks(&self) -> bool {
+        false
+    }
+
+    /// Takes what it can from the front of `chunks`: a chunk taken whole is left empty, one taken in part keeps
+    /// what is left. Yields the bytes taken, more than 0 when a chunk is not empty. By default the first chunk
+    /// that is not empty is written with [`AsyncWrite::poll_write`] (copied).
+    fn poll_write_chunks(
+        &mut self,
+        cx: &mut Context<'_>,
+        chunks: &mut [Bytes],
+    ) -> Poll<io::Result<usize>> {
+        poll_write_first(self, cx, chunks)
+    }
+}
+
+/// Writes the first chunk of `chunks` that is not empty with [`AsyncWrite::poll_write`] (a copy) and advances
+/// it past what was written; 0 when all are empty.
+pub fn poll_write_first<W: AsyncWrite + Unpin + ?Sized>(
+    writer: &mut W,
+    cx: &mut Context<'_>,
+    chunks: &mut [Bytes],
+) -> Poll<io::Result<usize>> {
+    use bytes::Buf as _;
+    let Some(chunk) = chunks.iter_mut().find(|c| !c.is_empty()) else {
+        return Poll::Ready(Ok(0));
+    };
+    let n = std::task::ready!(Pin::new(writer).poll_write(cx, chunk))?;
+    chunk.advance(n.min(chunk.len()));
+    Poll::Ready(Ok(n))
+}
+
+/// An in-memory pipe (tests) takes no chunks: what is written to it is copied.
+impl WriteChunk for tokio::io::DuplexStream {}
+
+impl<IO: WriteChunk> WriteChunk for SharedStream<IO> {
+    fn takes_chunks(&self) -> bool {
+        self.with(|io| io.takes_chunks())
+    }
+
+    fn poll_write_chunks(
+        &mut self,
+        cx: &mut Context<'_>,
+        chunks: &mut [Bytes],
+    ) -> Poll<io::Result<usize>> {
+        self.with(|io| io.poll_write_chunks(cx, chunks))
+    }
+}
+
+/// Chunks smaller than this are copied before a writer keeps them: a small slice can pin a much larger buffer
+/// (an HTTP/2 connection's read buffer) for as long as the stream's send window holds it.
+const MIN_KEPT_CHUNK: usize = 4 * 1024;
+
+/// Writes all of `chunks` in order and leaves the vector empty: kept as they are by a writer that
+/// [takes chunks](WriteChunk::takes_chunks) (small ones copied first, see [`MIN_KEPT_CHUNK`]), copied otherwise.
+pub async fn write_all_chunks<W: WriteChunk>(
+    writer: &mut W,
+    chunks: &mut Vec<Bytes>,
+) -> io::Result<()> {
+    if writer.takes_chunks() {
+        for chunk in chunks.iter_mut().filter(|c| c.len() < MIN_KEPT_CHUNK) {
+            *chunk = Bytes::copy_from_slice(chunk);
+        }
+    }
+    let mut next = 0;
+    while next < chunks.len() {
+        if chunks[next].is_empty() {
+            next += 1;
+            continue;
+        }
+        let taken =
+            std::future::poll_fn(|cx| writer.poll_write_chunks(cx, &mut chunks[next..])).await?;
+        if taken == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+    }
+    chunks.clear();
+    Ok(())
+}
+
 /// One stream shared by several users in turn or at once (a request body being read while the response is
 /// written): each poll locks it briefly. The stream is dropped with the last clone.
 pub struct SharedStream<IO>(Arc<Mutex<IO>>);
@@ -432,6 +517,94 @@ mod tests {
     use tokio::io::AsyncWriteExt as _;
 
     use super::*;
+
+    /// A writer that keeps the chunks it takes, at most `per_call` bytes a call.
+    struct Keeper {
+        kept: Vec<Bytes>,
+        per_call: usize,
+    }
+
+    impl AsyncWrite for Keeper {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            Poll::Ready(Err(io::Error::other("a keeper takes chunks, never slices")))
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    impl WriteChunk for Keeper {
+        fn takes_chunks(&self) -> bool {
+            true
+        }
+
+        fn poll_write_chunks(
+            &mut self,
+            _: &mut Context<'_>,
+            chunks: &mut [Bytes],
+        ) -> Poll<io::Result<usize>> {
+            let mut taken = 0;
+            for chunk in chunks.iter_mut().filter(|c| !c.is_empty()) {
+                let n = chunk.len().min(self.per_call - taken);
+                self.kept.push(chunk.split_to(n));
+                taken += n;
+                if taken == self.per_call {
+                    break;
+                }
+            }
+            Poll::Ready(Ok(taken))
+        }
+    }
+
+    #[tokio::test]
+    async fn chunks_are_kept_as_they_are_or_copied_in_order() -> anyhow::Result<()> {
+        let large = Bytes::from(vec![7u8; 3 * MIN_KEPT_CHUNK]);
+        let small = Bytes::from_static(b"a small chunk");
+        let mut chunks = vec![small.clone(), Bytes::new(), large.clone()];
+
+        // A writer that keeps chunks, taking them in parts: the large one is kept (the same memory), the small
+        // one copied, and nothing is lost or reordered.
+        let mut keeper = Keeper {
+            kept: Vec::new(),
+            per_call: MIN_KEPT_CHUNK + 5,
+        };
+        write_all_chunks(&mut keeper, &mut chunks.clone()).await?;
+        let kept: Vec<u8> = keeper.kept.iter().flatten().copied().collect();
+        assert_eq!(kept, [&small[..], &large[..]].concat());
+        assert_ne!(
+            keeper.kept[0].as_ptr(),
+            small.as_ptr(),
+            "a small chunk is copied"
+        );
+        let large_parts: Vec<&Bytes> = keeper.kept.iter().filter(|c| c[0] == 7).collect();
+        assert_eq!(
+            large_parts[0].as_ptr(),
+            large.as_ptr(),
+            "a large chunk is kept"
+        );
+
+        // A writer that copies gets the same bytes through `poll_write`.
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let expected = [&small[..], &large[..]].concat();
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            b.read_to_end(&mut got).await.map(|_| got)
+        });
+        write_all_chunks(&mut a, &mut chunks).await?;
+        assert!(chunks.is_empty());
+        drop(a);
+        assert_eq!(reader.await??, expected);
+        Ok(())
+    }
 
     #[tokio::test]
     async fn a_block_is_read_exactly_and_the_rest_stays_in_the_stream() -> anyhow::Result<()> {

@@ -506,6 +506,61 @@ pub(crate) async fn small_windows_still_move_large_data<H: Harness>() -> anyhow:
     Ok(())
 }
 
+/// Chunks handed over as they are (`heads::write_all_chunks`: QUIC keeps them, the session copies them) arrive
+/// whole and in order, small and large, through windows smaller than they are (so the writer takes the large
+/// ones in parts).
+pub(crate) async fn chunks_written_as_they_are_arrive_in_order<H: Harness>() -> anyhow::Result<()> {
+    let mut client = SessionConfig::new(Role::Client);
+    let mut server = SessionConfig::new(Role::Server);
+    for config in [&mut client, &mut server] {
+        config.initial_stream_window = 64 * 1024;
+        config.max_stream_window = 64 * 1024;
+        config.send_buffer = 16 * 1024;
+    }
+    let p = H::pair_with(client, server).await?;
+    let sizes = [
+        10,
+        300 * 1024,
+        0,
+        1,
+        4096,
+        4095,
+        200 * 1024,
+        17,
+        64 * 1024 + 3,
+    ];
+    let data = pattern(sizes.iter().sum(), 11);
+    let mut chunks = Vec::new();
+    let mut at = 0;
+    for size in sizes {
+        chunks.push(Bytes::copy_from_slice(&data[at..at + size]));
+        at += size;
+    }
+    let mut stream = p.client.open(open_options("chunks"))?;
+    let reader = tokio::spawn(async move {
+        let incoming = p.server.accept().await.context("no incoming stream")?;
+        let mut served = incoming.accept(Bytes::new())?;
+        let mut received = Vec::new();
+        served.read_to_end(&mut received).await?;
+        served.shutdown().await?;
+        anyhow::Ok(received)
+    });
+    within(
+        "chunks written",
+        tether_tunnel::heads::write_all_chunks(&mut stream, &mut chunks),
+    )
+    .await??;
+    assert!(chunks.is_empty());
+    stream.shutdown().await?;
+    let received = within("read to the end", reader).await???;
+    assert_eq!(received.len(), data.len());
+    assert!(received == data, "the bytes differ");
+    let mut rest = Vec::new();
+    within("eof", stream.read_to_end(&mut rest)).await??;
+    assert!(rest.is_empty());
+    Ok(())
+}
+
 pub(crate) async fn close_fails_every_stream_on_both_sides<H: Harness>() -> anyhow::Result<()> {
     let p = H::pair().await?;
     let mut stream = p.client.open(open_options("doomed"))?;
@@ -631,6 +686,7 @@ macro_rules! stream_cases {
             dropping_every_handle_closes_the_connection,
             control_priority_streams_work,
             small_windows_still_move_large_data,
+            chunks_written_as_they_are_arrive_in_order,
             close_fails_every_stream_on_both_sides,
             too_many_streams_is_retryable,
         );
