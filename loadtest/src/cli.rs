@@ -71,7 +71,8 @@ pub struct CommonArgs {
     /// The agent transports to measure side by side in `requests`, `bulk` and `hol` (comma-separated or
     /// repeated: `--transport quic,wss`): one relay and agent (`--transport X`) per transport, labelled
     /// `tether quic`, `tether wss`, with quic/wss ratios. Default: one agent with its own choice (`auto`,
-    /// QUIC on loopback), labelled `tether`. `watches` runs its one agent with the first one given.
+    /// QUIC on loopback), labelled `tether`; each report's `tunnel_transport` setting says which transport
+    /// every Tether path's tunnel ran on. `watches` runs its one agent with the first one given.
     #[arg(long, global = true, value_enum, value_delimiter = ',')]
     pub transport: Vec<AgentTransport>,
 }

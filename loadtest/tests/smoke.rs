@@ -117,6 +117,12 @@ fn requests_measures_each_path() -> anyhow::Result<()> {
         // get, list and watch were all made.
         assert_eq!(r["by_kind"].as_object().map(|k| k.len()), Some(3), "{r}");
     }
+    // The report says which transport the agent's own choice (`auto`) ran on.
+    let shown = report["settings"]["tunnel_transport"].as_str();
+    assert!(
+        matches!(shown, Some("tether=quic" | "tether=wss")),
+        "{report}"
+    );
     // rathole is measured when installed, else the report says why not.
     let has_rathole = run_labelled(&report, "rathole").is_some();
     let noted = report["notes"].to_string().contains("rathole");
@@ -153,6 +159,10 @@ fn transports_are_measured_side_by_side() -> anyhow::Result<()> {
             run_labelled(&report, label).with_context(|| format!("no {label} run: {report}"))?;
         assert!(r["requests"].as_u64().is_some_and(|n| n > 0), "{r}");
     }
+    assert_eq!(
+        report["settings"]["tunnel_transport"], "tether quic=quic,tether wss=wss",
+        "{report}"
+    );
     for ratio in [
         "req/s quic/wss",
         "p50 latency quic/wss",

@@ -307,7 +307,14 @@ impl Env {
         for kind in wanted {
             match kind {
                 PathKind::Direct => paths.direct = true,
-                PathKind::Tether => paths.tether = self.tether_paths(up).await?,
+                PathKind::Tether => {
+                    paths.tether = self.tether_paths(up).await?;
+                    let mut shown = Vec::new();
+                    for path in &paths.tether {
+                        shown.push(format!("{}={}", path.label, tunnel_transport(path).await?));
+                    }
+                    report.setting("tunnel_transport", shown.join(","));
+                }
                 PathKind::Rathole => match self.rathole(up).await {
                     Ok(r) => paths.rathole = Some(r),
                     Err(note) => report.notes.push(note),
@@ -320,6 +327,18 @@ impl Env {
         }
         Ok(paths)
     }
+}
+
+/// The transport `path`'s tunnel runs on, as the relay's admin API shows it: what the agent chose with
+/// `auto`, so a report says which one its `tether` figures are of.
+async fn tunnel_transport(path: &TetherPath) -> anyhow::Result<String> {
+    let cluster = path.relay.cluster("loadtest").await?;
+    cluster["tunnels"]
+        .as_array()
+        .and_then(|t| t.first())
+        .and_then(|t| t["transport"].as_str())
+        .map(str::to_owned)
+        .with_context(|| format!("the relay shows no tunnel for {}: {cluster}", path.label))
 }
 
 /// The upstream child process.
