@@ -257,10 +257,14 @@ pub async fn write_all_chunks<W: WriteChunk>(
     writer: &mut W,
     chunks: &mut Vec<Bytes>,
 ) -> io::Result<()> {
-    if writer.takes_chunks() {
-        for chunk in chunks.iter_mut().filter(|c| c.len() < MIN_KEPT_CHUNK) {
-            *chunk = Bytes::copy_from_slice(chunk);
+    if !writer.takes_chunks() {
+        for chunk in chunks.drain(..) {
+            tokio::io::AsyncWriteExt::write_all(writer, &chunk).await?;
         }
+        return Ok(());
+    }
+    for chunk in chunks.iter_mut().filter(|c| c.len() < MIN_KEPT_CHUNK) {
+        *chunk = Bytes::copy_from_slice(chunk);
     }
     let mut next = 0;
     while next < chunks.len() {
