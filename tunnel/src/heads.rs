@@ -195,7 +195,8 @@ impl<IO: ReadChunk> ReadChunk for SharedStream<IO> {
 
 /// A writer that can take `Bytes` as they are instead of copying them (a QUIC stream: quinn queues the
 /// chunks themselves; a WebSocket tunnel's session copies into the stream's send buffer either way).
-/// [`write_all_chunks`] writes through it.
+/// [`write_all_chunks`] hands its chunks to a writer that keeps them, and writes them into any other with
+/// `write_all`.
 pub trait WriteChunk: AsyncWrite + Unpin {
     /// Whether [`WriteChunk::poll_write_chunks`] keeps the chunks themselves rather than copying them.
     fn takes_chunks(&self) -> bool {
@@ -216,7 +217,7 @@ pub trait WriteChunk: AsyncWrite + Unpin {
 
 /// Writes the first chunk of `chunks` that is not empty with [`AsyncWrite::poll_write`] (a copy) and advances
 /// it past what was written; 0 when all are empty.
-pub fn poll_write_first<W: AsyncWrite + Unpin + ?Sized>(
+pub(crate) fn poll_write_first<W: AsyncWrite + Unpin + ?Sized>(
     writer: &mut W,
     cx: &mut Context<'_>,
     chunks: &mut [Bytes],
