@@ -253,7 +253,8 @@ impl<IO: WriteChunk> WriteChunk for SharedStream<IO> {
 const MIN_KEPT_CHUNK: usize = 4 * 1024;
 
 /// Writes all of `chunks` in order and leaves the vector empty: kept as they are by a writer that
-/// [takes chunks](WriteChunk::takes_chunks) (small ones copied first, see [`MIN_KEPT_CHUNK`]), copied otherwise.
+/// [takes chunks](WriteChunk::takes_chunks) (those under 4 KiB copied first, so a small slice cannot pin a much
+/// larger buffer), copied otherwise.
 pub async fn write_all_chunks<W: WriteChunk>(
     writer: &mut W,
     chunks: &mut Vec<Bytes>,
