@@ -222,7 +222,8 @@ impl Incoming {
     /// Accepts the stream, letting the answer wait up to `hold` (and at most half the time left before the
     /// opener's deadline) for the stream's first bytes or other output to leave with: for a stream whose
     /// reply follows shortly (an HTTP response), the opener then reads the answer and the reply in one
-    /// transport write instead of being woken for each. Over QUIC the answer is written at once.
+    /// transport write instead of being woken for each. Over QUIC only the stream's own first bytes or its end
+    /// carry the answer, in the same packet.
     pub fn accept_deferred(self, metadata: Bytes, hold: Duration) -> Result<Stream, TunnelError> {
         let hold = match self.deadline {
             Some(deadline) => {
@@ -239,7 +240,7 @@ impl Incoming {
         Ok(Stream {
             inner: match self.inner {
                 IncomingInner::Session(i) => StreamInner::Session(i.accept(metadata, hold)?),
-                IncomingInner::Quic(i) => StreamInner::Quic(i.accept(metadata)?),
+                IncomingInner::Quic(i) => StreamInner::Quic(i.accept(metadata, hold)?),
             },
         })
     }

@@ -849,6 +849,113 @@ struct Shared {
     /// Wakes `closed()` waiters, once the connection has closed: every stream's task may wait there, so it is
     /// not woken at each new stream (see the WebSocket transport's `Shared`).
     closed_notify: Notify,
+    /// Answers waiting to leave with their stream's first bytes, by due time.
+    deferred: Mutex<DeferredAnswers>,
+    /// Wakes the task that writes deferred answers when one is due sooner than it waits for.
+    deferred_notify: Notify,
+}
+
+/// How often, at most, the task writing deferred answers wakes: answers due within one tick of each other go
+/// together, so that a busy connection's answers cost that task a wake-up per tick rather than one each.
+const DEFERRED_TICK: Duration = Duration::from_millis(5);
+
+/// Answers held back by [`QuicIncoming::accept`] with a hold. Each leaves with its stream's first write (the
+/// same quinn packet as the reply's first bytes, as the WebSocket session's deferred ACCEPT leaves in the same
+/// batch), or when due from one task per connection (started with the first deferred answer), so that a stream
+/// costs no timer or task of its own. The heap holds the answers of the last hold's worth of streams at most.
+#[derive(Default)]
+struct DeferredAnswers {
+    heap: std::collections::BinaryHeap<DeferredAnswer>,
+    /// Keeps the order of answers due at the same instant.
+    seq: u64,
+    task_started: bool,
+}
+
+struct DeferredAnswer {
+    due: tokio::time::Instant,
+    seq: u64,
+    stream: std::sync::Weak<StreamShared>,
+}
+
+impl PartialEq for DeferredAnswer {
+    fn eq(&self, other: &Self) -> bool {
+        (self.due, self.seq) == (other.due, other.seq)
+    }
+}
+
+impl Eq for DeferredAnswer {}
+
+impl PartialOrd for DeferredAnswer {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for DeferredAnswer {
+    /// Reversed: the heap's top is the answer due first.
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (other.due, other.seq).cmp(&(self.due, self.seq))
+    }
+}
+
+/// Writes deferred answers as they fall due (an answer whose stream wrote first finds its head written, and a
+/// stream that is gone is skipped), until the connection closes.
+async fn write_deferred(shared: Arc<Shared>) {
+    let closed = shared.conn.closed();
+    tokio::pin!(closed);
+    let mut due = Vec::new();
+    loop {
+        let notified = shared.deferred_notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let now = tokio::time::Instant::now();
+        let next = {
+            let mut q = lock(&shared.deferred);
+            while q.heap.peek().is_some_and(|next| next.due <= now) {
+                if let Some(answer) = q.heap.pop() {
+                    due.push(answer.stream);
+                }
+            }
+            q.heap.peek().map(|next| next.due.max(now + DEFERRED_TICK))
+        };
+        for stream in due.drain(..) {
+            if let Some(ss) = stream.upgrade() {
+                ss.write_head();
+            }
+        }
+        tokio::select! {
+            _ = &mut closed => return,
+            () = &mut notified => {}
+            () = tokio::time::sleep_until(next.unwrap_or(now)), if next.is_some() => {}
+        }
+    }
+}
+
+impl Shared {
+    /// Holds `ss`'s answer back for up to `hold`: it leaves with the stream's first write, or then.
+    fn defer(self: &Arc<Self>, ss: &Arc<StreamShared>, hold: Duration) {
+        let due = tokio::time::Instant::now() + hold;
+        let mut q = lock(&self.deferred);
+        let sooner = q.heap.peek().is_none_or(|next| due < next.due);
+        q.seq += 1;
+        let seq = q.seq;
+        q.heap.push(DeferredAnswer {
+            due,
+            seq,
+            stream: Arc::downgrade(ss),
+        });
+        let start = !std::mem::replace(&mut q.task_started, true);
+        drop(q);
+        if start {
+            if spawn(write_deferred(self.clone())).is_none() {
+                // No runtime to time it: the answer goes now.
+                lock(&self.deferred).task_started = false;
+                ss.write_head();
+            }
+        } else if sooner {
+            self.deferred_notify.notify_one();
+        }
+    }
 }
 
 impl Shared {
@@ -999,6 +1106,8 @@ impl QuicConnection {
             }),
             notify: Notify::new(),
             closed_notify: Notify::new(),
+            deferred: Mutex::new(DeferredAnswers::default()),
+            deferred_notify: Notify::new(),
         });
         tokio::spawn(accept_streams(shared.clone()));
         tokio::spawn(watch_session(shared.clone(), session_recv));
@@ -1276,7 +1385,10 @@ struct Halves {
     recv: RecvStream,
     /// Header or answer bytes not yet written; user data waits behind them.
     head: Bytes,
+    /// The stream's writer, waiting for the head to be written.
     head_waiter: Option<Waker>,
+    /// The task writing the head (opening task or `head_task`), when quinn last kept the writer's waker.
+    head_task_waiter: Option<Waker>,
     answer: Answer,
     /// A reader waiting for the answer.
     answer_waiter: Option<Waker>,
@@ -1287,14 +1399,19 @@ struct Halves {
     failed: Option<TunnelError>,
     /// Our direction was finished.
     finished: bool,
-    /// The task writing the head / waiting for the answer.
+    /// The task writing the head / waiting for the answer (an opened stream's).
     task: Option<AbortHandle>,
+    /// The task finishing an answer's write that did not fit at once (an accepted stream's).
+    head_task: Option<AbortHandle>,
     guard: Option<OpenGuard>,
 }
 
 impl Halves {
     fn wake(&mut self) {
         if let Some(w) = self.head_waiter.take() {
+            w.wake();
+        }
+        if let Some(w) = self.head_task_waiter.take() {
             w.wake();
         }
         if let Some(w) = self.answer_waiter.take() {
@@ -1318,7 +1435,10 @@ impl Halves {
         }
         let _ = self.send.reset(varint(code));
         let _ = self.recv.stop(varint(code));
-        if let Some(task) = self.task.take() {
+        for task in [self.task.take(), self.head_task.take()]
+            .into_iter()
+            .flatten()
+        {
             task.abort();
         }
         self.wake();
@@ -1351,6 +1471,7 @@ impl StreamShared {
                 recv,
                 head,
                 head_waiter: None,
+                head_task_waiter: None,
                 answer,
                 answer_waiter: None,
                 read_waiter: None,
@@ -1358,6 +1479,7 @@ impl StreamShared {
                 failed: None,
                 finished: false,
                 task: None,
+                head_task: None,
                 guard: Some(OpenGuard::new(conn)),
             }),
             answered: Notify::new(),
@@ -1390,8 +1512,10 @@ impl StreamShared {
         }
     }
 
-    /// Writes the head (header or answer); wakes writers waiting behind it once done.
-    fn poll_head(&self, cx: &mut Context<'_>) -> Poll<Result<(), TunnelError>> {
+    /// Writes the head (header or answer); once it is written, wakes whichever of the stream's writer and the
+    /// task writing it waits. `writer`: the stream's writer drives it (an answer's `head_task` is then no longer
+    /// needed); otherwise the opening task, the task finishing an answer, or a deferred answer's time.
+    fn poll_head(&self, cx: &mut Context<'_>, writer: bool) -> Poll<Result<(), TunnelError>> {
         let mut h = self.halves();
         if let Some(e) = &h.failed {
             return Poll::Ready(Err(e.clone()));
@@ -1405,13 +1529,42 @@ impl StreamShared {
                     h.fail(error.clone(), code);
                     return Poll::Ready(Err(error));
                 }
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    // quinn keeps one waker, the last poller's: whoever finishes the head wakes the other.
+                    let slot = if writer {
+                        &mut h.head_waiter
+                    } else {
+                        &mut h.head_task_waiter
+                    };
+                    *slot = Some(cx.waker().clone());
+                    return Poll::Pending;
+                }
             }
         }
-        if let Some(w) = h.head_waiter.take() {
+        for w in [h.head_waiter.take(), h.head_task_waiter.take()]
+            .into_iter()
+            .flatten()
+        {
             w.wake();
         }
+        if writer && let Some(task) = h.head_task.take() {
+            task.abort();
+        }
         Poll::Ready(Ok(()))
+    }
+
+    /// Writes the head now; a task finishes it if it does not fit at once (it nearly always does).
+    fn write_head(self: &Arc<Self>) {
+        if self
+            .poll_head(&mut Context::from_waker(Waker::noop()), false)
+            .is_pending()
+        {
+            let writer = self.clone();
+            let task = spawn(async move {
+                let _ = std::future::poll_fn(|cx| writer.poll_head(cx, false)).await;
+            });
+            self.halves().head_task = task;
+        }
     }
 
     /// Reads exactly `n` bytes of the answer.
@@ -1539,7 +1692,7 @@ impl Drop for StreamShared {
 
 async fn drive_open(ss: Arc<StreamShared>, deadline: Option<Duration>) {
     let work = async {
-        std::future::poll_fn(|cx| ss.poll_head(cx)).await?;
+        std::future::poll_fn(|cx| ss.poll_head(cx, false)).await?;
         ss.read_answer().await
     };
     let result = match deadline {
@@ -1671,8 +1824,9 @@ impl QuicStream {
             return Poll::Ready(Err(e.clone().into()));
         }
         if !h.head.is_empty() {
-            h.head_waiter = Some(cx.waker().clone());
-            return Poll::Pending;
+            drop(h);
+            std::task::ready!(self.poll_head_first(cx))?;
+            h = self.ss.halves();
         }
         match write(&mut h.send, cx) {
             Poll::Ready(Ok(n)) => Poll::Ready(Ok(n)),
@@ -1690,6 +1844,13 @@ impl QuicStream {
         }
     }
 
+    /// Before the stream's first bytes or its end: the head not yet written (an accepted stream's answer,
+    /// deferred or not; an opened stream's header, which its opening task may not have written yet) is written
+    /// here, so that it leaves in the same packet as what follows it.
+    fn poll_head_first(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.ss.poll_head(cx, true).map_err(io::Error::from)
+    }
+
     pub(crate) fn poll_shutdown(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if self.finished {
             return Poll::Ready(Ok(()));
@@ -1699,8 +1860,9 @@ impl QuicStream {
             return Poll::Ready(Err(e.clone().into()));
         }
         if !h.head.is_empty() {
-            h.head_waiter = Some(cx.waker().clone());
-            return Poll::Pending;
+            drop(h);
+            std::task::ready!(self.poll_head_first(cx))?;
+            h = self.ss.halves();
         }
         match h.send.finish() {
             Ok(()) => {
@@ -1800,7 +1962,13 @@ pub(crate) struct QuicIncoming {
 }
 
 impl QuicIncoming {
-    pub(crate) fn accept(mut self, metadata: Bytes) -> Result<QuicStream, TunnelError> {
+    /// Accepts the stream; with `hold`, the answer waits up to that long to leave with the stream's first
+    /// bytes (the caller has capped it by the opener's deadline).
+    pub(crate) fn accept(
+        mut self,
+        metadata: Bytes,
+        hold: Option<Duration>,
+    ) -> Result<QuicStream, TunnelError> {
         let Some((send, recv)) = self.parts.take() else {
             return Err(TunnelError::Closed("stream already answered".to_owned()));
         };
@@ -1818,16 +1986,9 @@ impl QuicIncoming {
             head,
             Answer::Accepted(metadata),
         );
-        // The answer nearly always fits at once; a task finishes it otherwise.
-        if ss
-            .poll_head(&mut Context::from_waker(Waker::noop()))
-            .is_pending()
-        {
-            let writer = ss.clone();
-            let task = spawn(async move {
-                let _ = std::future::poll_fn(|cx| writer.poll_head(cx)).await;
-            });
-            ss.halves().task = task;
+        match hold {
+            Some(hold) if !hold.is_zero() => self.handle.shared.defer(&ss, hold),
+            _ => ss.write_head(),
         }
         Ok(QuicStream {
             ss,

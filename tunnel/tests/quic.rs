@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::future::Future as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::{Context, Waker};
@@ -272,6 +273,78 @@ async fn a_lone_reader_times_out_at_the_deadline() -> anyhow::Result<()> {
 #[tokio::test]
 async fn idle_connection_stays_up_through_keepalives() -> anyhow::Result<()> {
     common::cases::idle_connection_stays_up_through_keepalives::<Quic>().await
+}
+
+/// A deferred answer waits for its stream's first bytes, while other streams' packets come and go (over
+/// WebSocket any other output carries it; over QUIC only its own stream's bytes, in the same packet); with
+/// nothing to carry it, it goes when its hold ends, and never so late that the opener's deadline runs out
+/// first. Real time: quinn reads the system clock.
+#[tokio::test]
+async fn a_deferred_answer_waits_for_its_own_bytes_or_its_hold() -> anyhow::Result<()> {
+    let p = Quic::pair().await?;
+    let (mut held, held_control, mut served) = common::open_held(
+        &p.server,
+        &p.client,
+        "GET /held",
+        b"held",
+        Duration::from_secs(3600),
+    )
+    .await?;
+    // Ordered after the deferral: a round trip on another stream, both ways through the same connection.
+    let other = p.server.open(open_options("GET /other"))?;
+    let echoed = within("accept", p.client.accept())
+        .await?
+        .context("no incoming stream")?
+        .accept(Bytes::new())?;
+    tokio::spawn(common::echo(echoed));
+    assert_eq!(
+        within("round trip", round_trip(other, b"ping".to_vec())).await??,
+        b"ping"
+    );
+    let mut accepted = std::pin::pin!(held_control.accepted());
+    assert!(
+        accepted
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+            .is_pending(),
+        "the answer left before its stream wrote anything"
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut served, b"reply").await?;
+    tokio::io::AsyncWriteExt::shutdown(&mut served).await?;
+    assert_eq!(
+        within("accepted", accepted).await??,
+        Bytes::from_static(b"held")
+    );
+    let mut reply = Vec::new();
+    within("reply", held.read_to_end(&mut reply)).await??;
+    assert_eq!(reply, b"reply");
+
+    // Nothing to carry it: the answer goes at its hold (no sooner), or at half the opener's time.
+    for (deadline, hold) in [
+        (None, Duration::from_millis(300)),
+        (Some(Duration::from_secs(2)), Duration::from_secs(3600)),
+    ] {
+        let stream = p.server.open(tether_tunnel::OpenOptions {
+            deadline,
+            ..open_options("GET /slow")
+        })?;
+        let control = stream.control();
+        let incoming = within("accept", p.client.accept())
+            .await?
+            .context("no incoming stream")?;
+        let start = tokio::time::Instant::now();
+        let _served = incoming.accept_deferred(Bytes::from_static(b"later"), hold)?;
+        // With the hour's hold and no cap, the opener's deadline would fail the stream first.
+        assert_eq!(
+            within("accepted", control.accepted()).await??,
+            Bytes::from_static(b"later"),
+            "deadline {deadline:?}, hold {hold:?}"
+        );
+        if deadline.is_none() {
+            assert!(start.elapsed() >= hold, "the answer left before its hold");
+        }
+    }
+    Ok(())
 }
 
 /// A listener and what it saw, for tests that dial it themselves.

@@ -9,8 +9,8 @@ use tether_tunnel::{ConnectionError, Priority, Role, SessionConfig, TunnelError,
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{
-    Harness, accept, echo, open_options, pattern, round_trip, spawn_echo_server, tunnel_error,
-    within,
+    Harness, accept, echo, open_held, open_options, pattern, round_trip, spawn_echo_server,
+    tunnel_error, within,
 };
 
 pub(crate) async fn open_accept_and_echo_both_directions<H: Harness>() -> anyhow::Result<()> {
@@ -60,21 +60,42 @@ pub(crate) async fn open_accept_and_echo_both_directions<H: Harness>() -> anyhow
 pub(crate) async fn a_deferred_answer_leaves_with_the_first_bytes<H: Harness>() -> anyhow::Result<()>
 {
     let p = H::pair().await?;
-    let mut stream = p.client.open(tether_tunnel::OpenOptions {
-        deadline: None,
-        ..open_options("GET /healthz")
-    })?;
-    let control = stream.control();
-    let incoming = within("accept", p.server.accept())
-        .await?
-        .context("no incoming stream")?;
-    let mut served =
-        incoming.accept_deferred(Bytes::from_static(b"ok"), Duration::from_secs(3600))?;
+    let (mut stream, control, mut served) = open_held(
+        &p.client,
+        &p.server,
+        "GET /healthz",
+        b"ok",
+        Duration::from_secs(3600),
+    )
+    .await?;
     served.write_all(b"the reply").await?;
     served.shutdown().await?;
     let mut reply = Vec::new();
     within("reply", stream.read_to_end(&mut reply)).await??;
     assert_eq!(reply, b"the reply");
+    assert_eq!(
+        within("accepted", control.accepted()).await??,
+        Bytes::from_static(b"ok")
+    );
+    Ok(())
+}
+
+/// An answer deferred for longer than the test waits also leaves with the stream's end when nothing was
+/// written: the opener learns the stream was accepted and reads an empty reply.
+pub(crate) async fn a_deferred_answer_leaves_with_the_finish<H: Harness>() -> anyhow::Result<()> {
+    let p = H::pair().await?;
+    let (mut stream, control, mut served) = open_held(
+        &p.client,
+        &p.server,
+        "HEAD /healthz",
+        b"ok",
+        Duration::from_secs(3600),
+    )
+    .await?;
+    served.shutdown().await?;
+    let mut reply = Vec::new();
+    within("reply", stream.read_to_end(&mut reply)).await??;
+    assert!(reply.is_empty(), "{reply:?}");
     assert_eq!(
         within("accepted", control.accepted()).await??,
         Bytes::from_static(b"ok")
@@ -673,6 +694,7 @@ macro_rules! stream_cases {
         stream_cases!($h;
             open_accept_and_echo_both_directions,
             a_deferred_answer_leaves_with_the_first_bytes,
+            a_deferred_answer_leaves_with_the_finish,
             eight_mib_transfer_keeps_every_byte,
             a_hundred_concurrent_streams,
             half_close_still_reads_the_reply,

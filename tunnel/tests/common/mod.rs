@@ -152,6 +152,27 @@ pub(crate) async fn accept(conn: &Connection) -> anyhow::Result<Stream> {
     Ok(incoming.accept(Bytes::new())?)
 }
 
+/// Opens a stream from `opener` without a deadline and accepts it at `acceptor` with its answer (`answer`)
+/// held back for `hold`: the opener's stream, its control handle, and the acceptor's stream.
+pub(crate) async fn open_held(
+    opener: &Connection,
+    acceptor: &Connection,
+    metadata: &'static str,
+    answer: &'static [u8],
+    hold: Duration,
+) -> anyhow::Result<(Stream, tether_tunnel::StreamControl, Stream)> {
+    let stream = opener.open(OpenOptions {
+        deadline: None,
+        ..open_options(metadata)
+    })?;
+    let control = stream.control();
+    let incoming = within("accept", acceptor.accept())
+        .await?
+        .context("no incoming stream")?;
+    let served = incoming.accept_deferred(Bytes::from_static(answer), hold)?;
+    Ok((stream, control, served))
+}
+
 /// Echoes everything read back, then half-closes.
 pub(crate) async fn echo(mut stream: Stream) -> anyhow::Result<()> {
     let (mut r, mut w) = tokio::io::split(&mut stream);
