@@ -347,6 +347,53 @@ async fn a_deferred_answer_waits_for_its_own_bytes_or_its_hold() -> anyhow::Resu
     Ok(())
 }
 
+/// A stream header that cannot be written at once (the opener's send window is a few bytes, so quinn takes
+/// the header a few bytes per acknowledgement) is written by whichever of the stream's writer and its opening
+/// task quinn wakes, in either order of arrival; the other is woken when it is done. The opening task then
+/// reads the answer, and the writer's bytes follow the header.
+#[tokio::test]
+async fn a_header_written_in_pieces_wakes_both_the_writer_and_the_opening_task()
+-> anyhow::Result<()> {
+    let client = SessionConfig::new(Role::Client);
+    let mut server = SessionConfig::new(Role::Server);
+    server.connection_window = 4;
+    let p = Quic::pair_with(client, server).await?;
+    for writer_first in [true, false] {
+        let mut stream = p.server.open(tether_tunnel::OpenOptions {
+            deadline: None,
+            ..open_options("GET /a-header-longer-than-the-send-window")
+        })?;
+        let control = stream.control();
+        if !writer_first {
+            // The opening task polls first and is left waiting on quinn; the writer comes after it.
+            tokio::task::yield_now().await;
+        }
+        let wrote = tokio::spawn(async move {
+            tokio::io::AsyncWriteExt::write_all(&mut stream, b"request").await?;
+            tokio::io::AsyncWriteExt::shutdown(&mut stream).await?;
+            anyhow::Ok(stream)
+        });
+        let mut served = within("accept", p.client.accept())
+            .await?
+            .context("no incoming stream")?
+            .accept(Bytes::from_static(b"ok"))?;
+        assert_eq!(
+            within("accepted", control.accepted()).await??,
+            Bytes::from_static(b"ok"),
+            "writer first: {writer_first}"
+        );
+        let mut request = Vec::new();
+        within("request", served.read_to_end(&mut request)).await??;
+        assert_eq!(request, b"request");
+        tokio::io::AsyncWriteExt::shutdown(&mut served).await?;
+        let mut stream = within("write", wrote).await???;
+        let mut reply = Vec::new();
+        within("reply", stream.read_to_end(&mut reply)).await??;
+        assert!(reply.is_empty());
+    }
+    Ok(())
+}
+
 /// A listener and what it saw, for tests that dial it themselves.
 struct Relay {
     pki: Pki,
