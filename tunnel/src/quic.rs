@@ -866,20 +866,18 @@ const DEFERRED_TICK: Duration = Duration::from_millis(5);
 #[derive(Default)]
 struct DeferredAnswers {
     heap: std::collections::BinaryHeap<DeferredAnswer>,
-    /// Keeps the order of answers due at the same instant.
-    seq: u64,
     task_started: bool,
 }
 
+/// Ordered by due time alone: answers due at the same instant go in any order (they are other streams').
 struct DeferredAnswer {
     due: tokio::time::Instant,
-    seq: u64,
     stream: std::sync::Weak<StreamShared>,
 }
 
 impl PartialEq for DeferredAnswer {
     fn eq(&self, other: &Self) -> bool {
-        (self.due, self.seq) == (other.due, other.seq)
+        self.due == other.due
     }
 }
 
@@ -894,7 +892,7 @@ impl PartialOrd for DeferredAnswer {
 impl Ord for DeferredAnswer {
     /// Reversed: the heap's top is the answer due first.
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (other.due, other.seq).cmp(&(self.due, self.seq))
+        other.due.cmp(&self.due)
     }
 }
 
@@ -937,11 +935,8 @@ impl Shared {
         let due = tokio::time::Instant::now() + hold;
         let mut q = lock(&self.deferred);
         let sooner = q.heap.peek().is_none_or(|next| due < next.due);
-        q.seq += 1;
-        let seq = q.seq;
         q.heap.push(DeferredAnswer {
             due,
-            seq,
             stream: Arc::downgrade(ss),
         });
         let start = !std::mem::replace(&mut q.task_started, true);
