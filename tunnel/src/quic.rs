@@ -40,6 +40,8 @@ use crate::conn::{CloseInfo, OpenOptions, TunnelError};
 use crate::{ConnectionError, Priority, Role, SessionConfig, Stats, code};
 use tether_proto::StreamId;
 
+mod socket;
+
 /// The ALPN protocol both sides require: Tether's tunnel protocol, version 1, over QUIC.
 pub const ALPN: &[u8] = b"tether/1";
 
@@ -213,7 +215,7 @@ pub async fn connect_addr(
     } else {
         (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
     };
-    let endpoint = quinn::Endpoint::client(bind).map_err(QuicError::Bind)?;
+    let endpoint = endpoint(bind, None)?;
     let handshake = async {
         let connecting = endpoint
             .connect_with(client, addr, server_name)
@@ -277,7 +279,7 @@ pub async fn probe(
     } else {
         (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
     };
-    let endpoint = quinn::Endpoint::client(bind).map_err(QuicError::Bind)?;
+    let endpoint = endpoint(bind, None)?;
     let connecting = endpoint
         .connect_with(client, addr, server_name)
         .map_err(|e| QuicError::Handshake(e.to_string()))?;
@@ -294,6 +296,23 @@ pub async fn probe(
     // Lets the CONNECTION_CLOSE go out; bounded, as the peer may be gone.
     let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
     result
+}
+
+/// A quinn endpoint on a UDP socket bound to `addr`, receiving through [`socket::OneByOne`].
+fn endpoint(
+    addr: SocketAddr,
+    server: Option<quinn::ServerConfig>,
+) -> Result<quinn::Endpoint, QuicError> {
+    let socket = std::net::UdpSocket::bind(addr).map_err(QuicError::Bind)?;
+    let runtime = Arc::new(quinn::TokioRuntime);
+    let socket = quinn::Runtime::wrap_udp_socket(&*runtime, socket).map_err(QuicError::Bind)?;
+    quinn::Endpoint::new_with_abstract_socket(
+        quinn::EndpointConfig::default(),
+        server,
+        Arc::new(socket::OneByOne::new(socket)),
+        runtime,
+    )
+    .map_err(QuicError::Bind)
 }
 
 fn parse_url(url: &str) -> Result<(String, u16), QuicError> {
@@ -358,7 +377,7 @@ impl Listener {
             QuicServerConfig::try_from(Arc::new(tls)).map_err(|e| QuicError::Tls(e.to_string()))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         server.transport_config(Arc::new(transport_config(&config, false)?));
-        let endpoint = quinn::Endpoint::server(server, addr).map_err(QuicError::Bind)?;
+        let endpoint = endpoint(addr, Some(server))?;
         Ok(Self { endpoint, config })
     }
 

@@ -1,0 +1,265 @@
+//! The UDP socket under Tether's quinn endpoints: the kernel's receive batches, handed to quinn one datagram at a
+//! time.
+//!
+//! quinn-udp turns UDP GRO on, so one receive can return up to 64 datagrams of one sender in one buffer, and
+//! quinn copies each such buffer into **one** allocation of which every packet's frames keep a slice. A stream
+//! whose reader has stopped then pins whole batches rather than its own bytes, and quinn's over-allocation check
+//! counts only the bytes: 64 stalled watches grew the relay by up to 242 MiB where their windows allow 64
+//! (docs/BENCHMARKS.md, sixteenth and seventeenth passes). Turning GRO off bounds that too, but cost a fifth of
+//! a QUIC tunnel's bulk throughput over one stream and over eight, as the kernel then splits every batch the
+//! sender's GSO built and hands it over datagram by datagram.
+//!
+//! [`OneByOne`] keeps GRO and splits the batches itself: it receives into a buffer of its own and copies each
+//! datagram into a slot of quinn's, telling quinn it takes one datagram per slot. quinn then gives every
+//! datagram an allocation of its own size. The cost is one more copy of each received byte and an allocation per
+//! datagram rather than per batch: 9 % of one stream's bulk throughput, none over eight streams or on small GETs.
+
+use std::fmt;
+use std::io::{self, IoSliceMut};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+
+use quinn::udp::{BATCH_SIZE, RecvMeta, Transmit};
+use quinn::{AsyncUdpSocket, UdpPoller};
+
+/// The largest UDP payload quinn's endpoints receive: `EndpointConfig`'s default, which Tether keeps, and what
+/// a slot of the buffer quinn receives into holds when it takes one datagram per slot.
+pub(super) const MAX_UDP_PAYLOAD: usize = 1472;
+
+/// A [`AsyncUdpSocket`] that receives the kernel's GRO batches into its own buffer and hands quinn one
+/// datagram per slot. Sending, readiness and addresses are the wrapped socket's.
+pub(super) struct OneByOne {
+    inner: Arc<dyn AsyncUdpSocket>,
+    /// Only the endpoint's driver receives, so the lock is never contended.
+    batches: Mutex<Batches>,
+}
+
+/// What the last receive returned and how much of it quinn has taken.
+struct Batches {
+    /// `BATCH_SIZE` slots of `slot` bytes.
+    buf: Box<[u8]>,
+    slot: usize,
+    metas: [RecvMeta; BATCH_SIZE],
+    /// Slots filled by the last receive.
+    filled: usize,
+    /// The slot being handed out, and the offset of its next datagram.
+    next: usize,
+    offset: usize,
+}
+
+impl OneByOne {
+    /// Wraps `inner`, whose receives may return GRO batches of up to `inner.max_receive_segments()` datagrams.
+    pub(super) fn new(inner: Arc<dyn AsyncUdpSocket>) -> Self {
+        let slot = inner.max_receive_segments().max(1) * MAX_UDP_PAYLOAD;
+        Self {
+            inner,
+            batches: Mutex::new(Batches {
+                buf: vec![0; slot * BATCH_SIZE].into_boxed_slice(),
+                slot,
+                metas: [RecvMeta::default(); BATCH_SIZE],
+                filled: 0,
+                next: 0,
+                offset: 0,
+            }),
+        }
+    }
+}
+
+impl Batches {
+    /// Copies pending datagrams into `bufs`, one per slot, in the order received; returns how many. A datagram
+    /// larger than its slot (longer than the payload this endpoint allows its peers) is dropped, as a network
+    /// would.
+    fn hand_out(&mut self, bufs: &mut [IoSliceMut<'_>], meta: &mut [RecvMeta]) -> usize {
+        let mut n = 0;
+        while n < bufs.len().min(meta.len()) && self.next < self.filled {
+            let m = self.metas[self.next];
+            let len = m.len.min(self.slot);
+            if self.offset >= len {
+                self.next += 1;
+                self.offset = 0;
+                continue;
+            }
+            let stride = if m.stride == 0 { len } else { m.stride };
+            let start = self.next * self.slot + self.offset;
+            let size = stride.min(len - self.offset);
+            self.offset += size;
+            let Some(datagram) = self.buf.get(start..start + size) else {
+                continue;
+            };
+            let Some(into) = bufs[n].get_mut(..size) else {
+                continue;
+            };
+            into.copy_from_slice(datagram);
+            let mut one = m;
+            one.len = size;
+            one.stride = size;
+            meta[n] = one;
+            n += 1;
+        }
+        n
+    }
+}
+
+impl AsyncUdpSocket for OneByOne {
+    fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
+        self.inner.clone().create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &Transmit<'_>) -> io::Result<()> {
+        self.inner.try_send(transmit)
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context<'_>,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Poll<io::Result<usize>> {
+        let mut batches = self.batches.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            let n = batches.hand_out(bufs, meta);
+            if n > 0 {
+                return Poll::Ready(Ok(n));
+            }
+            let batches = &mut *batches;
+            batches.filled = 0;
+            batches.next = 0;
+            batches.offset = 0;
+            let mut slots: [IoSliceMut<'_>; BATCH_SIZE] = {
+                let mut chunks = batches.buf.chunks_mut(batches.slot).map(IoSliceMut::new);
+                std::array::from_fn(|_| chunks.next().unwrap_or_else(|| IoSliceMut::new(&mut [])))
+            };
+            match self.inner.poll_recv(cx, &mut slots, &mut batches.metas) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Ok(0)),
+                Poll::Ready(Ok(filled)) => batches.filled = filled.min(BATCH_SIZE),
+                other => return other,
+            }
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.inner.max_transmit_segments()
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        1
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.inner.may_fragment()
+    }
+}
+
+impl fmt::Debug for OneByOne {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OneByOne")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::poll_fn;
+
+    use quinn::Runtime;
+    use quinn::udp::UdpSocketState;
+
+    use super::*;
+
+    /// Receives through `socket` as quinn's endpoint driver does (`BATCH_SIZE` slots of one datagram) until
+    /// `count` datagrams have arrived; also says whether the kernel ever returned a GRO batch.
+    async fn receive(socket: &OneByOne, count: usize) -> (Vec<Vec<u8>>, bool) {
+        let mut buf = vec![0; MAX_UDP_PAYLOAD * BATCH_SIZE];
+        let mut got = Vec::new();
+        let mut batched = false;
+        while got.len() < count {
+            let mut metas = [RecvMeta::default(); BATCH_SIZE];
+            let mut slots: Vec<IoSliceMut<'_>> = buf
+                .chunks_mut(MAX_UDP_PAYLOAD)
+                .map(IoSliceMut::new)
+                .collect();
+            let n = tokio::time::timeout(
+                std::time::Duration::from_secs(10),
+                poll_fn(|cx| socket.poll_recv(cx, &mut slots, &mut metas)),
+            )
+            .await
+            .expect("the datagrams sent arrive")
+            .expect("receive");
+            {
+                let batches = socket.batches.lock().expect("not poisoned");
+                batched |= batches.metas[..batches.filled]
+                    .iter()
+                    .any(|m| m.len > m.stride);
+            }
+            for (meta, slot) in metas.iter().zip(&slots).take(n) {
+                assert_eq!(meta.stride, meta.len, "one datagram per slot");
+                got.push(slot[..meta.len].to_vec());
+            }
+        }
+        (got, batched)
+    }
+
+    /// The attack this socket answers: a stalled stream's packets pinned the whole GRO batch they arrived in.
+    /// A batch the sender built with GSO reaches quinn as separate datagrams, in order and intact; a datagram
+    /// larger than the payload the endpoint allows is dropped without losing the ones around it.
+    #[tokio::test]
+    async fn a_gro_batch_reaches_quinn_one_datagram_per_slot() {
+        let rx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let to = rx.local_addr().expect("address");
+        let inner = quinn::TokioRuntime
+            .wrap_udp_socket(rx)
+            .expect("tokio socket");
+        assert!(
+            inner.max_receive_segments() > 1,
+            "this kernel offers no UDP GRO, so this test cannot tell anything"
+        );
+        let socket = OneByOne::new(inner);
+        assert_eq!(socket.max_receive_segments(), 1);
+
+        let tx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let state = UdpSocketState::new((&tx).into()).expect("quinn-udp state");
+        assert!(
+            state.max_gso_segments() >= 20,
+            "this kernel offers no UDP GSO"
+        );
+        let send = |contents: &[u8], segment_size| {
+            let transmit = Transmit {
+                destination: to,
+                ecn: None,
+                contents,
+                segment_size,
+                src_ip: None,
+            };
+            state.send((&tx).into(), &transmit).expect("send");
+        };
+        let batch: Vec<u8> = (0..20u8)
+            .flat_map(|i| std::iter::repeat_n(i, 1000))
+            .collect();
+        send(&batch, Some(1000));
+        send(&[0xee; MAX_UDP_PAYLOAD + 1], None);
+        send(&[0xaa; 300], None);
+        send(&batch[..3000], Some(1000));
+
+        let (got, batched) = receive(&socket, 24).await;
+        assert!(batched, "the kernel never returned a GRO batch");
+        let mut want: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i; 1000]).collect();
+        want.push(vec![0xaa; 300]);
+        want.extend((0..3u8).map(|i| vec![i; 1000]));
+        assert_eq!(got.len(), want.len());
+        for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                got == want,
+                "datagram {i}: {} bytes of {:?}",
+                got.len(),
+                got.first()
+            );
+        }
+    }
+}
