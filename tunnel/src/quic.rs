@@ -306,13 +306,10 @@ fn endpoint(
     let socket = std::net::UdpSocket::bind(addr).map_err(QuicError::Bind)?;
     let runtime = Arc::new(quinn::TokioRuntime);
     let socket = quinn::Runtime::wrap_udp_socket(&*runtime, socket).map_err(QuicError::Bind)?;
-    quinn::Endpoint::new_with_abstract_socket(
-        quinn::EndpointConfig::default(),
-        server,
-        Arc::new(socket::OneByOne::new(socket)),
-        runtime,
-    )
-    .map_err(QuicError::Bind)
+    let config = quinn::EndpointConfig::default();
+    let socket = Arc::new(socket::OneByOne::new(socket, &config));
+    quinn::Endpoint::new_with_abstract_socket(config, server, socket, runtime)
+        .map_err(QuicError::Bind)
 }
 
 fn parse_url(url: &str) -> Result<(String, u16), QuicError> {

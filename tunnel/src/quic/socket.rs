@@ -24,10 +24,6 @@ use std::task::{Context, Poll};
 use quinn::udp::{BATCH_SIZE, RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, UdpPoller};
 
-/// The largest UDP payload quinn's endpoints receive: `EndpointConfig`'s default, which Tether keeps, and what
-/// a slot of the buffer quinn receives into holds when it takes one datagram per slot.
-pub(super) const MAX_UDP_PAYLOAD: usize = 1472;
-
 /// A [`AsyncUdpSocket`] that receives the kernel's GRO batches into its own buffer and hands quinn one
 /// datagram per slot. Sending, readiness and addresses are the wrapped socket's.
 pub(super) struct OneByOne {
@@ -50,9 +46,10 @@ struct Batches {
 }
 
 impl OneByOne {
-    /// Wraps `inner`, whose receives may return GRO batches of up to `inner.max_receive_segments()` datagrams.
-    pub(super) fn new(inner: Arc<dyn AsyncUdpSocket>) -> Self {
-        let slot = inner.max_receive_segments().max(1) * MAX_UDP_PAYLOAD;
+    /// Wraps `inner`, whose receives may return GRO batches of up to `inner.max_receive_segments()` datagrams,
+    /// for an endpoint with `config`. Its slots are sized as quinn sizes its own.
+    pub(super) fn new(inner: Arc<dyn AsyncUdpSocket>, config: &quinn::EndpointConfig) -> Self {
+        let slot = inner.max_receive_segments().max(1) * max_udp_payload(config);
         Self {
             inner,
             batches: Mutex::new(Batches {
@@ -67,6 +64,13 @@ impl OneByOne {
     }
 }
 
+/// The largest UDP payload an endpoint with `config` receives (at most 64 KiB, as quinn caps it): what one slot
+/// of quinn's receive buffer holds when it takes one datagram per slot.
+fn max_udp_payload(config: &quinn::EndpointConfig) -> usize {
+    const CAP: usize = 64 * 1024;
+    usize::try_from(config.get_max_udp_payload_size()).map_or(CAP, |max| max.min(CAP))
+}
+
 impl Batches {
     /// Copies pending datagrams into `bufs`, one per slot, in the order received; returns how many. A datagram
     /// larger than its slot (longer than the payload this endpoint allows its peers) is dropped, as a network
@@ -75,7 +79,7 @@ impl Batches {
         let mut n = 0;
         while n < bufs.len().min(meta.len()) && self.next < self.filled {
             let m = self.metas[self.next];
-            let len = m.len.min(self.slot);
+            let len = m.len;
             if self.offset >= len {
                 self.next += 1;
                 self.offset = 0;
@@ -176,15 +180,14 @@ mod tests {
     /// Receives through `socket` as quinn's endpoint driver does (`BATCH_SIZE` slots of one datagram) until
     /// `count` datagrams have arrived; also says whether the kernel ever returned a GRO batch.
     async fn receive(socket: &OneByOne, count: usize) -> (Vec<Vec<u8>>, bool) {
-        let mut buf = vec![0; MAX_UDP_PAYLOAD * BATCH_SIZE];
+        let payload = max_udp_payload(&quinn::EndpointConfig::default());
+        let mut buf = vec![0; payload * BATCH_SIZE];
         let mut got = Vec::new();
         let mut batched = false;
         while got.len() < count {
             let mut metas = [RecvMeta::default(); BATCH_SIZE];
-            let mut slots: Vec<IoSliceMut<'_>> = buf
-                .chunks_mut(MAX_UDP_PAYLOAD)
-                .map(IoSliceMut::new)
-                .collect();
+            let mut slots: Vec<IoSliceMut<'_>> =
+                buf.chunks_mut(payload).map(IoSliceMut::new).collect();
             let n = tokio::time::timeout(
                 std::time::Duration::from_secs(10),
                 poll_fn(|cx| socket.poll_recv(cx, &mut slots, &mut metas)),
@@ -220,7 +223,8 @@ mod tests {
             inner.max_receive_segments() > 1,
             "this kernel offers no UDP GRO, so this test cannot tell anything"
         );
-        let socket = OneByOne::new(inner);
+        let config = quinn::EndpointConfig::default();
+        let socket = OneByOne::new(inner, &config);
         assert_eq!(socket.max_receive_segments(), 1);
 
         let tx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
@@ -243,7 +247,7 @@ mod tests {
             .flat_map(|i| std::iter::repeat_n(i, 1000))
             .collect();
         send(&batch, Some(1000));
-        send(&[0xee; MAX_UDP_PAYLOAD + 1], None);
+        send(&vec![0xee; max_udp_payload(&config) + 1], None);
         send(&[0xaa; 300], None);
         send(&batch[..3000], Some(1000));
 
