@@ -72,7 +72,9 @@ pub struct CommonArgs {
     /// repeated: `--transport quic,wss`): one relay and agent (`--transport X`) per transport, labelled
     /// `tether quic`, `tether wss`, with quic/wss ratios. Default: one agent with its own choice (`auto`,
     /// QUIC on loopback), labelled `tether`; each report's `tunnel_transport` setting says which transport
-    /// every Tether path's tunnel ran on. `watches` runs its one agent with the first one given.
+    /// every Tether path's tunnel ran on. `watches` runs its one agent with the first one given. `tunnels` and
+    /// `reconnect` dial their simulated agents (and `tunnels` its real one) with the first one given: `wss`
+    /// (the default for simulated agents) or `quic`.
     #[arg(long, global = true, value_enum, value_delimiter = ',')]
     pub transport: Vec<AgentTransport>,
 }

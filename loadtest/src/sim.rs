@@ -9,6 +9,10 @@
 //! `health` every interval the welcome names; a relay's `draining` window is kept for the reconnect. When the
 //! relay refuses the control stream (a relay without one), the tunnel is held with protocol keepalives only, and
 //! [`SimStats::control_refused`] says so.
+//!
+//! A fleet dials over WebSocket or over QUIC ([`SimTransport`]). Over QUIC each simulated agent binds a UDP
+//! socket of its own, as every real agent has one, and keeps the agent's default liveness (a keepalive every
+//! second, silence of three seconds ends the tunnel), so the relay carries what 10,000 real QUIC agents cost it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -20,6 +24,7 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use rand::RngExt as _;
 use tether_api::control::{self, Message};
 use tether_api::reconnect::{Backoff, DRAINING_WAIT, Reconnect};
+use tether_tunnel::quic::{self, QuicError};
 use tether_tunnel::ws::{self, ConnectError};
 use tether_tunnel::{Connection, OpenOptions, Priority, Role, SessionConfig, code, kind};
 use tokio::sync::Semaphore;
@@ -30,6 +35,96 @@ use tokio_util::sync::CancellationToken;
 use crate::certs;
 use crate::stats::Timeline;
 use crate::tether::RelayProcess;
+
+/// The agent's default `--quic-keepalive`: QUIC tunnels ping every second.
+const QUIC_KEEPALIVE: Duration = Duration::from_secs(1);
+/// The agent's default `--quic-timeout`.
+const QUIC_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The transport simulated agents dial.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SimTransport {
+    /// WebSocket over TLS (TCP).
+    Wss,
+    /// QUIC, one UDP socket per agent.
+    Quic,
+}
+
+impl SimTransport {
+    /// From the load generator's `--transport` (its first value): WebSocket when none is given. `auto` is
+    /// refused: the real agent races both transports, and a simulated one would have to choose for it.
+    pub fn from_flag(transport: Option<crate::cli::AgentTransport>) -> anyhow::Result<Self> {
+        use crate::cli::AgentTransport;
+        match transport {
+            None | Some(AgentTransport::Wss) => Ok(Self::Wss),
+            Some(AgentTransport::Quic) => Ok(Self::Quic),
+            Some(AgentTransport::Auto) => anyhow::bail!(
+                "simulated agents dial one transport: give `--transport wss` or `--transport quic`, not auto"
+            ),
+        }
+    }
+
+    /// As on the agent's command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Wss => "wss",
+            Self::Quic => "quic",
+        }
+    }
+}
+
+/// Why a simulated agent's dial failed.
+#[derive(Debug)]
+pub enum DialError {
+    /// Over WebSocket.
+    Wss(ConnectError),
+    /// Over QUIC.
+    Quic(QuicError),
+    /// No tunnel within the fleet's connect timeout.
+    TimedOut,
+}
+
+impl std::fmt::Display for DialError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Wss(e) => write!(f, "{}", crate::client::error_chain(e)),
+            Self::Quic(e) => write!(f, "{}", crate::client::error_chain(e)),
+            Self::TimedOut => f.write_str("timed out"),
+        }
+    }
+}
+
+impl DialError {
+    /// The HTTP status the relay refused the tunnel with: the WebSocket upgrade's answer, or the Kubernetes
+    /// Status in a QUIC refusal's reason.
+    fn status(&self) -> Option<StatusCode> {
+        match self {
+            Self::Wss(ConnectError::Rejected { status, .. }) => Some(*status),
+            Self::Quic(QuicError::Rejected { reason, .. }) => {
+                serde_json::from_str::<serde_json::Value>(reason)
+                    .ok()
+                    .and_then(|v| v.get("code").and_then(serde_json::Value::as_u64))
+                    .and_then(|c| u16::try_from(c).ok())
+                    .and_then(|c| StatusCode::from_u16(c).ok())
+            }
+            _ => None,
+        }
+    }
+
+    /// The relay refused the tunnel (e.g. 503 while it starts).
+    fn rejected(&self) -> bool {
+        matches!(
+            self,
+            Self::Wss(ConnectError::Rejected { .. }) | Self::Quic(QuicError::Rejected { .. })
+        )
+    }
+
+    /// The relay refused the agent's identity: the real agent stops dialling.
+    fn identity_refused(&self) -> bool {
+        self.status()
+            .is_some_and(|s| s == StatusCode::UNAUTHORIZED || s == StatusCode::FORBIDDEN)
+    }
+}
 
 /// How a simulated agent proves who it is.
 #[derive(Clone)]
@@ -110,15 +205,31 @@ impl SimAgent {
         matches!(self.identity, Identity::Certificate)
     }
 
-    /// Dials the relay and upgrades to a tunnel.
-    pub async fn connect(&self) -> Result<Connection, ConnectError> {
-        ws::connect(
-            &self.tunnel_url,
-            self.tls.clone(),
-            self.headers.clone(),
-            SessionConfig::new(Role::Client),
-        )
-        .await
+    /// Dials the relay over `transport` and opens a tunnel.
+    pub async fn connect(&self, transport: SimTransport) -> Result<Connection, DialError> {
+        match transport {
+            SimTransport::Wss => ws::connect(
+                &self.tunnel_url,
+                self.tls.clone(),
+                self.headers.clone(),
+                SessionConfig::new(Role::Client),
+            )
+            .await
+            .map_err(DialError::Wss),
+            SimTransport::Quic => {
+                let mut session = SessionConfig::new(Role::Client);
+                session.keepalive_interval = QUIC_KEEPALIVE;
+                session.idle_timeout = QUIC_TIMEOUT;
+                quic::connect(
+                    &self.tunnel_url,
+                    self.tls.clone(),
+                    self.headers.clone(),
+                    session,
+                )
+                .await
+                .map_err(DialError::Quic)
+            }
+        }
     }
 }
 
@@ -146,15 +257,15 @@ pub struct SimStats {
 }
 
 impl SimStats {
-    fn note_error(&self, e: &ConnectError) {
+    fn note_error(&self, e: &DialError) {
         self.connect_errors.fetch_add(1, Ordering::Relaxed);
-        if matches!(e, ConnectError::Rejected { .. }) {
+        if e.rejected() {
             self.rejected.fetch_add(1, Ordering::Relaxed);
         }
         if let Ok(mut first) = self.first_error.lock()
             && first.is_none()
         {
-            *first = Some(crate::client::error_chain(e));
+            *first = Some(e.to_string());
         }
     }
 
@@ -288,6 +399,7 @@ async fn control_channel(
 /// Shared by the agents of a [`Fleet`].
 #[derive(Debug)]
 struct FleetShared {
+    transport: SimTransport,
     backoff: Backoff,
     default_heartbeat: Duration,
     stats: Arc<SimStats>,
@@ -310,12 +422,14 @@ impl Fleet {
     /// successful connect is counted in `accepts` (if given; see also [`Fleet::count_accepts_in`]).
     pub fn start(
         agents: &[Arc<SimAgent>],
+        transport: SimTransport,
         backoff: Backoff,
         default_heartbeat: Duration,
         initial_concurrency: Option<usize>,
         accepts: Option<Arc<Timeline>>,
     ) -> Self {
         let shared = Arc::new(FleetShared {
+            transport,
             backoff,
             default_heartbeat,
             stats: Arc::new(SimStats::default()),
@@ -392,7 +506,8 @@ async fn run(agent: Arc<SimAgent>, fleet: Arc<FleetShared>) {
         None => None,
     };
     loop {
-        let connecting = tokio::time::timeout(Duration::from_secs(15), agent.connect());
+        let connecting =
+            tokio::time::timeout(Duration::from_secs(15), agent.connect(fleet.transport));
         let result = tokio::select! {
             r = connecting => r,
             () = fleet.stop.cancelled() => return,
@@ -416,14 +531,9 @@ async fn run(agent: Arc<SimAgent>, fleet: Arc<FleetShared>) {
                 stats.disconnects.fetch_add(1, Ordering::Relaxed);
                 reconnect.lost(window)
             }
-            Ok(Err(ConnectError::Rejected { status, .. }))
-                if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN =>
-            {
+            Ok(Err(e)) if e.identity_refused() => {
                 // The real agent gives up here: its identity was refused.
-                stats.note_error(&ConnectError::Rejected {
-                    status,
-                    body: "identity refused".to_owned(),
-                });
+                stats.note_error(&e);
                 return;
             }
             Ok(Err(e)) => {
@@ -431,7 +541,7 @@ async fn run(agent: Arc<SimAgent>, fleet: Arc<FleetShared>) {
                 reconnect.next_delay()
             }
             Err(_) => {
-                stats.note_error(&ConnectError::TimedOut);
+                stats.note_error(&DialError::TimedOut);
                 reconnect.next_delay()
             }
         };
@@ -439,6 +549,21 @@ async fn run(agent: Arc<SimAgent>, fleet: Arc<FleetShared>) {
             () = tokio::time::sleep(delay) => {}
             () = fleet.stop.cancelled() => return,
         }
+    }
+}
+
+/// The transport the relay shows for the first agent's tunnel (`none` when it shows none), so a report says
+/// what the relay really carried.
+pub async fn transport_at_relay(relay: &RelayProcess, agents: &[Arc<SimAgent>]) -> String {
+    let Some(agent) = agents.first() else {
+        return "none".to_owned();
+    };
+    match relay.cluster(&agent.cluster).await {
+        Ok(cluster) => cluster["tunnels"][0]["transport"]
+            .as_str()
+            .unwrap_or("none")
+            .to_owned(),
+        Err(e) => format!("unknown ({e:#})"),
     }
 }
 

@@ -284,6 +284,51 @@ fn tunnels_holds_simulated_agents() -> anyhow::Result<()> {
 }
 
 #[test]
+fn tunnels_holds_simulated_agents_over_quic() -> anyhow::Result<()> {
+    let (report, _dir) = run(
+        "tunnels",
+        &[
+            "--transport",
+            "quic",
+            "--count",
+            "6",
+            "--idle",
+            "1s",
+            "--heartbeat-interval",
+            "1s",
+            "--onboard-concurrency",
+            "2",
+        ],
+    )?;
+    // The relay itself says the simulated agents' tunnels run on QUIC.
+    assert_eq!(report["settings"]["sim_transport"], "quic", "{report}");
+    assert_eq!(
+        report["settings"]["sim_transport_at_relay"], "quic",
+        "{report}"
+    );
+    let connects = run_labelled(&report, "tunnel connects").context("no connect run")?;
+    assert_eq!(connects["requests"].as_u64(), Some(5), "{connects}");
+    assert_eq!(
+        figure(&report, "tunnels still up after the idle period"),
+        Some(5.0)
+    );
+    assert!(
+        figure(&report, "heartbeats sent during the idle period").is_some_and(|b| b > 0.0),
+        "{report}"
+    );
+    Ok(())
+}
+
+#[test]
+fn simulated_agents_do_not_race_transports() -> anyhow::Result<()> {
+    let e = run("tunnels", &["--transport", "auto", "--count", "2"])
+        .err()
+        .context("tunnels --transport auto ran")?;
+    assert!(format!("{e:#}").contains("not auto"), "{e:#}");
+    Ok(())
+}
+
+#[test]
 fn reconnect_brings_every_agent_back() -> anyhow::Result<()> {
     let (report, _dir) = run(
         "reconnect",
@@ -298,6 +343,10 @@ fn reconnect_brings_every_agent_back() -> anyhow::Result<()> {
     )?;
     let r = run_labelled(&report, "reconnects").context("no reconnect run")?;
     assert!(r["requests"].as_u64().is_some_and(|n| n >= 4), "{r}");
+    assert_eq!(
+        report["settings"]["sim_transport_at_relay"], "wss",
+        "{report}"
+    );
     assert!(
         figure(&report, "all agents back, after the new relay started").is_some(),
         "{report}"
@@ -306,6 +355,35 @@ fn reconnect_brings_every_agent_back() -> anyhow::Result<()> {
         report["ratios"]
             .to_string()
             .contains("accept rate peak/mean"),
+        "{report}"
+    );
+    Ok(())
+}
+
+#[test]
+fn reconnect_brings_every_quic_agent_back() -> anyhow::Result<()> {
+    let (report, _dir) = run(
+        "reconnect",
+        &[
+            "--transport",
+            "quic",
+            "--count",
+            "4",
+            "--deadline",
+            "60s",
+            "--onboard-concurrency",
+            "2",
+        ],
+    )?;
+    let r = run_labelled(&report, "reconnects").context("no reconnect run")?;
+    assert!(r["requests"].as_u64().is_some_and(|n| n >= 4), "{r}");
+    // Back on QUIC, as the new relay shows it.
+    assert_eq!(
+        report["settings"]["sim_transport_at_relay"], "quic",
+        "{report}"
+    );
+    assert!(
+        figure(&report, "all agents back, after the new relay started").is_some(),
         "{report}"
     );
     Ok(())

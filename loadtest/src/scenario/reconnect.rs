@@ -22,6 +22,8 @@ pub async fn run(env: &Env, args: &ReconnectArgs) -> anyhow::Result<Report> {
     report.setting("count", args.count);
     report.setting("signal", format!("{:?}", args.signal).to_lowercase());
     report.setting("bin", format!("{:?}", args.bin));
+    let transport = sim::SimTransport::from_flag(env.common.transport.first().copied())?;
+    report.setting("sim_transport", transport.as_str());
     let nofile = crate::procs::raise_nofile_limit();
     report.setting("nofile_limit", nofile);
 
@@ -42,6 +44,7 @@ pub async fn run(env: &Env, args: &ReconnectArgs) -> anyhow::Result<Report> {
     let heartbeat = Duration::from_secs(30);
     let fleet = Fleet::start(
         &agents,
+        transport,
         Backoff::default(),
         heartbeat,
         Some(args.connect_concurrency),
@@ -94,6 +97,10 @@ pub async fn run(env: &Env, args: &ReconnectArgs) -> anyhow::Result<Report> {
         .await;
     bar.finish_and_clear();
     let t_all = Instant::now();
+    report.setting(
+        "sim_transport_at_relay",
+        sim::transport_at_relay(&relay, &agents).await,
+    );
     let stats = fleet.stats();
     let reconnects = SimStats::get(&stats.connects) - connects_before;
     let failed_attempts = SimStats::get(&stats.connect_errors) - errors_before;

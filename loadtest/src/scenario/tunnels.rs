@@ -27,6 +27,8 @@ pub async fn run(env: &Env, args: &TunnelsArgs) -> anyhow::Result<Report> {
         format!("{:?}", args.heartbeat_interval),
     );
     report.setting("connect_concurrency", args.connect_concurrency);
+    let transport = sim::SimTransport::from_flag(env.common.transport.first().copied())?;
+    report.setting("sim_transport", transport.as_str());
     let nofile = crate::procs::raise_nofile_limit();
     report.setting("nofile_limit", nofile);
     if (nofile as usize) < args.count + 200 {
@@ -62,7 +64,7 @@ pub async fn run(env: &Env, args: &TunnelsArgs) -> anyhow::Result<Report> {
             &AgentOptions {
                 wrapper: env.common.agent_wrapper.clone(),
                 log_level: env.common.log_level.clone(),
-                extra_args: Vec::new(),
+                extra_args: env.agent_args(env.common.transport.first().copied()),
             },
         )
         .await?;
@@ -99,6 +101,7 @@ pub async fn run(env: &Env, args: &TunnelsArgs) -> anyhow::Result<Report> {
     ));
     let fleet = Fleet::start(
         &agents,
+        transport,
         Backoff::default(),
         args.heartbeat_interval,
         Some(args.connect_concurrency),
@@ -118,6 +121,10 @@ pub async fn run(env: &Env, args: &TunnelsArgs) -> anyhow::Result<Report> {
             SimStats::get(&s.control_accepted) + SimStats::get(&s.control_refused) >= target
         })
         .await?;
+    report.setting(
+        "sim_transport_at_relay",
+        sim::transport_at_relay(&relay, &agents).await,
+    );
     let connect_rate = sims as f64 / connect_time.as_secs_f64();
     env.say(&format!(
         "{sims} tunnels up in {connect_time:.2?} ({connect_rate:.0}/s)"
