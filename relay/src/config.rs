@@ -7,6 +7,13 @@ use clap::{Args, CommandFactory as _, FromArgMatches as _};
 use tether_runtime::parse_duration;
 use tether_tunnel::{Role, SessionConfig};
 
+/// Streams an agent may have open at once on its tunnel: its one control stream, and room for a few more that
+/// the relay refuses (it serves no other kind; the streams that carry users' requests are the relay's, bounded
+/// by the agent). QUIC keeps state for every stream the peer may open (quinn makes two map entries per allowed
+/// stream when it allows it), so the 1,024 of [`SessionConfig`]'s default cost each idle QUIC tunnel about
+/// 70 KB at the relay; the bound also keeps a misbehaving agent from parking streams there.
+pub const AGENT_STREAMS: u32 = 8;
+
 /// Everything the relay needs to run. Build it with [`Config::new`] (or parse it with clap: it is the relay's
 /// command line, flags and `TETHER_RELAY_*` variables), adjust fields, then [`Config::validate`] (also done by
 /// [`crate::Relay::new`]). Every default is written once, on its field.
@@ -59,7 +66,8 @@ pub struct Config {
     #[command(flatten)]
     pub limits: Limits,
     /// Session settings for agent tunnels (the role is always forced to [`Role::Server`]; the keepalive and
-    /// the dead-tunnel timeout come from `tunnel_keepalive` and `tunnel_timeout`: see [`Config::tunnel_session`]).
+    /// the dead-tunnel timeout come from `tunnel_keepalive` and `tunnel_timeout`, the streams an agent may open
+    /// are [`AGENT_STREAMS`]: see [`Config::tunnel_session`]).
     #[arg(skip = SessionConfig::new(Role::Server))]
     pub tunnel: SessionConfig,
     /// A tunnel the agent has been silent on this long gets a PING (e.g. 15s, 1s).
@@ -415,6 +423,7 @@ impl Config {
     pub fn tunnel_session(&self) -> SessionConfig {
         let mut session = self.tunnel.clone();
         session.role = Role::Server;
+        session.max_concurrent_streams = AGENT_STREAMS;
         session.keepalive_interval = self.tunnel_keepalive;
         session.idle_timeout = self.tunnel_timeout;
         session

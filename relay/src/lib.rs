@@ -72,7 +72,7 @@ use std::sync::Arc;
 use tether_runtime::Secret;
 use tokio::net::TcpListener;
 
-pub use config::{Config, ConfigError, EntraConfig, Limits};
+pub use config::{AGENT_STREAMS, Config, ConfigError, EntraConfig, Limits};
 pub use error::RelayError;
 
 use crate::store::{Store, TokenHash};

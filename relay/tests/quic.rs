@@ -252,3 +252,84 @@ async fn no_quic_means_no_udp_listener() -> anyhow::Result<()> {
     drop(ws);
     relay.stop().await
 }
+
+/// Opens HTTP streams (a kind the relay refuses) on `conn` without yielding, so no answer can free a slot
+/// meanwhile, until the relay's stream limit stops it; returns the streams opened.
+fn open_until_refused(conn: &Connection) -> anyhow::Result<Vec<tether_tunnel::Stream>> {
+    let mut opened = Vec::new();
+    for _ in 0..100 {
+        match conn.open(tether_tunnel::OpenOptions {
+            kind: kind::HTTP,
+            priority: tether_tunnel::Priority::Normal,
+            deadline: Some(Duration::from_secs(10)),
+            metadata: Bytes::new(),
+        }) {
+            Ok(stream) => opened.push(stream),
+            Err(tether_tunnel::TunnelError::TooManyStreams) => return Ok(opened),
+            Err(e) => anyhow::bail!("opening failed: {e}"),
+        }
+    }
+    anyhow::bail!("the relay let the agent open 100 streams at once")
+}
+
+/// The attack: an authenticated agent parks streams at the relay (which serves only its control stream). The
+/// relay allows an agent `AGENT_STREAMS` at once over either transport (over QUIC each allowed stream is state
+/// quinn keeps per tunnel), refuses what it does not serve, and the tunnel stays usable.
+// One thread: nothing runs between the opens, so the count is the relay's limit, not a race with its refusals.
+#[tokio::test(flavor = "current_thread")]
+async fn an_agent_may_open_only_a_few_streams_at_the_relay_over_either_transport()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let relay = TestRelay::start(dir.path()).await?;
+    let identity = relay.admin()?.onboarded("edge").await?;
+    let quic = dial_quic(&relay, Some(&identity), "edge").await??;
+    let wss = common::dial(&relay, &identity).await?;
+    for (name, conn) in [("quic", &quic), ("wss", &wss)] {
+        // QUIC raises the agent's stream credit from zero once the tunnel is accepted: wait for it.
+        let first = tether_testkit::wait::eventually(
+            "stream credit from the relay",
+            Duration::from_secs(10),
+            || async {
+                conn.open(tether_tunnel::OpenOptions {
+                    kind: kind::HTTP,
+                    priority: tether_tunnel::Priority::Normal,
+                    deadline: Some(Duration::from_secs(10)),
+                    metadata: Bytes::new(),
+                })
+                .ok()
+            },
+        )
+        .await?;
+        let more = open_until_refused(conn)?;
+        assert_eq!(
+            more.len() + 1,
+            tether_relay::AGENT_STREAMS as usize,
+            "{name}: streams an agent may hold open at the relay"
+        );
+        match tokio::time::timeout(Duration::from_secs(10), first.control().accepted()).await? {
+            Err(tether_tunnel::TunnelError::Refused { code: c, .. }) => {
+                assert_eq!(c, code::UNSUPPORTED_KIND, "{name}");
+            }
+            other => anyhow::bail!("{name}: expected a refusal, got {other:?}"),
+        }
+        drop((first, more));
+        // Refused streams free their slots: the tunnel is still up and may open again.
+        let again = tether_testkit::wait::eventually(
+            "a slot after the refusals",
+            Duration::from_secs(10),
+            || async {
+                conn.open(tether_tunnel::OpenOptions {
+                    kind: kind::HTTP,
+                    priority: tether_tunnel::Priority::Normal,
+                    deadline: Some(Duration::from_secs(10)),
+                    metadata: Bytes::new(),
+                })
+                .ok()
+            },
+        )
+        .await?;
+        drop(again);
+        assert!(!conn.is_closed(), "{name}: the tunnel was closed");
+    }
+    relay.stop().await
+}

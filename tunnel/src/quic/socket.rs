@@ -13,6 +13,12 @@
 //! datagram into a slot of quinn's, telling quinn it takes one datagram per slot. quinn then gives every
 //! datagram an allocation of its own size. The cost is one more copy of each received byte and an allocation per
 //! datagram rather than per batch: 9 % of one stream's bulk throughput, none over eight streams or on small GETs.
+//!
+//! Each slot holds a whole GRO batch (64 datagrams, 94 KB), so quinn's 32 slots would be 3 MB per endpoint. The
+//! buffer starts with one slot and doubles, up to quinn's `BATCH_SIZE`, each time a receive fills every slot it
+//! had (more was queued): an idle agent or relay keeps 94 KB, a busy one grows to what quinn's own buffer was.
+//! Every agent dials with an endpoint of its own, and 10,000 simulated QUIC agents in one load generator held
+//! 24 GB with 3 MB each (docs/BENCHMARKS.md, eighteenth pass).
 
 use std::fmt;
 use std::io::{self, IoSliceMut};
@@ -34,9 +40,11 @@ pub(super) struct OneByOne {
 
 /// What the last receive returned and how much of it quinn has taken.
 struct Batches {
-    /// `BATCH_SIZE` slots of `slot` bytes.
-    buf: Box<[u8]>,
+    /// `slots` slots of `slot` bytes.
+    buf: Vec<u8>,
     slot: usize,
+    /// Slots the next receive offers the kernel: 1 to `BATCH_SIZE`.
+    slots: usize,
     metas: [RecvMeta; BATCH_SIZE],
     /// Slots filled by the last receive.
     filled: usize,
@@ -52,14 +60,7 @@ impl OneByOne {
         let slot = inner.max_receive_segments().max(1) * max_udp_payload(config);
         Self {
             inner,
-            batches: Mutex::new(Batches {
-                buf: vec![0; slot * BATCH_SIZE].into_boxed_slice(),
-                slot,
-                metas: [RecvMeta::default(); BATCH_SIZE],
-                filled: 0,
-                next: 0,
-                offset: 0,
-            }),
+            batches: Mutex::new(Batches::new(slot)),
         }
     }
 }
@@ -72,6 +73,31 @@ fn max_udp_payload(config: &quinn::EndpointConfig) -> usize {
 }
 
 impl Batches {
+    /// One slot of `slot` bytes.
+    fn new(slot: usize) -> Self {
+        Self {
+            buf: vec![0; slot],
+            slot,
+            slots: 1,
+            metas: [RecvMeta::default(); BATCH_SIZE],
+            filled: 0,
+            next: 0,
+            offset: 0,
+        }
+    }
+
+    /// Called once everything received was handed out, before the next receive: if the last receive filled
+    /// every slot (more was probably queued), doubles the slots, up to `BATCH_SIZE`.
+    fn ready_for_receive(&mut self) {
+        if self.filled == self.slots && self.slots < BATCH_SIZE {
+            self.slots = (self.slots * 2).min(BATCH_SIZE);
+            self.buf.resize(self.slot * self.slots, 0);
+        }
+        self.filled = 0;
+        self.next = 0;
+        self.offset = 0;
+    }
+
     /// Copies pending datagrams into `bufs`, one per slot, in the order received; returns how many. A datagram
     /// larger than its slot (longer than the payload this endpoint allows its peers) is dropped, as a network
     /// would.
@@ -128,16 +154,21 @@ impl AsyncUdpSocket for OneByOne {
                 return Poll::Ready(Ok(n));
             }
             let batches = &mut *batches;
-            batches.filled = 0;
-            batches.next = 0;
-            batches.offset = 0;
+            batches.ready_for_receive();
+            let active = batches.slots;
             let mut slots: [IoSliceMut<'_>; BATCH_SIZE] = {
                 let mut chunks = batches.buf.chunks_mut(batches.slot).map(IoSliceMut::new);
                 std::array::from_fn(|_| chunks.next().unwrap_or_else(|| IoSliceMut::new(&mut [])))
             };
-            match self.inner.poll_recv(cx, &mut slots, &mut batches.metas) {
+            // Only the slots the buffer has: an empty one would take a datagram and keep none of it.
+            let (Some(slots), Some(metas)) =
+                (slots.get_mut(..active), batches.metas.get_mut(..active))
+            else {
+                return Poll::Ready(Err(io::Error::other("receive slots out of range")));
+            };
+            match self.inner.poll_recv(cx, slots, metas) {
                 Poll::Ready(Ok(0)) => return Poll::Ready(Ok(0)),
-                Poll::Ready(Ok(filled)) => batches.filled = filled.min(BATCH_SIZE),
+                Poll::Ready(Ok(filled)) => batches.filled = filled.min(active),
                 other => return other,
             }
         }
@@ -265,5 +296,81 @@ mod tests {
                 got.first()
             );
         }
+    }
+
+    /// The buffer starts at one slot, doubles after each receive that filled all it had, stops at quinn's
+    /// `BATCH_SIZE`, and does not grow after a receive that left slots empty.
+    #[test]
+    fn the_buffer_grows_only_when_a_receive_fills_it() {
+        let mut b = Batches::new(100);
+        assert_eq!((b.slots, b.buf.len()), (1, 100));
+        b.ready_for_receive();
+        assert_eq!(b.slots, 1, "no receive yet");
+        let mut seen = vec![b.slots];
+        for _ in 0..10 {
+            b.filled = b.slots;
+            b.ready_for_receive();
+            seen.push(b.slots);
+            assert_eq!(b.buf.len(), 100 * b.slots);
+        }
+        let mut want = vec![1];
+        while *want.last().unwrap_or(&BATCH_SIZE) < BATCH_SIZE {
+            want.push((want[want.len() - 1] * 2).min(BATCH_SIZE));
+        }
+        want.resize(seen.len(), BATCH_SIZE);
+        assert_eq!(seen, want);
+        let mut b = Batches::new(100);
+        b.filled = 1;
+        b.ready_for_receive();
+        b.filled = 1;
+        b.ready_for_receive();
+        assert_eq!(
+            b.slots, 2,
+            "a receive that left a slot empty does not grow the buffer"
+        );
+    }
+
+    /// Forty GSO batches queued at once: the buffer grows to `BATCH_SIZE` slots while they are received, and
+    /// every datagram reaches quinn in order and intact across the growth.
+    #[tokio::test]
+    async fn batches_queued_faster_than_received_arrive_whole_while_the_buffer_grows() {
+        let rx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let to = rx.local_addr().expect("address");
+        let inner = quinn::TokioRuntime
+            .wrap_udp_socket(rx)
+            .expect("tokio socket");
+        assert!(
+            inner.max_receive_segments() > 1,
+            "this kernel offers no UDP GRO, so this test cannot tell anything"
+        );
+        let socket = OneByOne::new(inner, &quinn::EndpointConfig::default());
+        let tx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let state = UdpSocketState::new((&tx).into()).expect("quinn-udp state");
+        let mut want = Vec::new();
+        for batch in 0..40u8 {
+            let datagrams: Vec<Vec<u8>> = (0..3u8).map(|i| vec![batch ^ (i << 6); 100]).collect();
+            let contents = datagrams.concat();
+            state
+                .send(
+                    (&tx).into(),
+                    &Transmit {
+                        destination: to,
+                        ecn: None,
+                        contents: &contents,
+                        segment_size: Some(100),
+                        src_ip: None,
+                    },
+                )
+                .expect("send");
+            want.extend(datagrams);
+        }
+        let (got, batched) = receive(&socket, want.len()).await;
+        assert!(batched, "the kernel never returned a GRO batch");
+        assert!(got == want, "the datagrams arrived changed or out of order");
+        let slots = socket.batches.lock().expect("not poisoned").slots;
+        assert_eq!(
+            slots, BATCH_SIZE,
+            "31 batches fill 1 + 2 + 4 + 8 + 16 slots"
+        );
     }
 }
