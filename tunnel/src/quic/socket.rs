@@ -15,10 +15,11 @@
 //! datagram rather than per batch: 9 % of one stream's bulk throughput, none over eight streams or on small GETs.
 //!
 //! Each slot holds a whole GRO batch (64 datagrams, 94 KB), so quinn's 32 slots would be 3 MB per endpoint. The
-//! buffer starts with one slot and doubles, up to quinn's `BATCH_SIZE`, each time a receive fills every slot it
-//! had (more was queued): an idle agent or relay keeps 94 KB, a busy one grows to what quinn's own buffer was.
-//! Every agent dials with an endpoint of its own, and 10,000 simulated QUIC agents in one load generator held
-//! 24 GB with 3 MB each (docs/BENCHMARKS.md, eighteenth pass).
+//! buffer starts with one slot and doubles, up to quinn's `BATCH_SIZE`, after [`GROW_AFTER`] receives in a row
+//! filled every slot it had (the endpoint keeps falling behind its socket): an idle agent keeps 94 KB, and a burst
+//! (a handshake, a restart's herd) does not make it keep more; a busy endpoint grows to what quinn's own buffer
+//! was. Every agent dials with an endpoint of its own, and 10,000 simulated QUIC agents in one load generator
+//! held 24 GB with 3 MB each (docs/BENCHMARKS.md, eighteenth pass).
 
 use std::fmt;
 use std::io::{self, IoSliceMut};
@@ -38,6 +39,9 @@ pub(super) struct OneByOne {
     batches: Mutex<Batches>,
 }
 
+/// Receives in a row that filled every slot before the buffer doubles.
+const GROW_AFTER: u8 = 4;
+
 /// What the last receive returned and how much of it quinn has taken.
 struct Batches {
     /// `slots` slots of `slot` bytes.
@@ -45,6 +49,8 @@ struct Batches {
     slot: usize,
     /// Slots the next receive offers the kernel: 1 to `BATCH_SIZE`.
     slots: usize,
+    /// Receives in a row that filled every slot.
+    full: u8,
     metas: [RecvMeta; BATCH_SIZE],
     /// Slots filled by the last receive.
     filled: usize,
@@ -79,6 +85,7 @@ impl Batches {
             buf: vec![0; slot],
             slot,
             slots: 1,
+            full: 0,
             metas: [RecvMeta::default(); BATCH_SIZE],
             filled: 0,
             next: 0,
@@ -86,12 +93,18 @@ impl Batches {
         }
     }
 
-    /// Called once everything received was handed out, before the next receive: if the last receive filled
-    /// every slot (more was probably queued), doubles the slots, up to `BATCH_SIZE`.
+    /// Called once everything received was handed out, before the next receive: once [`GROW_AFTER`] receives
+    /// in a row filled every slot (more kept being queued), doubles the slots, up to `BATCH_SIZE`.
     fn ready_for_receive(&mut self) {
-        if self.filled == self.slots && self.slots < BATCH_SIZE {
+        if self.filled == self.slots {
+            self.full = self.full.saturating_add(1);
+        } else {
+            self.full = 0;
+        }
+        if self.full >= GROW_AFTER && self.slots < BATCH_SIZE {
             self.slots = (self.slots * 2).min(BATCH_SIZE);
             self.buf.resize(self.slot * self.slots, 0);
+            self.full = 0;
         }
         self.filled = 0;
         self.next = 0;
@@ -298,18 +311,20 @@ mod tests {
         }
     }
 
-    /// The buffer starts at one slot, doubles after each receive that filled all it had, stops at quinn's
-    /// `BATCH_SIZE`, and does not grow after a receive that left slots empty.
+    /// The buffer starts at one slot, doubles after `GROW_AFTER` receives in a row filled all it had, stops at
+    /// quinn's `BATCH_SIZE`; a receive that left slots empty (or found nothing) starts the count again.
     #[test]
-    fn the_buffer_grows_only_when_a_receive_fills_it() {
+    fn the_buffer_grows_only_while_receives_keep_filling_it() {
         let mut b = Batches::new(100);
         assert_eq!((b.slots, b.buf.len()), (1, 100));
         b.ready_for_receive();
         assert_eq!(b.slots, 1, "no receive yet");
         let mut seen = vec![b.slots];
         for _ in 0..10 {
-            b.filled = b.slots;
-            b.ready_for_receive();
+            for _ in 0..GROW_AFTER {
+                b.filled = b.slots;
+                b.ready_for_receive();
+            }
             seen.push(b.slots);
             assert_eq!(b.buf.len(), 100 * b.slots);
         }
@@ -319,19 +334,21 @@ mod tests {
         }
         want.resize(seen.len(), BATCH_SIZE);
         assert_eq!(seen, want);
+
+        // A burst: full receives, one short of growing, then one that found nothing.
         let mut b = Batches::new(100);
-        b.filled = 1;
+        for _ in 1..GROW_AFTER {
+            b.filled = 1;
+            b.ready_for_receive();
+        }
         b.ready_for_receive();
         b.filled = 1;
         b.ready_for_receive();
-        assert_eq!(
-            b.slots, 2,
-            "a receive that left a slot empty does not grow the buffer"
-        );
+        assert_eq!(b.slots, 1, "a burst does not grow the buffer");
     }
 
-    /// Forty GSO batches queued at once: the buffer grows to `BATCH_SIZE` slots while they are received, and
-    /// every datagram reaches quinn in order and intact across the growth.
+    /// Forty GSO batches queued at once: the buffer grows while they are received (1, 2, 4, then 8 slots after
+    /// four full receives each), and every datagram reaches quinn in order and intact across the growth.
     #[tokio::test]
     async fn batches_queued_faster_than_received_arrive_whole_while_the_buffer_grows() {
         let rx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
@@ -369,8 +386,8 @@ mod tests {
         assert!(got == want, "the datagrams arrived changed or out of order");
         let slots = socket.batches.lock().expect("not poisoned").slots;
         assert_eq!(
-            slots, BATCH_SIZE,
-            "31 batches fill 1 + 2 + 4 + 8 + 16 slots"
+            slots, 8,
+            "4 × (1 + 2 + 4) = 28 full receives grow it three times"
         );
     }
 }
