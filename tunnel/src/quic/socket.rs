@@ -15,10 +15,10 @@
 //! datagram rather than per batch: 9 % of one stream's bulk throughput, none over eight streams or on small GETs.
 //!
 //! Each slot holds a whole GRO batch (64 datagrams, 94 KB), so quinn's 32 slots would be 3 MB per endpoint. The
-//! buffer starts with one slot and grows to quinn's `BATCH_SIZE` once [`GROW_AFTER`] receives in a row filled
-//! it (the endpoint keeps falling behind its socket): an idle agent keeps 94 KB, and a burst (a handshake, a
-//! restart's herd) does not make it keep more; a busy endpoint has what quinn's own buffer was. It grows in one
-//! step: doubling left the allocator holding the intermediate sizes it freed. Every agent dials with an endpoint of its own, and 10,000 simulated QUIC agents in one load generator
+//! buffer starts with one slot and doubles, up to quinn's `BATCH_SIZE`, after [`GROW_AFTER`] receives in a row
+//! filled every slot it had (the endpoint keeps falling behind its socket): an idle agent keeps 94 KB, and a burst
+//! (a handshake, a restart's herd) does not make it keep more; a busy endpoint grows to what quinn's own buffer
+//! was. Every agent dials with an endpoint of its own, and 10,000 simulated QUIC agents in one load generator
 //! held 24 GB with 3 MB each (docs/BENCHMARKS.md, eighteenth pass).
 
 use std::fmt;
@@ -94,7 +94,7 @@ impl Batches {
     }
 
     /// Called once everything received was handed out, before the next receive: once [`GROW_AFTER`] receives
-    /// in a row filled every slot (more kept being queued), grows to `BATCH_SIZE` slots.
+    /// in a row filled every slot (more kept being queued), doubles the slots, up to `BATCH_SIZE`.
     fn ready_for_receive(&mut self) {
         if self.filled == self.slots {
             self.full = self.full.saturating_add(1);
@@ -102,8 +102,8 @@ impl Batches {
             self.full = 0;
         }
         if self.full >= GROW_AFTER && self.slots < BATCH_SIZE {
-            self.slots = BATCH_SIZE;
-            self.buf = vec![0; self.slot * self.slots];
+            self.slots = (self.slots * 2).min(BATCH_SIZE);
+            self.buf.resize(self.slot * self.slots, 0);
             self.full = 0;
         }
         self.filled = 0;
@@ -311,8 +311,8 @@ mod tests {
         }
     }
 
-    /// The buffer starts at one slot and grows to quinn's `BATCH_SIZE` after `GROW_AFTER` receives in a row
-    /// filled it; a receive that left slots empty (or found nothing) starts the count again.
+    /// The buffer starts at one slot, doubles after `GROW_AFTER` receives in a row filled all it had, stops at
+    /// quinn's `BATCH_SIZE`; a receive that left slots empty (or found nothing) starts the count again.
     #[test]
     fn the_buffer_grows_only_while_receives_keep_filling_it() {
         let mut b = Batches::new(100);
@@ -328,8 +328,11 @@ mod tests {
             seen.push(b.slots);
             assert_eq!(b.buf.len(), 100 * b.slots);
         }
-        let mut want = vec![BATCH_SIZE; seen.len()];
-        want[0] = 1;
+        let mut want = vec![1];
+        while *want.last().unwrap_or(&BATCH_SIZE) < BATCH_SIZE {
+            want.push((want[want.len() - 1] * 2).min(BATCH_SIZE));
+        }
+        want.resize(seen.len(), BATCH_SIZE);
         assert_eq!(seen, want);
 
         // A burst: full receives, one short of growing, then one that found nothing.
@@ -344,8 +347,8 @@ mod tests {
         assert_eq!(b.slots, 1, "a burst does not grow the buffer");
     }
 
-    /// Forty GSO batches queued at once: the buffer grows while they are received (to `BATCH_SIZE` slots after
-    /// four full receives of one), and every datagram reaches quinn in order and intact across the growth.
+    /// Forty GSO batches queued at once: the buffer grows while they are received (1, 2, 4, then 8 slots after
+    /// four full receives each), and every datagram reaches quinn in order and intact across the growth.
     #[tokio::test]
     async fn batches_queued_faster_than_received_arrive_whole_while_the_buffer_grows() {
         let rx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
@@ -382,6 +385,9 @@ mod tests {
         assert!(batched, "the kernel never returned a GRO batch");
         assert!(got == want, "the datagrams arrived changed or out of order");
         let slots = socket.batches.lock().expect("not poisoned").slots;
-        assert_eq!(slots, BATCH_SIZE, "four full receives of one slot grow it");
+        assert_eq!(
+            slots, 8,
+            "4 × (1 + 2 + 4) = 28 full receives grow it three times"
+        );
     }
 }
