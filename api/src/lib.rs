@@ -6,9 +6,11 @@
 //!   health, renewal, guard snapshots, group overage, draining) and their framing.
 //! - [`reconnect`]: how an agent paces its reconnects, including its reading of the relay's `draining` window (the
 //!   load generator's simulated agents use the same code).
+//! - [`refusal`]: the HTTP status in a relay's refusal of a QUIC tunnel (agent and load generator read it alike).
 //!
 //! What it does not do: open connections or streams, decide who sends what when (relay and agent do), or serve HTTP.
 
 pub mod admin;
 pub mod control;
 pub mod reconnect;
+pub mod refusal;

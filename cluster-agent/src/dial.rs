@@ -284,10 +284,7 @@ impl Dialer {
             Ok(Ok(conn)) => Ok(conn),
             Ok(Err(QuicError::Rejected { code, reason })) => {
                 // The relay's refusal carries the same Kubernetes Status as the WebSocket one.
-                let status = serde_json::from_str::<serde_json::Value>(&reason)
-                    .ok()
-                    .and_then(|v| v.get("code").and_then(serde_json::Value::as_u64))
-                    .and_then(|c| u16::try_from(c).ok())
+                let status = tether_api::refusal::status_code(&reason)
                     .and_then(|c| StatusCode::from_u16(c).ok());
                 match status.and_then(|status| refusal(status, &reason)) {
                     Some(fatal) => Err(Failure::Refused(fatal)),

@@ -1,6 +1,6 @@
 //! End to end with the real relay (`tether_relay::Relay`): register a cluster through the admin API, run the
 //! agent with the onboarding token, send user requests through `/clusters/NAME/…`, restart the relay on the
-//! same port, delete the cluster.
+//! same port, delete the cluster (over either transport).
 
 mod common;
 
@@ -89,6 +89,46 @@ async fn onboard_serve_restart_and_delete_with_the_real_relay() -> Result<()> {
     drop(stop_agent);
     relay.stop().await?;
     Ok(())
+}
+
+/// Over QUIC alone, with no WebSocket to fall back to, deleting the cluster still ends the agent's run with the
+/// fatal error: QUIC has no HTTP answer, so the relay puts its Kubernetes Status in the close reason, and the agent
+/// reads the 401/403 from it (`tether_api::refusal`) rather than dialling forever.
+#[tokio::test]
+async fn a_deleted_cluster_stops_an_agent_that_dials_only_quic() -> Result<()> {
+    tether_runtime::tls::install_crypto_provider();
+    let dir = tempfile::tempdir()?;
+    let api = TestApiserver::start().await?;
+    common::write_kubeconfig(dir.path(), &api.url(), &api.ca.pem(), None)?;
+    let relay = RelayProcess::start(&dir.path().join("relay"), "127.0.0.1:0".parse()?).await?;
+    let token = relay.register("prod").await?;
+    let mut config = agent_config(&relay, dir.path(), Some(&token))?;
+    config.transport = tether_agent::TransportMode::Quic;
+    let (stop_agent, agent_stopped) = oneshot::channel::<()>();
+    let agent = tokio::spawn(tether_agent::run(config, async move {
+        let _ = agent_stopped.await;
+    }));
+
+    let (status, body) = relay.user_get("prod", "/version").await?;
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    cluster_until(&relay, |c| c["tunnels"][0]["transport"] == "quic").await?;
+    let (status, _) = relay
+        .call(
+            Method::DELETE,
+            "/api/v1/clusters/prod",
+            &relay.admin_token,
+            None,
+        )
+        .await?;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    match tokio::time::timeout(DEADLINE, agent).await?? {
+        Err(AgentError::CredentialRejected { status }) => {
+            assert!(status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN)
+        }
+        other => bail!("expected the identity to be rejected over QUIC, got {other:?}"),
+    }
+    drop(stop_agent);
+    relay.stop().await
 }
 
 /// Polls the relay's view of cluster `prod` until `check` accepts it.

@@ -101,11 +101,7 @@ impl DialError {
         match self {
             Self::Wss(ConnectError::Rejected { status, .. }) => Some(*status),
             Self::Quic(QuicError::Rejected { reason, .. }) => {
-                serde_json::from_str::<serde_json::Value>(reason)
-                    .ok()
-                    .and_then(|v| v.get("code").and_then(serde_json::Value::as_u64))
-                    .and_then(|c| u16::try_from(c).ok())
-                    .and_then(|c| StatusCode::from_u16(c).ok())
+                tether_api::refusal::status_code(reason).and_then(|c| StatusCode::from_u16(c).ok())
             }
             _ => None,
         }
