@@ -250,21 +250,23 @@ fn hol_runs_three_phases() -> anyhow::Result<()> {
     Ok(())
 }
 
-#[test]
-fn tunnels_holds_simulated_agents() -> anyhow::Result<()> {
-    let (report, _dir) = run(
-        "tunnels",
-        &[
-            "--count",
-            "6",
-            "--idle",
-            "1s",
-            "--heartbeat-interval",
-            "1s",
-            "--onboard-concurrency",
-            "2",
-        ],
-    )?;
+/// `tunnels` with six tunnels (`transport` given to `--transport` when set): five simulated agents and the real
+/// one, all connected and still up after the idle period.
+fn six_tunnels(transport: Option<&str>) -> anyhow::Result<(Value, tempfile::TempDir)> {
+    let mut args = vec![
+        "--count",
+        "6",
+        "--idle",
+        "1s",
+        "--heartbeat-interval",
+        "1s",
+        "--onboard-concurrency",
+        "2",
+    ];
+    if let Some(t) = transport {
+        args.extend(["--transport", t]);
+    }
+    let (report, dir) = run("tunnels", &args)?;
     let connects = run_labelled(&report, "tunnel connects").context("no connect run")?;
     // One of the six tunnels is the real agent's.
     assert_eq!(connects["requests"].as_u64(), Some(5), "{connects}");
@@ -272,6 +274,12 @@ fn tunnels_holds_simulated_agents() -> anyhow::Result<()> {
         figure(&report, "tunnels still up after the idle period"),
         Some(5.0)
     );
+    Ok((report, dir))
+}
+
+#[test]
+fn tunnels_holds_simulated_agents() -> anyhow::Result<()> {
+    let (report, _dir) = six_tunnels(None)?;
     assert!(
         figure(&report, "relay RSS per tunnel").is_some(),
         "{report}"
@@ -285,32 +293,12 @@ fn tunnels_holds_simulated_agents() -> anyhow::Result<()> {
 
 #[test]
 fn tunnels_holds_simulated_agents_over_quic() -> anyhow::Result<()> {
-    let (report, _dir) = run(
-        "tunnels",
-        &[
-            "--transport",
-            "quic",
-            "--count",
-            "6",
-            "--idle",
-            "1s",
-            "--heartbeat-interval",
-            "1s",
-            "--onboard-concurrency",
-            "2",
-        ],
-    )?;
+    let (report, _dir) = six_tunnels(Some("quic"))?;
     // The relay itself says the simulated agents' tunnels run on QUIC.
     assert_eq!(report["settings"]["sim_transport"], "quic", "{report}");
     assert_eq!(
         report["settings"]["sim_transport_at_relay"], "quic",
         "{report}"
-    );
-    let connects = run_labelled(&report, "tunnel connects").context("no connect run")?;
-    assert_eq!(connects["requests"].as_u64(), Some(5), "{connects}");
-    assert_eq!(
-        figure(&report, "tunnels still up after the idle period"),
-        Some(5.0)
     );
     assert!(
         figure(&report, "heartbeats sent during the idle period").is_some_and(|b| b > 0.0),
@@ -328,27 +316,35 @@ fn simulated_agents_do_not_race_transports() -> anyhow::Result<()> {
     Ok(())
 }
 
-#[test]
-fn reconnect_brings_every_agent_back() -> anyhow::Result<()> {
-    let (report, _dir) = run(
-        "reconnect",
-        &[
-            "--count",
-            "4",
-            "--deadline",
-            "60s",
-            "--onboard-concurrency",
-            "2",
-        ],
-    )?;
+/// `reconnect` with four agents (`transport` given to `--transport` when set): every one came back after the
+/// relay's restart.
+fn four_agents_back(transport: Option<&str>) -> anyhow::Result<(Value, tempfile::TempDir)> {
+    let mut args = vec![
+        "--count",
+        "4",
+        "--deadline",
+        "60s",
+        "--onboard-concurrency",
+        "2",
+    ];
+    if let Some(t) = transport {
+        args.extend(["--transport", t]);
+    }
+    let (report, dir) = run("reconnect", &args)?;
     let r = run_labelled(&report, "reconnects").context("no reconnect run")?;
     assert!(r["requests"].as_u64().is_some_and(|n| n >= 4), "{r}");
-    assert_eq!(
-        report["settings"]["sim_transport_at_relay"], "wss",
-        "{report}"
-    );
     assert!(
         figure(&report, "all agents back, after the new relay started").is_some(),
+        "{report}"
+    );
+    Ok((report, dir))
+}
+
+#[test]
+fn reconnect_brings_every_agent_back() -> anyhow::Result<()> {
+    let (report, _dir) = four_agents_back(None)?;
+    assert_eq!(
+        report["settings"]["sim_transport_at_relay"], "wss",
         "{report}"
     );
     assert!(
@@ -362,28 +358,10 @@ fn reconnect_brings_every_agent_back() -> anyhow::Result<()> {
 
 #[test]
 fn reconnect_brings_every_quic_agent_back() -> anyhow::Result<()> {
-    let (report, _dir) = run(
-        "reconnect",
-        &[
-            "--transport",
-            "quic",
-            "--count",
-            "4",
-            "--deadline",
-            "60s",
-            "--onboard-concurrency",
-            "2",
-        ],
-    )?;
-    let r = run_labelled(&report, "reconnects").context("no reconnect run")?;
-    assert!(r["requests"].as_u64().is_some_and(|n| n >= 4), "{r}");
+    let (report, _dir) = four_agents_back(Some("quic"))?;
     // Back on QUIC, as the new relay shows it.
     assert_eq!(
         report["settings"]["sim_transport_at_relay"], "quic",
-        "{report}"
-    );
-    assert!(
-        figure(&report, "all agents back, after the new relay started").is_some(),
         "{report}"
     );
     Ok(())

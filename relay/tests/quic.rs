@@ -253,17 +253,34 @@ async fn no_quic_means_no_udp_listener() -> anyhow::Result<()> {
     relay.stop().await
 }
 
+/// Opens one HTTP stream (a kind the relay refuses) on `conn`.
+fn open_http(conn: &Connection) -> Result<tether_tunnel::Stream, tether_tunnel::TunnelError> {
+    conn.open(tether_tunnel::OpenOptions {
+        kind: kind::HTTP,
+        priority: tether_tunnel::Priority::Normal,
+        deadline: Some(Duration::from_secs(10)),
+        metadata: Bytes::new(),
+    })
+}
+
+/// Opens one HTTP stream on `conn` as soon as the relay's stream credit allows it (`what` names the wait).
+async fn open_http_when_allowed(
+    conn: &Connection,
+    what: &str,
+) -> anyhow::Result<tether_tunnel::Stream> {
+    let stream = tether_testkit::wait::eventually(what, Duration::from_secs(10), || async {
+        open_http(conn).ok()
+    })
+    .await?;
+    Ok(stream)
+}
+
 /// Opens HTTP streams (a kind the relay refuses) on `conn` without yielding, so no answer can free a slot
 /// meanwhile, until the relay's stream limit stops it; returns the streams opened.
 fn open_until_refused(conn: &Connection) -> anyhow::Result<Vec<tether_tunnel::Stream>> {
     let mut opened = Vec::new();
     for _ in 0..100 {
-        match conn.open(tether_tunnel::OpenOptions {
-            kind: kind::HTTP,
-            priority: tether_tunnel::Priority::Normal,
-            deadline: Some(Duration::from_secs(10)),
-            metadata: Bytes::new(),
-        }) {
+        match open_http(conn) {
             Ok(stream) => opened.push(stream),
             Err(tether_tunnel::TunnelError::TooManyStreams) => return Ok(opened),
             Err(e) => anyhow::bail!("opening failed: {e}"),
@@ -286,20 +303,7 @@ async fn an_agent_may_open_only_a_few_streams_at_the_relay_over_either_transport
     let wss = common::dial(&relay, &identity).await?;
     for (name, conn) in [("quic", &quic), ("wss", &wss)] {
         // QUIC raises the agent's stream credit from zero once the tunnel is accepted: wait for it.
-        let first = tether_testkit::wait::eventually(
-            "stream credit from the relay",
-            Duration::from_secs(10),
-            || async {
-                conn.open(tether_tunnel::OpenOptions {
-                    kind: kind::HTTP,
-                    priority: tether_tunnel::Priority::Normal,
-                    deadline: Some(Duration::from_secs(10)),
-                    metadata: Bytes::new(),
-                })
-                .ok()
-            },
-        )
-        .await?;
+        let first = open_http_when_allowed(conn, "stream credit from the relay").await?;
         let more = open_until_refused(conn)?;
         assert_eq!(
             more.len() + 1,
@@ -314,21 +318,7 @@ async fn an_agent_may_open_only_a_few_streams_at_the_relay_over_either_transport
         }
         drop((first, more));
         // Refused streams free their slots: the tunnel is still up and may open again.
-        let again = tether_testkit::wait::eventually(
-            "a slot after the refusals",
-            Duration::from_secs(10),
-            || async {
-                conn.open(tether_tunnel::OpenOptions {
-                    kind: kind::HTTP,
-                    priority: tether_tunnel::Priority::Normal,
-                    deadline: Some(Duration::from_secs(10)),
-                    metadata: Bytes::new(),
-                })
-                .ok()
-            },
-        )
-        .await?;
-        drop(again);
+        drop(open_http_when_allowed(conn, "a slot after the refusals").await?);
         assert!(!conn.is_closed(), "{name}: the tunnel was closed");
     }
     relay.stop().await

@@ -221,6 +221,54 @@ mod tests {
 
     use super::*;
 
+    /// A [`OneByOne`] on a loopback socket whose kernel offers GRO, and a sender that can batch with GSO. A
+    /// kernel without either fails the test: it would pass without testing anything.
+    struct Loopback {
+        socket: OneByOne,
+        to: SocketAddr,
+        tx: std::net::UdpSocket,
+        state: UdpSocketState,
+    }
+
+    impl Loopback {
+        fn new() -> Self {
+            let rx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+            let to = rx.local_addr().expect("address");
+            let inner = quinn::TokioRuntime
+                .wrap_udp_socket(rx)
+                .expect("tokio socket");
+            assert!(
+                inner.max_receive_segments() > 1,
+                "this kernel offers no UDP GRO, so this test cannot tell anything"
+            );
+            let socket = OneByOne::new(inner, &quinn::EndpointConfig::default());
+            let tx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+            let state = UdpSocketState::new((&tx).into()).expect("quinn-udp state");
+            assert!(
+                state.max_gso_segments() >= 20,
+                "this kernel offers no UDP GSO"
+            );
+            Self {
+                socket,
+                to,
+                tx,
+                state,
+            }
+        }
+
+        /// Sends `contents` to the socket: one GSO batch of `segment_size` datagrams when given.
+        fn send(&self, contents: &[u8], segment_size: Option<usize>) {
+            let transmit = Transmit {
+                destination: self.to,
+                ecn: None,
+                contents,
+                segment_size,
+                src_ip: None,
+            };
+            self.state.send((&self.tx).into(), &transmit).expect("send");
+        }
+    }
+
     /// Receives through `socket` as quinn's endpoint driver does (`BATCH_SIZE` slots of one datagram) until
     /// `count` datagrams have arrived; also says whether the kernel ever returned a GRO batch.
     async fn receive(socket: &OneByOne, count: usize) -> (Vec<Vec<u8>>, bool) {
@@ -258,44 +306,18 @@ mod tests {
     /// larger than the payload the endpoint allows is dropped without losing the ones around it.
     #[tokio::test]
     async fn a_gro_batch_reaches_quinn_one_datagram_per_slot() {
-        let rx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        let to = rx.local_addr().expect("address");
-        let inner = quinn::TokioRuntime
-            .wrap_udp_socket(rx)
-            .expect("tokio socket");
-        assert!(
-            inner.max_receive_segments() > 1,
-            "this kernel offers no UDP GRO, so this test cannot tell anything"
-        );
-        let config = quinn::EndpointConfig::default();
-        let socket = OneByOne::new(inner, &config);
-        assert_eq!(socket.max_receive_segments(), 1);
-
-        let tx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        let state = UdpSocketState::new((&tx).into()).expect("quinn-udp state");
-        assert!(
-            state.max_gso_segments() >= 20,
-            "this kernel offers no UDP GSO"
-        );
-        let send = |contents: &[u8], segment_size| {
-            let transmit = Transmit {
-                destination: to,
-                ecn: None,
-                contents,
-                segment_size,
-                src_ip: None,
-            };
-            state.send((&tx).into(), &transmit).expect("send");
-        };
+        let lo = Loopback::new();
+        assert_eq!(lo.socket.max_receive_segments(), 1);
         let batch: Vec<u8> = (0..20u8)
             .flat_map(|i| std::iter::repeat_n(i, 1000))
             .collect();
-        send(&batch, Some(1000));
-        send(&vec![0xee; max_udp_payload(&config) + 1], None);
-        send(&[0xaa; 300], None);
-        send(&batch[..3000], Some(1000));
+        lo.send(&batch, Some(1000));
+        let too_long = max_udp_payload(&quinn::EndpointConfig::default()) + 1;
+        lo.send(&vec![0xee; too_long], None);
+        lo.send(&[0xaa; 300], None);
+        lo.send(&batch[..3000], Some(1000));
 
-        let (got, batched) = receive(&socket, 24).await;
+        let (got, batched) = receive(&lo.socket, 24).await;
         assert!(batched, "the kernel never returned a GRO batch");
         let mut want: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i; 1000]).collect();
         want.push(vec![0xaa; 300]);
@@ -351,40 +373,17 @@ mod tests {
     /// four full receives each), and every datagram reaches quinn in order and intact across the growth.
     #[tokio::test]
     async fn batches_queued_faster_than_received_arrive_whole_while_the_buffer_grows() {
-        let rx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        let to = rx.local_addr().expect("address");
-        let inner = quinn::TokioRuntime
-            .wrap_udp_socket(rx)
-            .expect("tokio socket");
-        assert!(
-            inner.max_receive_segments() > 1,
-            "this kernel offers no UDP GRO, so this test cannot tell anything"
-        );
-        let socket = OneByOne::new(inner, &quinn::EndpointConfig::default());
-        let tx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        let state = UdpSocketState::new((&tx).into()).expect("quinn-udp state");
+        let lo = Loopback::new();
         let mut want = Vec::new();
         for batch in 0..40u8 {
             let datagrams: Vec<Vec<u8>> = (0..3u8).map(|i| vec![batch ^ (i << 6); 100]).collect();
-            let contents = datagrams.concat();
-            state
-                .send(
-                    (&tx).into(),
-                    &Transmit {
-                        destination: to,
-                        ecn: None,
-                        contents: &contents,
-                        segment_size: Some(100),
-                        src_ip: None,
-                    },
-                )
-                .expect("send");
+            lo.send(&datagrams.concat(), Some(100));
             want.extend(datagrams);
         }
-        let (got, batched) = receive(&socket, want.len()).await;
+        let (got, batched) = receive(&lo.socket, want.len()).await;
         assert!(batched, "the kernel never returned a GRO batch");
         assert!(got == want, "the datagrams arrived changed or out of order");
-        let slots = socket.batches.lock().expect("not poisoned").slots;
+        let slots = lo.socket.batches.lock().expect("not poisoned").slots;
         assert_eq!(
             slots, 8,
             "4 × (1 + 2 + 4) = 28 full receives grow it three times"
