@@ -327,8 +327,12 @@ pub enum StreamState {
 
 /// Largest DATA payload emitted per stream per scheduling turn, and the size of a send chunk.
 const QUANTUM: usize = 32 * 1024;
-/// Smallest allocation for a send chunk, so that small writes coalesce into one frame.
-const MIN_CHUNK: usize = 4 * 1024;
+/// Smallest payload room of a send chunk, so that small writes coalesce into one frame. With its header the
+/// chunk is 1 KiB: glibc serves allocations up to 1,032 bytes from a per-thread cache, and larger ones from the
+/// shared heap, where a request of 1 KiB or more also consolidates the freed small chunks first. A small GET's
+/// head (relay) and answer (agent) fit in one; a 4 KiB chunk was one of the three allocations above 1 KiB a small
+/// GET made in the relay, and one of four in the agent (docs/BENCHMARKS.md, nineteenth pass).
+const MIN_CHUNK: usize = 1024 - FrameHeader::LEN;
 /// Highest stream id (the top bit is reserved).
 const MAX_STREAM_ID: u32 = (1 << 31) - 1;
 /// Pongs queued but not yet transmitted before a PING flood is declared.
