@@ -10,13 +10,11 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll, Wake, Waker, ready};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures_util::task::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 use tokio::time::Sleep;
@@ -27,6 +25,7 @@ use tether_proto::{
 };
 
 use crate::SessionConfig;
+use crate::cork::Cork;
 
 /// Why a tunnel operation failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -1003,104 +1002,6 @@ struct Driver<T: Transport> {
     violation: Option<String>,
     /// Holds a batch's first write back until the worker has run what else is ready.
     cork: Cork,
-}
-
-/// Holds the first write of a batch back until the runtime worker has run every other task that is ready
-/// and polled for I/O once: streams woken together (responses read from one upstream read, requests from
-/// users' connections that became readable together) then leave in one transport write, one TLS record and
-/// one syscall, instead of one each. Tokio's `yield_now` defers a task's wake-up exactly that long (and no
-/// longer than the worker's maintenance interval under load); the waker handed to it here records that the
-/// wait is over before waking the driver, so that other wake-ups of the driver in between (more streams
-/// writing) do not release the batch early.
-///
-/// Holding costs a trip through the scheduler (and the worker's I/O poll); with one request at a time there is
-/// nothing to gather. So a hold during which nothing else woke the driver turns holding off for the next few
-/// batches, twice as many after each such hold in a row up to [`Cork::REST`], and one that gathered something
-/// resets that: a lone user pays for about one hold in seventeen batches, a busy tunnel keeps gathering.
-struct Cork {
-    release: Arc<CorkRelease>,
-    /// `release` as a waker, made once.
-    waker: Waker,
-    /// A release is awaited.
-    held: bool,
-    /// The driver was polled again while held: other work arrived.
-    busy: bool,
-    /// Batches left to send without holding.
-    rest: u8,
-    /// Batches to send without holding after the next hold that gathers nothing.
-    next_rest: u8,
-}
-
-struct CorkRelease {
-    released: AtomicBool,
-    driver: AtomicWaker,
-}
-
-impl Wake for CorkRelease {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.released.store(true, Ordering::Release);
-        self.driver.wake();
-    }
-}
-
-impl Cork {
-    /// Batches sent without holding after a hold that gathered nothing.
-    const REST: u8 = 16;
-
-    fn new() -> Self {
-        let release = Arc::new(CorkRelease {
-            released: AtomicBool::new(false),
-            driver: AtomicWaker::new(),
-        });
-        Self {
-            waker: Waker::from(release.clone()),
-            release,
-            held: false,
-            busy: false,
-            rest: 0,
-            next_rest: 1,
-        }
-    }
-
-    /// Called at the start of each of the driver's polls: one while held that the release did not cause means
-    /// other work arrived.
-    fn polled(&mut self) {
-        self.busy |= self.held && !self.release.released.load(Ordering::Acquire);
-    }
-
-    /// True while a batch's first write should wait; the first call for a batch starts the wait.
-    fn hold(&mut self, cx: &Context<'_>) -> bool {
-        if self.held {
-            if self.release.released.load(Ordering::Acquire) {
-                self.held = false;
-                if self.busy {
-                    self.next_rest = 1;
-                } else {
-                    self.rest = self.next_rest;
-                    self.next_rest = self.next_rest.saturating_mul(2).min(Self::REST);
-                }
-                return false;
-            }
-            return true;
-        }
-        if self.rest > 0 {
-            self.rest -= 1;
-            return false;
-        }
-        self.release.released.store(false, Ordering::Relaxed);
-        self.release.driver.register(cx.waker());
-        let mut yielded = std::pin::pin!(tokio::task::yield_now());
-        // Pending: the runtime keeps `self.waker` and wakes it once the worker has nothing else to run.
-        // Outside a runtime worker it is woken at once, which only costs a poll.
-        let _ = yielded.as_mut().poll(&mut Context::from_waker(&self.waker));
-        self.held = true;
-        self.busy = false;
-        true
-    }
 }
 
 impl<T: Transport> Driver<T> {

@@ -24,6 +24,7 @@
 
 mod api;
 mod conn;
+pub mod cork;
 pub mod heads;
 pub mod proxy;
 pub mod quic;
