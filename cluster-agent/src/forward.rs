@@ -40,7 +40,8 @@ use tower::ServiceExt as _;
 use crate::auth_proxy::{AuthProxy, Credential, impersonate};
 use crate::pool::{self, Busy, Lease, Leased, Pool, PoolOptions};
 use crate::upstream::{
-    Conn, ConnectTimedOut, Http2, LegacyClient, ReqBody, SendError, Settings, TimeoutConnector,
+    Conn, ConnectTimedOut, Http2, LegacyClient, ReqBody, RespBody, SendError, Settings,
+    TimeoutConnector,
 };
 
 type BoxError = Box<dyn StdError + Send + Sync>;
@@ -791,7 +792,7 @@ async fn forward(req: Request<ReqBody>, upstream: &Upstream) -> Forwarded {
         None => upgrading
             .request(out)
             .await
-            .map(|resp| (resp, None))
+            .map(|resp| (resp.map(RespBody::Http1), None))
             .map_err(SendError::Legacy),
     };
     let (mut resp, lease) = match sent {
@@ -854,14 +855,14 @@ async fn send_pooled(lease: Lease<Conn>, out: Request<ReqBody>) -> Sent {
 }
 
 /// What [`send_pooled`] gets back: the response head with the lease its body keeps, or why there is none.
-type Sent = Result<(Response<Incoming>, Lease<Conn>), SendError>;
+type Sent = Result<(Response<RespBody>, Lease<Conn>), SendError>;
 
 /// A pooled request waiting for its head, owning its lease; dropped while waiting, it goes on in a task of its
 /// own until the head arrives or [`ABANDONED_HEAD_WAIT`] passes (see [`send_pooled`]).
 struct InFlight(Option<Pin<Box<dyn Future<Output = Answered> + Send>>>);
 
 /// A pooled request's answer (or error), with the lease it held.
-type Answered = (Result<Response<Incoming>, SendError>, Lease<Conn>);
+type Answered = (Result<Response<RespBody>, SendError>, Lease<Conn>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {

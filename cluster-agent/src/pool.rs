@@ -30,8 +30,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use clap::{Args as _, FromArgMatches as _};
 use http::{Method, Uri};
-use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::body::{Body, Frame, SizeHint};
 use tether_runtime::parse_duration;
+
+use crate::upstream::RespBody;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 use tokio::sync::Notify;
 
 /// How the upstream connections grow (`--upstream-*`). Every default is written once, in the `#[arg]`s.
@@ -241,12 +245,12 @@ impl<C> Pool<C> {
 
 /// A response body that holds its stream's lease until it is finished or dropped.
 pub struct Leased {
-    body: Incoming,
+    body: RespBody,
     _lease: Option<Box<dyn Send + Sync>>,
 }
 
 impl Leased {
-    pub(crate) fn new<C: Send + Sync + 'static>(body: Incoming, lease: Lease<C>) -> Self {
+    pub(crate) fn new<C: Send + Sync + 'static>(body: RespBody, lease: Lease<C>) -> Self {
         Self {
             body,
             _lease: Some(Box::new(lease)),
@@ -254,19 +258,19 @@ impl Leased {
     }
 
     /// A body on a connection of its own (an upgrade's client), not counted.
-    pub(crate) fn unleased(body: Incoming) -> Self {
+    pub(crate) fn unleased(body: RespBody) -> Self {
         Self { body, _lease: None }
     }
 }
 
 impl Body for Leased {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         Pin::new(&mut self.body).poll_frame(cx)
     }
 

@@ -1,10 +1,13 @@
 //! One pooled connection to the apiserver ([`crate::pool`] keeps several).
 //!
-//! When the apiserver speaks HTTP/2 (ALPN `h2`, as kube-apiserver does over TLS), a slot is one hyper HTTP/2
-//! client connection used directly: a request is handed to its `SendRequest` under a lock, with no pool checkout
-//! keyed by host, no boxed lazy connect and no URI rewriting in front of it, which hyper-util's legacy client
-//! did for every request (docs/BENCHMARKS.md, seventh pass). An apiserver that speaks only HTTP/1.1, or an
-//! `http://` URL, gets hyper-util's client instead, whose keep-alive connections carry one request at a time.
+//! When the apiserver speaks HTTP/2 (ALPN `h2`, as kube-apiserver does over TLS), a slot is one HTTP/2
+//! connection of the `h2` crate (hyper's own HTTP/2), used directly: the request's task opens the stream and
+//! awaits the response head itself, woken by the connection's task when it arrives. hyper's client in front of
+//! `h2` added a hand-off per request to the connection's dispatch task over a channel, a task spawned per
+//! request to await the head, and a channel back to the caller (docs/BENCHMARKS.md, nineteenth pass); before
+//! that, hyper-util's legacy client added a pool checkout keyed by host, a boxed lazy connect and URI rewriting
+//! (seventh pass). An apiserver that speaks only HTTP/1.1, or an `http://` URL, gets hyper-util's client
+//! instead, whose keep-alive connections carry one request at a time.
 //!
 //! The HTTP/2 connection is made by the first request (one connect at a time: requests arriving meanwhile wait
 //! for it and share it), made again by the next request once it has closed (GOAWAY, an error, the apiserver
@@ -18,13 +21,14 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response, Uri};
+use http::{HeaderMap, Method, Request, Response, Uri, header};
+use http_body::{Body as _, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper::client::conn::http2;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connection as _, HttpConnector};
-use hyper_util::rt::TokioTimer;
+use hyper_util::rt::TokioIo;
+use tether_tunnel::cork::Corked;
 use tether_tunnel::heads::{BodyReader, ReadChunk};
 use tower::ServiceExt as _;
 
@@ -75,6 +79,92 @@ impl http_body::Body for ReqBody {
             ReqBody::Http1(b) => b.size_hint(),
             ReqBody::Stream(b) => b.size_hint(),
             ReqBody::Empty => http_body::SizeHint::with_exact(0),
+        }
+    }
+}
+
+/// The body of a response from the apiserver: an HTTP/2 stream's, or hyper-util's (HTTP/1.1).
+pub(crate) enum RespBody {
+    /// The receiving half of an HTTP/2 stream.
+    H2(H2Body),
+    /// From hyper-util's HTTP/1.1 client.
+    Http1(Incoming),
+}
+
+impl http_body::Body for RespBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            RespBody::H2(b) => b.poll_frame(cx),
+            RespBody::Http1(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RespBody::H2(b) => b.recv.is_end_stream(),
+            RespBody::Http1(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RespBody::H2(b) => b
+                .remaining
+                .map_or_else(SizeHint::default, SizeHint::with_exact),
+            RespBody::Http1(b) => b.size_hint(),
+        }
+    }
+}
+
+/// An HTTP/2 response body. Each DATA frame's bytes are given back to the stream's receive window as they are
+/// handed on (the reader's pace is the apiserver's), and its `Content-Length`, which `h2` enforces, is the size
+/// hint.
+pub(crate) struct H2Body {
+    recv: h2::RecvStream,
+    /// Bytes still to come by the `Content-Length`, if it had one.
+    remaining: Option<u64>,
+    /// All DATA read; trailers (if any) are next.
+    data_done: bool,
+}
+
+impl H2Body {
+    fn new(recv: h2::RecvStream, headers: &HeaderMap) -> Self {
+        let remaining = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        Self {
+            recv,
+            remaining,
+            data_done: false,
+        }
+    }
+
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if !self.data_done {
+            match std::task::ready!(self.recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    // Errors only once the stream is gone, which the next poll reports.
+                    let _ = self.recv.flow_control().release_capacity(data.len());
+                    if let Some(remaining) = &mut self.remaining {
+                        *remaining = remaining.saturating_sub(data.len() as u64);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Some(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
+                None => self.data_done = true,
+            }
+        }
+        match std::task::ready!(self.recv.poll_trailers(cx)) {
+            Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+            Ok(None) => Poll::Ready(None),
+            Err(e) => Poll::Ready(Some(Err(e.into()))),
         }
     }
 }
@@ -148,7 +238,7 @@ pub(crate) enum SendError {
     Connect(#[source] BoxError),
     /// The HTTP/2 connection failed the request.
     #[error(transparent)]
-    Request(hyper::Error),
+    Request(h2::Error),
     /// hyper-util's client (HTTP/1.1) failed the request.
     #[error(transparent)]
     Legacy(hyper_util::client::legacy::Error),
@@ -188,7 +278,7 @@ struct State {
 }
 
 struct Live {
-    send: http2::SendRequest<ReqBody>,
+    send: h2::client::SendRequest<Bytes>,
     /// Which connection this is ([`Settings::made`]).
     id: u64,
 }
@@ -223,72 +313,98 @@ impl Conn {
         }
     }
 
-    /// Sends `req` (an absolute URI naming the apiserver) and waits for the response head.
+    /// Sends `req` (an absolute URI naming the apiserver, hop-by-hop headers already removed) and waits for
+    /// the response head.
     pub(crate) async fn send(
         &self,
-        mut req: Request<ReqBody>,
-    ) -> Result<Response<Incoming>, SendError> {
+        req: Request<ReqBody>,
+    ) -> Result<Response<RespBody>, SendError> {
         if self.settings.speaks_http1() {
             return Box::pin(self.send_http1(req)).await;
         }
+        let (mut head, mut body) = req.into_parts();
+        if let Some(len) = body.size_hint().exact()
+            && (len != 0 || !matches!(head.method, Method::GET | Method::HEAD | Method::DELETE))
+        {
+            head.headers
+                .entry(header::CONTENT_LENGTH)
+                .or_insert_with(|| http::HeaderValue::from(len));
+        }
         let mut fresh = false;
         loop {
-            // Handed to the live connection under the lock, awaited after it (the future owns what it needs).
-            let sending = {
-                let mut sender = self.state.sender();
-                match sender.as_mut() {
-                    Some(live) if !live.send.is_closed() => {
-                        self.state.sent.fetch_add(1, Ordering::Relaxed);
-                        Ok((live.send.try_send_request(req), live.id))
-                    }
-                    _ => Err(req),
-                }
+            // A handle of the live connection's, taken under the lock; the request goes out after it.
+            let live = {
+                let sender = self.state.sender();
+                sender.as_ref().map(|live| (live.send.clone(), live.id))
             };
-            let (response, id) = match sending {
-                Ok(sent) => sent,
-                Err(back) => {
-                    req = back;
-                    // Boxed: connecting is rare, and its state (connector, TLS and HTTP/2 handshakes) would
-                    // otherwise make every request's future, which is moved around, that much larger.
-                    if !Box::pin(self.connect()).await? {
-                        return Box::pin(self.send_http1(req)).await;
+            let Some((mut send, id)) = live else {
+                // Boxed: connecting is rare, and its state (connector, TLS and HTTP/2 handshakes) would
+                // otherwise make every request's future, which is moved around, that much larger.
+                if !Box::pin(self.connect()).await? {
+                    let req = Request::from_parts(head, body);
+                    return Box::pin(self.send_http1(req)).await;
+                }
+                fresh = true;
+                continue;
+            };
+            // Fails once the connection has failed or the apiserver sent GOAWAY: no new stream may open on it,
+            // and the request, not sent yet, goes once more on a new connection (unless this one was new).
+            if let Err(e) = std::future::poll_fn(|cx| send.poll_ready(cx)).await {
+                forget(&mut self.state.sender(), id);
+                if fresh {
+                    return Err(SendError::Request(e));
+                }
+                tracing::debug!(error = %e, "upstream connection closed before a request was sent; sending it again");
+                fresh = true;
+                continue;
+            }
+            self.state.sent.fetch_add(1, Ordering::Relaxed);
+            let eos = body.is_end_stream();
+            // A connection can die unnoticed (the apiserver restarted, something between dropped it) until its
+            // task reads the end, and a request sent on it meanwhile fails with it. One that may be sent twice
+            // (no body, a method without side effects) keeps a copy of its head to go once more on a new
+            // connection, as Go's HTTP/2 transport does; others fail (502) rather than risk running twice.
+            let replay = (!fresh
+                && eos
+                && matches!(head.method, Method::GET | Method::HEAD | Method::OPTIONS))
+            .then(|| copy_head(&head));
+            let answered = match send.send_request(Request::from_parts(head, ()), eos) {
+                Ok((response, tx)) => {
+                    if !eos {
+                        tokio::spawn(send_body(body, tx));
                     }
+                    response.await
+                }
+                Err(e) => Err(e),
+            };
+            let e = match answered {
+                Ok(response) => {
+                    let (parts, recv) = response.into_parts();
+                    let body = RespBody::H2(H2Body::new(recv, &parts.headers));
+                    return Ok(Response::from_parts(parts, body));
+                }
+                Err(e) => e,
+            };
+            // The connection failed (not just this stream): the next request makes a new one.
+            if e.is_io() || e.is_go_away() {
+                forget(&mut self.state.sender(), id);
+                if let Some(copy) = replay {
+                    tracing::debug!(error = %e, "upstream connection failed under a request that can be sent again; sending it on a new one");
+                    head = copy;
+                    body = ReqBody::Empty;
                     fresh = true;
                     continue;
                 }
-            };
-            match response.await {
-                Ok(response) => return Ok(response),
-                Err(mut e) => {
-                    let unsent = e.take_message();
-                    self.forget_if_closed(id);
-                    match unsent {
-                        // The connection went away before it took the request: once more, on a new one, unless
-                        // the connection was new already.
-                        Some(back) if !fresh => {
-                            tracing::debug!(error = %e.error(), "upstream connection closed before a request was sent; sending it again");
-                            req = back;
-                            fresh = true;
-                        }
-                        _ => return Err(SendError::Request(e.into_error())),
-                    }
-                }
             }
+            return Err(SendError::Request(e));
         }
     }
 
-    async fn send_http1(&self, req: Request<ReqBody>) -> Result<Response<Incoming>, SendError> {
+    async fn send_http1(&self, req: Request<ReqBody>) -> Result<Response<RespBody>, SendError> {
         self.state.sent.fetch_add(1, Ordering::Relaxed);
         let client = self.state.legacy.get_or_init(|| (self.settings.legacy)());
-        client.request(req).await.map_err(SendError::Legacy)
-    }
-
-    /// Drops connection `id` if it has closed, so the next request makes a new one.
-    fn forget_if_closed(&self, id: u64) {
-        let mut sender = self.state.sender();
-        if sender.as_ref().is_some_and(|live| live.send.is_closed()) {
-            forget(&mut sender, id);
-        }
+        let response = client.request(req).await.map_err(SendError::Legacy)?;
+        Ok(response.map(RespBody::Http1))
     }
 
     /// Makes the HTTP/2 connection unless another request did meanwhile. `Ok(false)`: the apiserver does not
@@ -300,12 +416,7 @@ impl Conn {
         if self.settings.speaks_http1() {
             return Ok(false);
         }
-        if self
-            .state
-            .sender()
-            .as_ref()
-            .is_some_and(|live| !live.send.is_closed())
-        {
+        if self.state.sender().is_some() {
             return Ok(true);
         }
         if self.state.attempts.load(Ordering::Acquire) != attempts
@@ -345,11 +456,18 @@ impl Conn {
             return Ok(false);
         }
         settings.protocol.store(PROTOCOL_H2, Ordering::Release);
-        let handshake = http2::Builder::new(Boxed)
-            .timer(TokioTimer::new())
-            .initial_stream_window_size(settings.http2.stream_window)
+        // hyper's defaults for its HTTP/2 client, which this connection replaces. Writes are gathered: requests
+        // whose tasks were woken together (one read from the tunnel) leave in one TLS record and syscall.
+        let handshake = h2::client::Builder::new()
+            .initial_window_size(settings.http2.stream_window)
             .initial_connection_window_size(settings.http2.connection_window)
-            .handshake(io);
+            .initial_max_send_streams(100)
+            .max_frame_size(16 * 1024)
+            .max_header_list_size(16 * 1024)
+            .max_send_buffer_size(1024 * 1024)
+            .max_local_error_reset_streams(Some(1024))
+            .enable_push(false)
+            .handshake::<_, Bytes>(Corked::new(TokioIo::new(io)));
         let (send, connection) =
             match tokio::time::timeout(settings.http2.connect_timeout, handshake).await {
                 Ok(Ok(made)) => made,
@@ -368,6 +486,16 @@ impl Conn {
         *self.state.sender() = Some(Live { send, id });
         Ok(true)
     }
+}
+
+/// A copy of a request's head (without its extensions, which HTTP/2 does not send).
+fn copy_head(head: &http::request::Parts) -> http::request::Parts {
+    let (mut copy, ()) = Request::new(()).into_parts();
+    copy.method = head.method.clone();
+    copy.uri = head.uri.clone();
+    copy.version = head.version;
+    copy.headers = head.headers.clone();
+    copy
 }
 
 /// A connect failure, shared by the requests that waited for that connect: shows as the failure itself, whose
@@ -393,13 +521,13 @@ const QUIET_CHECKS: u32 = 5;
 
 /// Runs HTTP/2 connection `id` until it closes, the slot is gone, or no request was open on it for `idle`.
 async fn drive<IO>(
-    connection: http2::Connection<IO, ReqBody, Boxed>,
+    connection: h2::client::Connection<IO, Bytes>,
     state: Weak<State>,
     open: Arc<AtomicUsize>,
     id: u64,
     idle: Duration,
 ) where
-    IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     tokio::pin!(connection);
     let check = idle / (QUIET_CHECKS - 1);
@@ -437,19 +565,65 @@ async fn drive<IO>(
     }
 }
 
-/// Spawns what hyper's HTTP/2 connection hands it (a task per request, for the response) boxed: a task
-/// holding a box is small, so creating and finishing it moves a pointer instead of the whole future (as
-/// hyper-util's client did; callgrind counted ~1.9k instructions per small GET for the two moves unboxed).
-#[derive(Clone, Copy)]
-struct Boxed;
-
-impl<F> hyper::rt::Executor<F> for Boxed
-where
-    F: Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    fn execute(&self, future: F) {
-        tokio::spawn(Box::pin(future));
+/// Sends a request's body on its HTTP/2 stream as the stream's send window allows, in a task of its own (the
+/// request's task awaits the response head meanwhile, which may come first). A body that fails resets the
+/// stream, so the apiserver does not take a truncated body for a whole one; a stream the apiserver reset
+/// stops it.
+async fn send_body(mut body: ReqBody, mut tx: h2::SendStream<Bytes>) {
+    enum Next {
+        Frame(Option<Result<Frame<Bytes>, BoxError>>),
+        Reset,
+    }
+    loop {
+        let next = std::future::poll_fn(|cx| {
+            if tx.poll_reset(cx).is_ready() {
+                return Poll::Ready(Next::Reset);
+            }
+            Pin::new(&mut body).poll_frame(cx).map(Next::Frame)
+        })
+        .await;
+        let frame = match next {
+            Next::Reset => return,
+            Next::Frame(None) => {
+                let _ = tx.send_data(Bytes::new(), true);
+                return;
+            }
+            Next::Frame(Some(Err(e))) => {
+                tracing::debug!(error = %e, "a request body failed; resetting its upstream stream");
+                tx.send_reset(h2::Reason::CANCEL);
+                return;
+            }
+            Next::Frame(Some(Ok(frame))) => frame,
+        };
+        let mut data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                if let Ok(trailers) = frame.into_trailers() {
+                    let _ = tx.send_trailers(trailers);
+                } else {
+                    let _ = tx.send_data(Bytes::new(), true);
+                }
+                return;
+            }
+        };
+        while !data.is_empty() {
+            tx.reserve_capacity(data.len());
+            match std::future::poll_fn(|cx| tx.poll_capacity(cx)).await {
+                Some(Ok(0)) => continue,
+                Some(Ok(room)) => {
+                    let chunk = data.split_to(room.min(data.len()));
+                    let last = data.is_empty() && body.is_end_stream();
+                    if tx.send_data(chunk, last).is_err() {
+                        return;
+                    }
+                    if last {
+                        return;
+                    }
+                }
+                // The stream or the connection is gone.
+                Some(Err(_)) | None => return,
+            }
+        }
     }
 }
 
@@ -671,7 +845,8 @@ mod tests {
             .await?
             .into_body()
             .collect()
-            .await?
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?
             .to_bytes();
         Ok(String::from_utf8(body.to_vec())?)
     }
@@ -703,6 +878,49 @@ mod tests {
 
     /// The apiserver shuts a connection down gracefully (GOAWAY, as kube-apiserver's `--goaway-chance` does to
     /// rebalance): the request open on it is answered, and the next one goes out on a new connection.
+    /// A connection that dies under a request the apiserver has taken up: a POST fails with it (sent again, it
+    /// could run twice); a GET, which may be sent twice, goes once more on a new connection.
+    #[tokio::test]
+    async fn a_dead_connection_resends_only_what_may_be_sent_twice() -> Result<()> {
+        let server = Server::start(&[b"h2"]).await?;
+        let conn = Arc::new(Conn::new(
+            server.settings(Duration::from_secs(90))?,
+            Arc::default(),
+        ));
+        let held = |method: Method| {
+            let conn = conn.clone();
+            let uri = format!("{}held", server.base);
+            tokio::spawn(async move {
+                let req = Request::builder()
+                    .method(method)
+                    .uri(uri)
+                    .body(ReqBody::Empty)?;
+                anyhow::Ok(conn.send(req).await?.status())
+            })
+        };
+        let accepted = || server.accepted.load(Ordering::SeqCst);
+
+        assert_eq!(get(&conn, &server).await?, "HTTP/2.0");
+        let post = held(Method::POST);
+        server.held.notified().await;
+        server.kill.notify_waiters();
+        let failed = tokio::time::timeout(Duration::from_secs(10), post).await??;
+        assert!(failed.is_err(), "the POST must fail with its connection");
+        assert_eq!(accepted(), 1, "the POST was sent once");
+
+        assert_eq!(get(&conn, &server).await?, "HTTP/2.0");
+        assert_eq!(accepted(), 2);
+        let again = held(Method::GET);
+        server.held.notified().await;
+        server.kill.notify_waiters();
+        tokio::time::timeout(Duration::from_secs(10), server.held.notified()).await?;
+        assert_eq!(accepted(), 3, "the GET went once more, on a new connection");
+        server.release.notify_one();
+        let status = tokio::time::timeout(Duration::from_secs(10), again).await???;
+        assert_eq!(status, http::StatusCode::OK);
+        Ok(())
+    }
+
     #[tokio::test]
     async fn a_goaway_lets_the_open_request_finish_and_the_next_one_reconnects() -> Result<()> {
         let server = Server::start(&[b"h2"]).await?;

@@ -153,6 +153,40 @@ async fn request_bodies_are_forwarded() -> Result<()> {
     Ok(())
 }
 
+/// Bodies larger than the apiserver's HTTP/2 windows, sent on either kind of stream: the agent sends them as the
+/// windows open, and every byte arrives in order.
+#[tokio::test]
+async fn request_bodies_larger_than_the_http2_windows_arrive_whole() -> Result<()> {
+    let (api, upstream, _dir) = setup().await?;
+    let body: Vec<u8> = (0..5 * 1024 * 1024 + 7)
+        .map(|i: u32| (i.wrapping_mul(31) % 251) as u8)
+        .collect();
+    let want = serde_json::json!({"length": body.len(), "digest": common::digest(&body)});
+
+    let req = Request::post("/digest").body(Full::new(Bytes::from(body.clone())))?;
+    let resp = tokio::time::timeout(DEADLINE, send(&upstream, req)).await??;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let got = tokio::time::timeout(DEADLINE, body_json(resp)).await??;
+    assert_eq!(got, want, "through a stream of kind HTTP");
+
+    let (head, mut io) = heads_exchange(
+        &upstream,
+        http::Method::POST,
+        "/digest",
+        http::HeaderMap::new(),
+        Some(&body),
+    )
+    .await?;
+    assert_eq!(head.status, StatusCode::OK);
+    let got: serde_json::Value = serde_json::from_slice(&read_rest(&mut io).await?)?;
+    assert_eq!(got, want, "through a stream of kind HTTP_HEADS");
+
+    let seen = api.seen();
+    assert_eq!(seen.len(), 2);
+    assert!(seen.iter().all(|s| s.version == Version::HTTP_2));
+    Ok(())
+}
+
 #[tokio::test]
 async fn absolute_uri_naming_another_host_is_refused() -> Result<()> {
     let (api, upstream, _dir) = setup().await?;

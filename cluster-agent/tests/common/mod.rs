@@ -126,6 +126,7 @@ type Body = BoxBody<Bytes, Infallible>;
 /// - `/version` and `/api/v1/nodes` (list, and watch from a resourceVersion) from the agent's own client
 ///   (User-Agent `tether-agent/…`): a small cluster whose nodes tests add with [`TestApiserver::add_node`];
 /// - `/hang`: recorded, then never answered (an apiserver that accepted a request and went quiet);
+/// - `/digest`: reads the whole request body, then answers its length and [`digest`] as JSON;
 ///   [`TestApiserver::hanging`] counts those still held (a cancelled request stops being held);
 /// - anything else: 200 with a JSON echo of method, path and query.
 ///
@@ -198,7 +199,7 @@ impl TestApiserver {
                             return;
                         };
                         let client_cert = tls_stream.get_ref().1.peer_certificates().is_some();
-                        let service = hyper::service::service_fn(move |req| {
+                        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                             let seen = seen.clone();
                             let stream_rx = stream_rx.clone();
                             let cluster = cluster.clone();
@@ -206,6 +207,17 @@ impl TestApiserver {
                             async move {
                                 if is_agent_request(&req) {
                                     return Ok::<_, Infallible>(cluster.handle(&req));
+                                }
+                                if req.uri().path() == "/digest" {
+                                    record(&req, client_cert, &seen);
+                                    let answer = match req.into_body().collect().await {
+                                        Ok(body) => {
+                                            let body = body.to_bytes();
+                                            serde_json::json!({"length": body.len(), "digest": digest(&body)})
+                                        }
+                                        Err(e) => serde_json::json!({"error": e.to_string()}),
+                                    };
+                                    return Ok(text(StatusCode::OK, &answer.to_string()));
                                 }
                                 if req.uri().path() == "/hang" {
                                     record(&req, client_cert, &seen);
@@ -357,6 +369,13 @@ fn handle(
             resp
         }
     }
+}
+
+/// FNV-1a of `bytes`: what `/digest` answers, to compare a body that went through the agent with what was sent.
+pub fn digest(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 fn record<B>(req: &Request<B>, client_cert: bool, seen: &Mutex<Vec<Seen>>) {
