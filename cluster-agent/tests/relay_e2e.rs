@@ -31,6 +31,36 @@ fn agent_config(relay: &RelayProcess, dir: &Path, token: Option<&str>) -> Result
     Ok(config)
 }
 
+/// Deletes cluster `prod` through the admin API.
+async fn delete_cluster(relay: &RelayProcess) -> Result<()> {
+    let (status, _) = relay
+        .call(
+            Method::DELETE,
+            "/api/v1/clusters/prod",
+            &relay.admin_token,
+            None,
+        )
+        .await?;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    Ok(())
+}
+
+/// Deletes cluster `prod` and waits for `agent`'s run to end with the identity rejected (401 or 403): the fatal
+/// error, not a retry.
+async fn delete_and_expect_rejection(
+    relay: &RelayProcess,
+    agent: tokio::task::JoinHandle<Result<(), AgentError>>,
+) -> Result<()> {
+    delete_cluster(relay).await?;
+    match tokio::time::timeout(DEADLINE, agent).await?? {
+        Err(AgentError::CredentialRejected { status }) => {
+            assert!(status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN);
+            Ok(())
+        }
+        other => bail!("expected the identity to be rejected, got {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn onboard_serve_restart_and_delete_with_the_real_relay() -> Result<()> {
     tether_runtime::tls::install_crypto_provider();
@@ -70,22 +100,7 @@ async fn onboard_serve_restart_and_delete_with_the_real_relay() -> Result<()> {
     assert_eq!(api.seen().len(), 2);
 
     // Deleting the cluster revokes its identity: the agent stops with the fatal error.
-    let (status, _) = relay
-        .call(
-            Method::DELETE,
-            "/api/v1/clusters/prod",
-            &relay.admin_token,
-            None,
-        )
-        .await?;
-    assert_eq!(status, StatusCode::NO_CONTENT);
-    let result = tokio::time::timeout(DEADLINE, agent).await??;
-    match result {
-        Err(AgentError::CredentialRejected { status }) => {
-            assert!(status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN)
-        }
-        other => bail!("expected the identity to be rejected, got {other:?}"),
-    }
+    delete_and_expect_rejection(&relay, agent).await?;
     drop(stop_agent);
     relay.stop().await?;
     Ok(())
@@ -112,21 +127,7 @@ async fn a_deleted_cluster_stops_an_agent_that_dials_only_quic() -> Result<()> {
     let (status, body) = relay.user_get("prod", "/version").await?;
     assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
     cluster_until(&relay, |c| c["tunnels"][0]["transport"] == "quic").await?;
-    let (status, _) = relay
-        .call(
-            Method::DELETE,
-            "/api/v1/clusters/prod",
-            &relay.admin_token,
-            None,
-        )
-        .await?;
-    assert_eq!(status, StatusCode::NO_CONTENT);
-    match tokio::time::timeout(DEADLINE, agent).await?? {
-        Err(AgentError::CredentialRejected { status }) => {
-            assert!(status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN)
-        }
-        other => bail!("expected the identity to be rejected over QUIC, got {other:?}"),
-    }
+    delete_and_expect_rejection(&relay, agent).await?;
     drop(stop_agent);
     relay.stop().await
 }
@@ -263,15 +264,7 @@ async fn metadata_health_renewal_and_expiry_with_the_real_relay() -> Result<()> 
 
     // Recovery as the relay says: delete the cluster, connect it again, start the agent with the new token.
     // The expired identity in the state directory is replaced; nobody has to empty the directory by hand.
-    let (status, _) = relay
-        .call(
-            Method::DELETE,
-            "/api/v1/clusters/prod",
-            &relay.admin_token,
-            None,
-        )
-        .await?;
-    assert_eq!(status, StatusCode::NO_CONTENT);
+    delete_cluster(&relay).await?;
     let token = relay.register("prod").await?;
     let (stop_agent, agent_stopped) = oneshot::channel::<()>();
     let agent = tokio::spawn(tether_agent::run(
