@@ -139,10 +139,23 @@ impl<T> Corked<T> {
         }
     }
 
-    /// True while the batch's first write should wait.
-    fn hold(&mut self, cx: &Context<'_>) -> bool {
+    /// Writes with `write` unless the batch's first write should wait; a write that went through opens the
+    /// batch (until the next flush).
+    fn write(
+        &mut self,
+        cx: &mut Context<'_>,
+        write: impl FnOnce(Pin<&mut T>, &mut Context<'_>) -> Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>>
+    where
+        T: Unpin,
+    {
         self.cork.polled();
-        !self.unflushed && self.cork.hold(cx)
+        if !self.unflushed && self.cork.hold(cx) {
+            return Poll::Pending;
+        }
+        let written = std::task::ready!(write(Pin::new(&mut self.inner), cx))?;
+        self.unflushed = true;
+        Poll::Ready(Ok(written))
     }
 }
 
@@ -162,13 +175,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Corked<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let this = &mut *self;
-        if this.hold(cx) {
-            return Poll::Pending;
-        }
-        let written = std::task::ready!(Pin::new(&mut this.inner).poll_write(cx, buf))?;
-        this.unflushed = true;
-        Poll::Ready(Ok(written))
+        self.write(cx, |inner, cx| inner.poll_write(cx, buf))
     }
 
     fn poll_write_vectored(
@@ -176,13 +183,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Corked<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let this = &mut *self;
-        if this.hold(cx) {
-            return Poll::Pending;
-        }
-        let written = std::task::ready!(Pin::new(&mut this.inner).poll_write_vectored(cx, bufs))?;
-        this.unflushed = true;
-        Poll::Ready(Ok(written))
+        self.write(cx, |inner, cx| inner.poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -261,6 +262,17 @@ mod tests {
         .await;
     }
 
+    /// Waits (at most 10 s) until `ready` holds.
+    async fn until(ready: impl Fn() -> bool) {
+        tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            while !ready() {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the condition never held");
+    }
+
     /// Eight tasks woken together each hand the writer one byte and wake it. On one worker, Tokio's LIFO slot
     /// runs the writer right after each of them; corked, it writes the eight bytes at once.
     async fn writes_of_eight_tasks_woken_together(corked: bool) -> Vec<usize> {
@@ -272,11 +284,16 @@ mod tests {
             tokio::spawn(writer(queue.clone(), sink.clone()))
         };
         let go = Arc::new(Notify::new());
+        let parked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let handing: Vec<_> = (0..8u8)
             .map(|i| {
-                let (queue, go) = (queue.clone(), go.clone());
+                let (queue, go, parked) = (queue.clone(), go.clone(), parked.clone());
                 tokio::spawn(async move {
-                    go.notified().await;
+                    let notified = go.notified();
+                    tokio::pin!(notified);
+                    notified.as_mut().enable();
+                    parked.fetch_add(1, Ordering::SeqCst);
+                    notified.await;
                     let mut q = queue.lock().unwrap();
                     q.items.push(i);
                     if let Some(w) = q.writer.take() {
@@ -285,15 +302,16 @@ mod tests {
                 })
             })
             .collect();
-        // Let the writer and the eight tasks park, then wake the eight from a task on the worker.
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        // Once the writer and the eight tasks wait, wake the eight from a task on the worker.
+        until(|| parked.load(Ordering::SeqCst) == 8 && queue.lock().unwrap().writer.is_some())
+            .await;
         tokio::spawn(async move { go.notify_waiters() })
             .await
             .unwrap();
         for t in handing {
             t.await.unwrap();
         }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        until(|| sink.0.lock().unwrap().iter().sum::<usize>() == 8).await;
         {
             let mut q = queue.lock().unwrap();
             q.done = true;
