@@ -14,7 +14,6 @@
 //! token), with the user's `Authorization` and `Impersonate-*` headers replaced by impersonation headers for
 //! the validated identity.
 
-use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -33,6 +32,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use kube::client::ConfigExt as _;
 use rustls::pki_types::ServerName;
 use tether_auth::Identity;
+use tether_runtime::serve::BoxError;
 use tether_tunnel::heads::{self, BodyReader, ReadChunk, SharedStream, WriteChunk};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tower::ServiceExt as _;
@@ -43,8 +43,6 @@ use crate::upstream::{
     Conn, ConnectTimedOut, Http2, LegacyClient, ReqBody, RespBody, SendError, Settings,
     TimeoutConnector,
 };
-
-type BoxError = Box<dyn StdError + Send + Sync>;
 
 /// The body of a response the agent sends back over a stream: the apiserver's, streamed, or a small error.
 pub type ResponseBody = Either<Leased, Full<Bytes>>;

@@ -32,11 +32,10 @@ use clap::{Args as _, FromArgMatches as _};
 use http::{Method, Uri};
 use hyper::body::{Body, Frame, SizeHint};
 use tether_runtime::parse_duration;
+use tether_runtime::serve::BoxError;
+use tokio::sync::Notify;
 
 use crate::upstream::RespBody;
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-use tokio::sync::Notify;
 
 /// How the upstream connections grow (`--upstream-*`). Every default is written once, in the `#[arg]`s.
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]

@@ -28,11 +28,10 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connection as _, HttpConnector};
 use hyper_util::rt::TokioIo;
+use tether_runtime::serve::BoxError;
 use tether_tunnel::cork::Corked;
 use tether_tunnel::heads::{BodyReader, ReadChunk};
 use tower::ServiceExt as _;
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The TCP + TLS connector to the apiserver, bounded by the connect timeout.
 pub(crate) type Connector = TimeoutConnector<HttpsConnector<HttpConnector>>;
