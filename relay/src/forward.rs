@@ -222,32 +222,139 @@ where
     A: Future<Output = Result<Bytes, TunnelError>>,
     F: Fn() + Clone + Send + 'static,
 {
-    use tokio::io::AsyncWriteExt as _;
-
     let upgrade = is_upgrade_request(&req);
     let user_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
-    let out = outgoing_request(req, target, upgrade)?;
-    let (parts, mut body) = out.into_parts();
+    let (parts, body) = req.into_parts();
     let has_body = !body.is_end_stream();
     if upgrade && has_body {
         return Err(ApiError::bad_request(
             "a request that asks to switch protocols must not have a body",
         ));
     }
-    let block = heads::encode_request(
-        &parts.method,
-        target.path_and_query,
-        &parts.headers,
-        has_body,
+    let block = encode_head(&parts, target, upgrade, has_body)?;
+    drop(parts);
+    let body = has_body.then_some(body);
+    exchange(
+        io,
+        accepted,
+        abort,
+        block,
+        body,
+        user_upgrade,
+        target,
+        guard,
     )
-    .map_err(|e| ApiError::bad_request(format!("cannot forward this request: {e}")))?;
+    .await
+}
 
+/// [`forward_heads`] for a request without a body that asks for no upgrade, encoded from its head as it is
+/// (borrowed): the caller keeps it to send again elsewhere if this tunnel goes away, without a copy per request.
+pub(crate) async fn forward_heads_bodyless<IO, A, G, F>(
+    io: IO,
+    accepted: A,
+    abort: F,
+    parts: &http::request::Parts,
+    target: Target<'_>,
+    guard: G,
+) -> Result<Response<Body>, ApiError>
+where
+    G: Send + 'static,
+    IO: ReadChunk + AsyncWrite + Send + 'static,
+    A: Future<Output = Result<Bytes, TunnelError>>,
+    F: Fn() + Clone + Send + 'static,
+{
+    let block = encode_head(parts, target, false, false)?;
+    exchange::<_, http_body_util::Empty<Bytes>, _, _, _>(
+        io, accepted, abort, block, None, None, target, guard,
+    )
+    .await
+}
+
+/// The request head block that goes over the tunnel: the user's method and headers less the hop-by-hop ones
+/// (as [`strip_hop_by_hop`] removes them; for an upgrade, `Upgrade` stays and `Connection: upgrade` is added)
+/// and less `Host`, then `Host: CLUSTER`. Encoded straight from the user's head: no edited copy of its headers.
+fn encode_head(
+    parts: &http::request::Parts,
+    target: Target<'_>,
+    upgrade: bool,
+    has_body: bool,
+) -> Result<Bytes, ApiError> {
+    // The path comes from a request target hyper parsed, and the name from a checked cluster name; these only
+    // keep what could not be a request line's target or a header value off the tunnel.
+    let pq = target.path_and_query;
+    if !pq.starts_with('/') || pq.bytes().any(|b| b <= b' ' || b == 0x7f) {
+        return Err(ApiError::bad_request(format!(
+            "invalid request path {pq:?}"
+        )));
+    }
+    if target.cluster.is_empty() || !target.cluster.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ApiError::bad_request(format!(
+            "invalid cluster name {:?}",
+            target.cluster
+        )));
+    }
+    let headers = &parts.headers;
+    // The names `Connection` lists (usually none): hop-by-hop too.
+    let named: Vec<HeaderName> = if headers.contains_key(header::CONNECTION) {
+        connection_tokens(headers)
+            .filter(|t| !(upgrade && t.eq_ignore_ascii_case("upgrade")))
+            .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let connection: &[(&[u8], &[u8])] = if upgrade {
+        &[(b"connection", b"upgrade")]
+    } else {
+        &[]
+    };
+    let fields = || {
+        headers
+            .iter()
+            .filter(|(name, _)| {
+                !(HOP_BY_HOP.contains(name)
+                    || named.contains(name)
+                    || (!upgrade && *name == header::UPGRADE)
+                    || *name == header::HOST)
+            })
+            .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()))
+            .chain(connection.iter().copied())
+            .chain(std::iter::once((&b"host"[..], target.cluster.as_bytes())))
+    };
+    heads::encode_request_fields(&parts.method, pq, fields, has_body)
+        .map_err(|e| ApiError::bad_request(format!("cannot forward this request: {e}")))
+}
+
+/// Writes the request head `block` and then `body` (if any) over `io`, and reads the response: the part of
+/// [`forward_heads`] after the request head is encoded.
+#[allow(clippy::too_many_arguments)]
+async fn exchange<IO, B, A, G, F>(
+    io: IO,
+    accepted: A,
+    abort: F,
+    block: Bytes,
+    body: Option<B>,
+    user_upgrade: Option<hyper::upgrade::OnUpgrade>,
+    target: Target<'_>,
+    guard: G,
+) -> Result<Response<Body>, ApiError>
+where
+    G: Send + 'static,
+    IO: ReadChunk + AsyncWrite + Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<BoxError>,
+    A: Future<Output = Result<Bytes, TunnelError>>,
+    F: Fn() + Clone + Send + 'static,
+{
+    use tokio::io::AsyncWriteExt as _;
+
+    let upgrade = user_upgrade.is_some();
     let io = heads::SharedStream::new(io);
     let mut writer = io.clone();
     if let Err(e) = writer.write_all(&block).await {
         return Err(write_error(&e, target));
     }
-    if has_body {
+    if let Some(mut body) = body {
         let abort = abort.clone();
         tokio::spawn(async move {
             loop {
@@ -780,6 +887,55 @@ mod tests {
         assert_eq!(names, ["authorization", "connection", "upgrade", "x-kept"]);
         assert_eq!(upgrade[header::CONNECTION], "upgrade");
         assert_eq!(upgrade[header::UPGRADE], "websocket");
+    }
+
+    /// The head block carries the same fields an edited copy of the user's headers would: hop-by-hop ones
+    /// gone (those `Connection` names too), a forged `Host` replaced by the cluster's name, nothing else touched.
+    #[test]
+    fn the_head_is_encoded_as_the_stripped_copy_would_be() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("x-hop, Upgrade"),
+        );
+        h.insert("x-hop", HeaderValue::from_static("1"));
+        h.append("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert(header::HOST, HeaderValue::from_static("elsewhere.example"));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer t"));
+        h.append("x-kept", HeaderValue::from_static("2"));
+        h.append("x-kept", HeaderValue::from_static("3"));
+        let mut req = Request::new(());
+        *req.method_mut() = http::Method::GET;
+        *req.headers_mut() = h;
+        let (parts, ()) = req.into_parts();
+
+        for upgrade in [false, true] {
+            let block = encode_head(&parts, target(), upgrade, false).expect("encodes");
+            let head = heads::decode_request(block.slice(4..)).expect("decodes");
+            let mut expected = parts.headers.clone();
+            strip_hop_by_hop(&mut expected, upgrade);
+            expected.insert(header::HOST, HeaderValue::from_static("prod"));
+            assert_eq!(head.headers, expected, "upgrade: {upgrade}");
+            assert_eq!(head.target, "/api/v1/pods?watch=1");
+            assert_eq!(head.method, http::Method::GET);
+            assert!(!head.body);
+        }
+
+        for path in [
+            "api/v1/pods",
+            "/api/v1/po ds",
+            "/api/v1/pods\r\nX-Injected: 1",
+            "",
+        ] {
+            let bad = Target {
+                path_and_query: path,
+                ..target()
+            };
+            let err = encode_head(&parts, bad, false, false).expect_err(path);
+            assert_eq!(err.status, StatusCode::BAD_REQUEST, "{path:?}");
+        }
     }
 
     fn target() -> Target<'static> {

@@ -78,12 +78,27 @@ pub fn encode_request(
     headers: &HeaderMap,
     body: bool,
 ) -> Result<Bytes, HeadError> {
+    encode_request_fields(method, target, || fields(headers), body)
+}
+
+/// The request head block (length prefix included) for `method target` with the header fields (name, value)
+/// that `fields` walks, for a caller that drops or adds fields as it encodes rather than editing a copy of its
+/// headers. `fields` is called twice: once to size the block.
+pub fn encode_request_fields<'a, I>(
+    method: &Method,
+    target: &str,
+    fields: impl Fn() -> I,
+    body: bool,
+) -> Result<Bytes, HeadError>
+where
+    I: Iterator<Item = (&'a [u8], &'a [u8])>,
+{
     head::encode_request(
         flags(body),
         method.as_str().as_bytes(),
         target.as_bytes(),
-        fields(headers),
-        head::fields_len(fields(headers)),
+        fields(),
+        head::fields_len(fields()),
     )
 }
 

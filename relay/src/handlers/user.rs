@@ -208,6 +208,29 @@ where
     .await
 }
 
+/// Forwards the bodyless request `parts` over `stream`, a binary-heads stream just opened on a tunnel here.
+async fn forward_bodyless<G: Send + 'static>(
+    stream: tether_tunnel::Stream,
+    parts: &http::request::Parts,
+    target: Target<'_>,
+    guard: G,
+) -> Result<Response<Body>, ApiError> {
+    let control = stream.control();
+    let abort = {
+        let control = control.clone();
+        move || control.reset(code::CANCEL)
+    };
+    forward::forward_heads_bodyless(
+        stream,
+        async move { control.accepted().await },
+        abort,
+        parts,
+        target,
+        guard,
+    )
+    .await
+}
+
 /// Serves `req` over one of `tunnels` (usable tunnels of this replica, least loaded first): the peer link's
 /// requests, which were checked and counted by the replica that received them.
 pub(crate) async fn forward_local<G: Send + 'static>(
@@ -258,14 +281,12 @@ pub(crate) async fn forward_safe<G: Send + Clone + 'static>(
             watches_end: Some(&tunnel.info.gone),
             ..target
         };
-        let result = forward_stream(
-            stream,
-            tunnel.info.http_heads(),
-            again(parts),
-            target,
-            guard.clone(),
-        )
-        .await;
+        // With binary heads the head is encoded from `parts` as they are; only an agent without them gets a copy.
+        let result = if tunnel.info.http_heads() {
+            forward_bodyless(stream, parts, target, guard.clone()).await
+        } else {
+            forward_stream(stream, false, again(parts), target, guard.clone()).await
+        };
         match result {
             Err(e) if e.tunnel_gone => {
                 tracing::debug!(cluster = target.cluster, error = %e.message, "the tunnel went away under a safe request; trying the next");
