@@ -17,22 +17,32 @@ use serde_json::json;
 use crate::body::BoxError;
 
 /// Whether a request is a watch: `?watch=1|true` or a `/watch/` path (the legacy watch endpoints).
+///
+/// Asked of every successful response, so it reads bytes: the separators are ASCII, which UTF-8 never uses
+/// inside a longer character, and `str`'s character searchers cost the relay ~1,900 instructions per GET here
+/// (docs/BENCHMARKS.md, twentieth pass).
 pub(crate) fn is_watch_request(path_and_query: &str) -> bool {
-    let (path, query) = path_and_query
-        .split_once('?')
-        .unwrap_or((path_and_query, ""));
-    let watch_param = query.split('&').any(|kv| {
-        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-        k == "watch" && (v == "1" || v.eq_ignore_ascii_case("true"))
+    let (path, query) = split_at_byte(path_and_query.as_bytes(), b'?');
+    let watch_param = query.split(|&b| b == b'&').any(|kv| {
+        let (k, v) = split_at_byte(kv, b'=');
+        k == b"watch" && (v == b"1" || v.eq_ignore_ascii_case(b"true"))
     });
-    let mut segments = path.split('/').filter(|s| !s.is_empty());
+    let mut segments = path.split(|&b| b == b'/').filter(|s| !s.is_empty());
     let watch_path = match segments.next() {
         // /api/v1/watch/…, /apis/GROUP/VERSION/watch/…
-        Some("api") => segments.nth(1) == Some("watch"),
-        Some("apis") => segments.nth(2) == Some("watch"),
+        Some(b"api") => segments.nth(1) == Some(b"watch"),
+        Some(b"apis") => segments.nth(2) == Some(b"watch"),
         _ => false,
     };
     watch_param || watch_path
+}
+
+/// `bytes` before and after the first `sep` (all of it and nothing without one).
+fn split_at_byte(bytes: &[u8], sep: u8) -> (&[u8], &[u8]) {
+    match bytes.iter().position(|&b| b == sep) {
+        Some(i) => (&bytes[..i], &bytes[i + 1..]),
+        None => (bytes, &[]),
+    }
 }
 
 /// Whether a response is a JSON event stream (what kubectl, client-go and kube-rs ask for by default).
@@ -257,6 +267,8 @@ mod tests {
             "/apis/apps/v1/deployments?watch=True&resourceVersion=3",
             "/api/v1/watch/namespaces/a/pods",
             "/apis/apps/v1/watch/deployments",
+            "/api/v1/namespaces/é/pods?x=%26&watch=TRUE",
+            "/api/v1/pods?watch=1&watch=0",
         ] {
             assert!(is_watch_request(yes), "{yes}");
         }
@@ -267,6 +279,12 @@ mod tests {
             "/api/v1/namespaces/watch",
             "/apis/watch/v1/things",
             "/api/v1/namespaces/a/pods/p/log?follow=true",
+            "/api/v1/pods?watch",
+            "/api/v1/pods?watchx=1&xwatch=1",
+            "/api/v1/pods?watch=1?x",
+            "/api/v1/pods/watch?x=1",
+            "/apis/watch",
+            "",
         ] {
             assert!(!is_watch_request(no), "{no}");
         }
