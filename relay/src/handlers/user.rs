@@ -1,5 +1,6 @@
 //! The user endpoint: `/clusters/NAME/…` forwarded over NAME's tunnel.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -182,30 +183,26 @@ where
     B::Error: Into<BoxError>,
     G: Send + 'static,
 {
-    let control = stream.control();
+    let (accepted, abort) = answer_and_abort(&stream);
     if heads {
-        let abort = {
-            let control = control.clone();
-            move || control.reset(code::CANCEL)
-        };
-        return forward::forward_heads(
-            stream,
-            async move { control.accepted().await },
-            abort,
-            req,
-            target,
-            guard,
-        )
-        .await;
+        return forward::forward_heads(stream, accepted, abort, req, target, guard).await;
     }
-    forward::forward(
-        stream,
-        async move { control.accepted().await },
-        req,
-        target,
-        guard,
-    )
-    .await
+    forward::forward(stream, accepted, req, target, guard).await
+}
+
+/// What forwarding needs from a stream just opened: the peer's answer to its OPEN, and a way to cut it
+/// (a reset with `CANCEL`).
+fn answer_and_abort(
+    stream: &tether_tunnel::Stream,
+) -> (
+    impl Future<Output = Result<Bytes, TunnelError>> + use<>,
+    impl Fn() + Clone + Send + 'static,
+) {
+    let control = stream.control();
+    let reset = control.clone();
+    (async move { control.accepted().await }, move || {
+        reset.reset(code::CANCEL)
+    })
 }
 
 /// Forwards the bodyless request `parts` over `stream`, a binary-heads stream just opened on a tunnel here.
@@ -215,20 +212,8 @@ async fn forward_bodyless<G: Send + 'static>(
     target: Target<'_>,
     guard: G,
 ) -> Result<Response<Body>, ApiError> {
-    let control = stream.control();
-    let abort = {
-        let control = control.clone();
-        move || control.reset(code::CANCEL)
-    };
-    forward::forward_heads_bodyless(
-        stream,
-        async move { control.accepted().await },
-        abort,
-        parts,
-        target,
-        guard,
-    )
-    .await
+    let (accepted, abort) = answer_and_abort(&stream);
+    forward::forward_heads_bodyless(stream, accepted, abort, parts, target, guard).await
 }
 
 /// Serves `req` over one of `tunnels` (usable tunnels of this replica, least loaded first): the peer link's
