@@ -2,7 +2,8 @@
 //! bad ones ([`cli::parse`]), one duration syntax ([`parse_duration`]), one type for secrets ([`Secret`], whose
 //! `Debug` prints `***`), one logging setup and one stop signal ([`process`]), and one way to build TLS
 //! configurations with the one crypto provider, aws-lc-rs ([`tls`]), and one TLS + HTTP/1.1 + HTTP/2 accept loop
-//! ([`serve`]).
+//! ([`serve`]), optionally serving each connection on a shard, a single-threaded runtime, placed by its first
+//! request ([`shards`]).
 //!
 //! What it does not do: know about tunnels, routes, Kubernetes or any one program's configuration.
 
@@ -11,6 +12,7 @@ mod duration;
 pub mod process;
 mod secret;
 pub mod serve;
+pub mod shards;
 pub mod tls;
 
 pub use duration::parse_duration;

@@ -32,11 +32,23 @@ impl FromStr for LogFormat {
 /// another (docs/BENCHMARKS.md measured ~20 % of the CPU per small request in relay and agent), while one worker
 /// caps the process at one core.
 pub fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(worker_count(worker_threads))
+        .enable_all()
+        .build()
+}
+
+/// How many workers [`runtime`] starts for `worker_threads`: itself, else `TOKIO_WORKER_THREADS` when it is a
+/// positive number, else one per CPU.
+pub fn worker_count(worker_threads: usize) -> usize {
     if worker_threads > 0 {
-        builder.worker_threads(worker_threads);
+        return worker_threads;
     }
-    builder.enable_all().build()
+    std::env::var("TOKIO_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from))
 }
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`).

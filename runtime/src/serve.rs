@@ -39,20 +39,24 @@ use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
+use bytes::{Bytes, BytesMut};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::service::Service;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use rustls::pki_types::CertificateDer;
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+use crate::shards::{Placement, Shards};
 
 /// Errors a service or body may return.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -185,6 +189,29 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    serve_on(listener, tls, limits, make_service, None, shutdown).await
+}
+
+/// [`serve`], with each connection served on one of `sharding`'s shards once its TLS handshake is done: the
+/// one its first request's target is placed on (see [`Sharding`]), else the next in turn. The accept loop and
+/// the handshakes run where this is called. `None`: every connection is served where this is called.
+pub async fn serve_on<M, S, B>(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    limits: Limits,
+    make_service: M,
+    sharding: Option<Sharding>,
+    shutdown: impl Future<Output = ()>,
+) -> Draining
+where
+    M: Fn(Conn) -> S + Send + Sync + 'static,
+    S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError> + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
     let make_service = Arc::new(make_service);
     let acceptor = TlsAcceptor::from(tls);
     let handshakes = Arc::new(Semaphore::new(
@@ -204,7 +231,15 @@ where
         graceful: CancellationToken::new(),
         hard: CancellationToken::new(),
     };
-    let limits = Arc::new(limits);
+    let setup = Setup {
+        acceptor,
+        limits: Arc::new(limits),
+        make_service,
+        sharding,
+        connections: draining.connections.clone(),
+        graceful: draining.graceful.clone(),
+        hard: draining.hard.clone(),
+    };
     tokio::pin!(shutdown);
     loop {
         let handshake = tokio::select! {
@@ -234,7 +269,7 @@ where
         };
         let _ = tcp.set_nodelay(true);
         draining.connections.spawn(serve_connection(
-            acceptor.clone(),
+            setup.clone(),
             tcp,
             peer,
             Admission {
@@ -243,10 +278,6 @@ where
                 ip_slot,
                 budgets: budgets.clone(),
             },
-            limits.clone(),
-            make_service.clone(),
-            draining.graceful.clone(),
-            draining.hard.clone(),
         ));
     }
     draining
@@ -472,16 +503,36 @@ impl<B: Body> Body for TrackedBody<B> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn serve_connection<M, S, B>(
+/// What every connection of one accept loop is served with.
+struct Setup<M> {
     acceptor: TlsAcceptor,
+    limits: Arc<Limits>,
+    make_service: Arc<M>,
+    sharding: Option<Sharding>,
+    connections: TaskTracker,
+    graceful: CancellationToken,
+    hard: CancellationToken,
+}
+
+impl<M> Clone for Setup<M> {
+    fn clone(&self) -> Self {
+        Self {
+            acceptor: self.acceptor.clone(),
+            limits: self.limits.clone(),
+            make_service: self.make_service.clone(),
+            sharding: self.sharding.clone(),
+            connections: self.connections.clone(),
+            graceful: self.graceful.clone(),
+            hard: self.hard.clone(),
+        }
+    }
+}
+
+async fn serve_connection<M, S, B>(
+    ctx: Setup<M>,
     tcp: TcpStream,
     peer: SocketAddr,
     admission: Admission,
-    limits: Arc<Limits>,
-    make_service: Arc<M>,
-    graceful: CancellationToken,
-    hard: CancellationToken,
 ) where
     M: Fn(Conn) -> S + Send + Sync + 'static,
     S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>> + Send + 'static,
@@ -491,6 +542,15 @@ async fn serve_connection<M, S, B>(
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    let Setup {
+        acceptor,
+        limits,
+        make_service,
+        sharding,
+        connections,
+        graceful,
+        hard,
+    } = ctx;
     let Admission {
         handshake,
         handshakes,
@@ -510,11 +570,11 @@ async fn serve_connection<M, S, B>(
                 (handshakes.acquire_owned().await.ok()?, ip_handshake)
             }
         };
-        let tls = acceptor.accept(tcp).await;
+        let tls = acceptor.accept(Movable(Some(tcp))).await;
         drop((handshake, ip_handshake));
         Some(tls)
     };
-    let tls = tokio::select! {
+    let mut tls = tokio::select! {
         () = graceful.cancelled() => return,
         () = hard.cancelled() => return,
         r = tokio::time::timeout_at(handshake_deadline, shake) => match r {
@@ -550,16 +610,99 @@ async fn serve_connection<M, S, B>(
         return;
     };
     let permit = Arc::new(permit);
-    // The slots are held until the connection ends, whether or not the service keeps its `Conn`.
-    let _slot = permit.clone();
-    let _ip_slot = ip_slot;
+    let service = make_service(Conn {
+        peer,
+        client_cert,
+        permit: permit.clone(),
+    });
+    let Some(sharding) = sharding else {
+        let io = Rewind {
+            prefix: Bytes::new(),
+            inner: tls,
+        };
+        serve_http(
+            io,
+            peer,
+            service,
+            &limits,
+            graceful,
+            hard,
+            (permit, ip_slot),
+        )
+        .await;
+        return;
+    };
+    // Sharded: read up to the first request's target, place the connection by it, and serve it there with
+    // what was read put back in front. Whatever goes wrong here only loses the placement, never the
+    // connection: hyper then answers (or ends) it as it would have.
+    let mut read = BytesMut::new();
+    let peeked = tokio::select! {
+        () = hard.cancelled() => return,
+        r = tokio::time::timeout(limits.header_read_timeout, first_target(&mut tls, &mut read, peek_limit(&limits))) => r,
+    };
+    let target = match peeked {
+        Ok(Ok(target)) => target,
+        Ok(Err(e)) => {
+            tracing::debug!(%peer, error = %e, "could not read the first request's target; placing the connection anywhere");
+            None
+        }
+        // Nothing at all within the time a request's head has: closed, as HTTP/1.1 would close it.
+        Err(_) if read.is_empty() => {
+            tracing::debug!(%peer, "no request within the header-read timeout; closing");
+            return;
+        }
+        Err(_) => None,
+    };
+    let index = target
+        .as_deref()
+        .and_then(|target| (sharding.place)(target))
+        .unwrap_or_else(|| sharding.shards.next());
+    let served = connections.track_future(async move {
+        let mut tls = tls;
+        // Its socket now belongs to this shard's reactor.
+        if let Err(e) = tls.get_mut().0.rehome() {
+            tracing::debug!(%peer, error = %e, "could not move the connection to its shard");
+            return;
+        }
+        let io = Rewind {
+            prefix: read.freeze(),
+            inner: tls,
+        };
+        serve_http(
+            io,
+            peer,
+            service,
+            &limits,
+            graceful,
+            hard,
+            (permit, ip_slot),
+        )
+        .await;
+    });
+    sharding.shards.handle(index).spawn(served);
+}
+
+/// Serves HTTP on a connection past its TLS handshake and its admission, until it ends; `_held` (its slots)
+/// are given back then.
+async fn serve_http<S, B>(
+    io: Rewind<tokio_rustls::server::TlsStream<Movable>>,
+    peer: SocketAddr,
+    service: S,
+    limits: &Limits,
+    graceful: CancellationToken,
+    hard: CancellationToken,
+    _held: (Arc<OwnedSemaphorePermit>, IpSlot),
+) where
+    S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError> + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
     let activity = Activity::new();
     let service = Tracked {
-        inner: make_service(Conn {
-            peer,
-            client_cert,
-            permit,
-        }),
+        inner: service,
         activity: activity.clone(),
     };
 
@@ -576,7 +719,7 @@ async fn serve_connection<M, S, B>(
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
         .keep_alive_interval(limits.h2_keep_alive_interval)
         .keep_alive_timeout(limits.h2_keep_alive_timeout);
-    let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), service);
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     tokio::pin!(conn);
     let idle = async {
         match limits.idle_timeout {
@@ -608,11 +751,272 @@ async fn serve_connection<M, S, B>(
     }
 }
 
+/// Shards to serve connections on, and where each goes (see [`crate::shards`]).
+#[derive(Clone)]
+pub struct Sharding {
+    /// The shards.
+    pub shards: Arc<Shards>,
+    /// Where a connection goes, by its first request's target.
+    pub place: Placement,
+}
+
+impl std::fmt::Debug for Sharding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sharding")
+            .field("shards", &self.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The most bytes read from a connection to find its first request's target.
+fn peek_limit(limits: &Limits) -> usize {
+    // An HTTP/2 client's preface, SETTINGS and WINDOW_UPDATE come first; its HEADERS are compressed, so below
+    // the header list's bound.
+    limits.max_header_bytes.saturating_add(16 * 1024)
+}
+
+/// The HTTP/2 connection preface.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Reads from `tls` into `read` until the first request's target is known (HTTP/1.1: its request line;
+/// HTTP/2, told by its preface: its first HEADERS, decoded by a throwaway `h2` server whose writes go nowhere).
+/// `None` when the client closed first, or sent something neither would accept (hyper answers that).
+async fn first_target(
+    tls: &mut tokio_rustls::server::TlsStream<Movable>,
+    read: &mut BytesMut,
+    limit: usize,
+) -> std::io::Result<Option<String>> {
+    loop {
+        let looks_h2 = if read.len() >= H2_PREFACE.len() {
+            read.starts_with(H2_PREFACE)
+        } else {
+            !read.is_empty() && H2_PREFACE.starts_with(read)
+        };
+        if looks_h2 && read.len() >= H2_PREFACE.len() {
+            return first_h2_target(tls, read, limit).await;
+        }
+        if !looks_h2 && let Some(end) = read.iter().position(|&b| b == b'\n') {
+            return Ok(request_line_target(&read[..end]));
+        }
+        if read.len() >= limit {
+            return Ok(None);
+        }
+        read.reserve(4096);
+        if tls.read_buf(read).await? == 0 {
+            return Ok(None);
+        }
+    }
+}
+
+/// The target of an HTTP/1.1 request line (`GET /path HTTP/1.1`, CR or not), when it has one.
+fn request_line_target(line: &[u8]) -> Option<String> {
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let mut parts = line.split(|&b| b == b' ').filter(|p| !p.is_empty());
+    let (_method, target, _version) = (parts.next()?, parts.next()?, parts.next()?);
+    std::str::from_utf8(target).ok().map(str::to_owned)
+}
+
+async fn first_h2_target(
+    tls: &mut tokio_rustls::server::TlsStream<Movable>,
+    read: &mut BytesMut,
+    limit: usize,
+) -> std::io::Result<Option<String>> {
+    let io = Recording {
+        inner: tls,
+        seen: read,
+        replayed: 0,
+        limit,
+    };
+    let mut builder = h2::server::Builder::new();
+    builder.max_header_list_size(u32::try_from(limit).unwrap_or(u32::MAX));
+    let mut conn = builder
+        .handshake::<_, Bytes>(io)
+        .await
+        .map_err(std::io::Error::other)?;
+    match conn.accept().await {
+        Some(Ok((request, _respond))) => Ok(request
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_owned())),
+        Some(Err(e)) => Err(std::io::Error::other(e)),
+        None => Ok(None),
+    }
+}
+
+/// What a throwaway reader of a connection sees: first what was read already, then the connection, recording
+/// everything it reads (up to `limit` bytes); what it writes is dropped.
+struct Recording<'a> {
+    inner: &'a mut tokio_rustls::server::TlsStream<Movable>,
+    seen: &'a mut BytesMut,
+    replayed: usize,
+    limit: usize,
+}
+
+impl AsyncRead for Recording<'_> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if this.replayed < this.seen.len() {
+            let n = buf.remaining().min(this.seen.len() - this.replayed);
+            buf.put_slice(&this.seen[this.replayed..this.replayed + n]);
+            this.replayed += n;
+            return Poll::Ready(Ok(()));
+        }
+        if this.seen.len() >= this.limit {
+            return Poll::Ready(Err(std::io::Error::other(
+                "no request within the bytes read to place the connection",
+            )));
+        }
+        let before = buf.filled().len();
+        ready!(Pin::new(&mut *this.inner).poll_read(cx, buf))?;
+        let new = &buf.filled()[before..];
+        this.seen.extend_from_slice(new);
+        this.replayed = this.seen.len();
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for Recording<'_> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// A connection's socket, which can move to another runtime's reactor ([`Movable::rehome`]).
+#[derive(Debug)]
+struct Movable(Option<TcpStream>);
+
+impl Movable {
+    /// Registers the socket with the calling task's runtime instead of the one it was accepted on.
+    fn rehome(&mut self) -> std::io::Result<()> {
+        let tcp = self.0.take().ok_or_else(gone)?;
+        self.0 = Some(TcpStream::from_std(tcp.into_std()?)?);
+        Ok(())
+    }
+
+    fn tcp(self: Pin<&mut Self>) -> std::io::Result<Pin<&mut TcpStream>> {
+        match &mut self.get_mut().0 {
+            Some(tcp) => Ok(Pin::new(tcp)),
+            None => Err(gone()),
+        }
+    }
+}
+
+fn gone() -> std::io::Error {
+    std::io::Error::from(std::io::ErrorKind::NotConnected)
+}
+
+impl AsyncRead for Movable {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        self.tcp()?.poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Movable {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.tcp()?.poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        self.tcp()?.poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.as_ref().is_some_and(TcpStream::is_write_vectored)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.tcp()?.poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.tcp()?.poll_shutdown(cx)
+    }
+}
+
+/// A connection with bytes already read from it put back in front.
+struct Rewind<T> {
+    prefix: Bytes,
+    inner: T,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Rewind<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if !self.prefix.is_empty() {
+            let n = buf.remaining().min(self.prefix.len());
+            buf.put_slice(&self.prefix.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Rewind<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::io::AsyncWriteExt as _;
 
     #[tokio::test]
     async fn cut_ends_a_connection_stuck_in_its_tls_handshake() -> anyhow::Result<()> {
@@ -662,6 +1066,216 @@ mod tests {
         draining.cut();
         tokio::time::timeout(Duration::from_secs(60), draining.wait()).await?;
         Ok(())
+    }
+
+    /// A sharded server on 127.0.0.1 whose answers name the shard that served them: `/zero…` goes to shard 0,
+    /// `/one…` to shard 1, anything else to the next in turn. Returns its address, its CA and a stop switch.
+    async fn sharded_server(
+        limits: Limits,
+    ) -> anyhow::Result<(
+        SocketAddr,
+        String,
+        Arc<Shards>,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<Draining>,
+    )> {
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()])?;
+        let cert_pem = cert.cert.pem();
+        let tls = crate::tls::server_config(
+            cert_pem.as_bytes(),
+            cert.signing_key.serialize_pem().as_bytes(),
+        )?;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let shards = Shards::start(2, "serve-test")?;
+        let sharding = Sharding {
+            shards: shards.clone(),
+            place: Arc::new(|target: &str| {
+                if target.starts_with("/zero") {
+                    Some(0)
+                } else if target.starts_with("/one") {
+                    Some(1)
+                } else {
+                    None
+                }
+            }),
+        };
+        let make = |_conn: Conn| {
+            hyper::service::service_fn(|req: hyper::Request<Incoming>| async move {
+                let answer = format!(
+                    "{} on shard {:?}",
+                    req.uri().path(),
+                    crate::shards::current()
+                );
+                Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                    bytes::Bytes::from(answer),
+                )))
+            })
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve_on(
+            listener,
+            tls,
+            limits,
+            make,
+            Some(sharding),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        Ok((addr, cert_pem, shards, stop, server))
+    }
+
+    async fn tls_client(
+        addr: SocketAddr,
+        ca: &str,
+        alpn: &[u8],
+    ) -> anyhow::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let client = crate::tls::client_config(Some(ca.as_bytes()), &[alpn])?;
+        let tcp = TcpStream::connect(addr).await?;
+        let name = rustls::pki_types::ServerName::try_from("localhost")?;
+        Ok(tokio_rustls::TlsConnector::from(client)
+            .connect(name, tcp)
+            .await?)
+    }
+
+    #[tokio::test]
+    async fn a_connection_is_served_on_the_shard_its_first_request_names() -> anyhow::Result<()> {
+        let (addr, ca, _shards, stop, server) = sharded_server(Limits::default()).await?;
+        for (first, shard) in [("/zero/a", 0), ("/one/a", 1)] {
+            // HTTP/1.1, two requests written at once: both are read before the connection moves, and both
+            // are answered on its shard, the second whatever it names.
+            let mut stream = tls_client(addr, &ca, b"http/1.1").await?;
+            let requests = format!(
+                "GET {first} HTTP/1.1\r\nhost: localhost\r\n\r\nGET /elsewhere HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n"
+            );
+            stream.write_all(requests.as_bytes()).await?;
+            let mut answer = Vec::new();
+            tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer))
+                .await??;
+            let answer = String::from_utf8_lossy(&answer);
+            assert!(
+                answer.contains(&format!("{first} on shard Some({shard})"))
+                    && answer.contains(&format!("/elsewhere on shard Some({shard})")),
+                "{answer}"
+            );
+
+            // HTTP/2: the first HEADERS place the connection; every stream is served there.
+            let stream = tls_client(addr, &ca, b"h2").await?;
+            let (mut send, conn) =
+                hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+                    .await?;
+            tokio::spawn(conn);
+            for path in [first, "/elsewhere"] {
+                let request = http::Request::builder()
+                    .uri(format!("https://localhost{path}"))
+                    .body(http_body_util::Empty::<bytes::Bytes>::new())?;
+                let response = send.send_request(request).await?;
+                let body = http_body_util::BodyExt::collect(response.into_body())
+                    .await?
+                    .to_bytes();
+                assert_eq!(
+                    String::from_utf8_lossy(&body),
+                    format!("{path} on shard Some({shard})")
+                );
+            }
+        }
+        let _ = stop.send(());
+        let draining = server.await?;
+        assert!(draining.finish(Duration::from_secs(30)).await);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn what_cannot_be_placed_is_still_served_or_refused_as_without_shards()
+    -> anyhow::Result<()> {
+        let limits = Limits {
+            max_header_bytes: 8192,
+            header_read_timeout: Duration::from_secs(2),
+            ..Limits::default()
+        };
+        let (addr, ca, _shards, stop, server) = sharded_server(limits).await?;
+
+        // A request line longer than the bytes read to place it: placed anywhere, and hyper refuses the
+        // oversized head as it would have.
+        let mut stream = tls_client(addr, &ca, b"http/1.1").await?;
+        let long = format!(
+            "GET /zero/{} HTTP/1.1\r\nhost: localhost\r\n\r\n",
+            "a".repeat(40_000)
+        );
+        let _ = stream.write_all(long.as_bytes()).await;
+        let mut answer = Vec::new();
+        let _ =
+            tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer)).await?;
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.is_empty() || answer.starts_with("HTTP/1.1 431"),
+            "{answer}"
+        );
+
+        // Not HTTP at all: the same.
+        let mut stream = tls_client(addr, &ca, b"http/1.1").await?;
+        stream.write_all(b"\x16\x03 not http\r\n\r\n").await?;
+        let mut answer = Vec::new();
+        let _ =
+            tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer)).await?;
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.is_empty() || answer.starts_with("HTTP/1.1 400"),
+            "{answer}"
+        );
+
+        // An HTTP/2 preface followed by garbage: the throwaway reader fails, hyper ends the connection.
+        let mut stream = tls_client(addr, &ca, b"h2").await?;
+        stream.write_all(H2_PREFACE).await?;
+        stream.write_all(&[0xff; 64]).await?;
+        let mut answer = Vec::new();
+        let ended =
+            tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer)).await;
+        assert!(ended.is_ok(), "a garbled HTTP/2 connection was left open");
+        assert!(
+            !answer.windows(4).any(|w| w == b"HTTP"),
+            "an HTTP/1.1 answer to an HTTP/2 client"
+        );
+
+        // A client that says nothing after its handshake is closed once the header-read timeout passes.
+        let mut stream = tls_client(addr, &ca, b"http/1.1").await?;
+        let mut answer = Vec::new();
+        let ended =
+            tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer)).await;
+        assert!(ended.is_ok(), "a silent connection was left open");
+
+        // And the server still serves.
+        let mut stream = tls_client(addr, &ca, b"http/1.1").await?;
+        stream
+            .write_all(b"GET /one HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n")
+            .await?;
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer)).await??;
+        assert!(
+            String::from_utf8_lossy(&answer).ends_with("/one on shard Some(1)"),
+            "{}",
+            String::from_utf8_lossy(&answer)
+        );
+        let _ = stop.send(());
+        let draining = server.await?;
+        assert!(draining.finish(Duration::from_secs(30)).await);
+        Ok(())
+    }
+
+    #[test]
+    fn request_lines_give_their_target() {
+        assert_eq!(
+            request_line_target(b"GET /clusters/a/api?x=1 HTTP/1.1\r"),
+            Some("/clusters/a/api?x=1".to_owned())
+        );
+        assert_eq!(
+            request_line_target(b"GET /a HTTP/1.1"),
+            Some("/a".to_owned())
+        );
+        assert_eq!(request_line_target(b"GET /a"), None);
+        assert_eq!(request_line_target(b""), None);
+        assert_eq!(request_line_target(b"GET \xff HTTP/1.1"), None);
     }
 
     #[tokio::test(start_paused = true)]
