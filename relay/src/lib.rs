@@ -191,6 +191,20 @@ impl Relay {
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), RelayError> {
+        self.serve_on(listener, None, shutdown).await
+    }
+
+    /// [`Relay::serve`], with the HTTPS listener's connections served on `shards` once their TLS handshake is
+    /// done: a user's on the shard that drives the tunnel of the cluster its first request names, any other
+    /// (agents' tunnels among them) on the next in turn. A request then stays on one thread from the user's
+    /// connection to the tunnel and back. The accept loop, TLS handshakes, QUIC tunnels, the peer link and
+    /// the background loops run where this is called. Stop the shards only after this returns.
+    pub async fn serve_on(
+        self,
+        listener: TcpListener,
+        shards: Option<Arc<tether_runtime::shards::Shards>>,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), RelayError> {
         let peer_listener = peer_listener::bind(&self.config).await?;
         let peer_address = peer_listener::advertised(
             &self.config,
@@ -221,6 +235,7 @@ impl Relay {
             tls: self.tls.server_config,
             quic,
             peer,
+            shards,
         };
         listener::serve(shared, listeners, shutdown).await
     }
@@ -277,6 +292,16 @@ pub async fn run(
     listen: std::net::SocketAddr,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RelayError> {
+    run_on(config, listen, None, shutdown).await
+}
+
+/// [`run`], serving connections on `shards` (see [`Relay::serve_on`]).
+pub async fn run_on(
+    config: Config,
+    listen: std::net::SocketAddr,
+    shards: Option<Arc<tether_runtime::shards::Shards>>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), RelayError> {
     let ca = config.data_dir.join("ca.pem");
     let relay = Relay::new(config).await?;
     if relay.ca_pem().is_some() {
@@ -289,5 +314,5 @@ pub async fn run(
             path: listen.to_string(),
             source,
         })?;
-    relay.serve(listener, shutdown).await
+    relay.serve_on(listener, shards, shutdown).await
 }

@@ -14,6 +14,7 @@ use http::Request;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use tether_runtime::serve;
+use tether_runtime::shards::Shards;
 use tether_tunnel::code;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -62,6 +63,8 @@ pub(crate) struct Listeners {
     pub(crate) quic: Option<tether_tunnel::quic::Listener>,
     /// The peer link and its TLS, with `--peer-listen`.
     pub(crate) peer: Option<(TcpListener, Arc<rustls::ServerConfig>)>,
+    /// Shards to serve the HTTPS listener's connections on (each user's with its cluster's tunnel), if any.
+    pub(crate) shards: Option<Arc<Shards>>,
 }
 
 /// How long the start of a drain waits for the store to record it (the lease loop retries anyway).
@@ -81,6 +84,7 @@ pub(crate) async fn serve(
         tls,
         quic,
         peer,
+        shards,
     } = listeners;
     let limits = shared.config.limits.clone();
     if let Ok(addr) = https.local_addr() {
@@ -105,6 +109,7 @@ pub(crate) async fn serve(
         let task = tokio::spawn(quic_listener::serve(
             shared.clone(),
             quic.clone(),
+            shards.clone(),
             stop_quic.clone(),
         ));
         (quic, task)
@@ -130,11 +135,19 @@ pub(crate) async fn serve(
             async move { Ok::<_, Infallible>(router::route(shared, ctx, req).await) }
         })
     };
-    let users = tokio::spawn(serve::serve(
+    let sharding = shards.map(|shards| {
+        let shared = shared.clone();
+        serve::Sharding {
+            shards,
+            place: Arc::new(move |target: &str| router::place(&shared, target)),
+        }
+    });
+    let users = tokio::spawn(serve::serve_on(
         https,
         tls,
         serve_limits(&limits),
         make_service,
+        sharding,
         stop_accepting.clone().cancelled_owned(),
     ));
 

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use tether_relay::Config;
 use tether_runtime::cli::EX_USAGE;
 use tether_runtime::process::{LogFormat, init_tracing, shutdown_signal};
+use tether_runtime::shards::Shards;
 
 /// The Tether relay: agents dial in, kubectl requests go out over their tunnels.
 #[derive(Debug, clap::Parser)]
@@ -23,6 +24,11 @@ struct Args {
     /// docs/BENCHMARKS.md), for a replica whose load fits one core.
     #[arg(long, env = "TETHER_RELAY_WORKER_THREADS", default_value_t = 0)]
     worker_threads: usize,
+    /// With more than one worker, serve connections on one single-threaded runtime per worker (shards)
+    /// instead of all workers: each user's connection on the shard that drives its cluster's tunnel, so a
+    /// request never changes threads between them. Off: every connection on the shared workers.
+    #[arg(long, env = "TETHER_RELAY_SHARDS", default_value = "on", value_parser = ["on", "off"])]
+    shards: String,
     #[command(flatten)]
     config: Config,
 }
@@ -34,18 +40,34 @@ fn main() -> ExitCode {
         eprintln!("tether-relay: invalid configuration: {e}");
         return ExitCode::from(EX_USAGE);
     }
-    let runtime = match tether_runtime::process::runtime(args.worker_threads) {
+    let workers = tether_runtime::process::worker_count(args.worker_threads);
+    let runtime = match tether_runtime::process::runtime(workers) {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("tether-relay: cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(tether_relay::run(
+    let shards = if workers > 1 && args.shards == "on" {
+        match Shards::start(workers, "relay") {
+            Ok(shards) => Some(shards),
+            Err(e) => {
+                eprintln!("tether-relay: cannot start the shards' runtimes: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        None
+    };
+    let result = runtime.block_on(tether_relay::run_on(
         args.config,
         args.listen,
+        shards.clone(),
         shutdown_signal(),
-    )) {
+    ));
+    // What is left on the shards (connections cut at the drain timeout) stops with them.
+    drop(shards);
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is_usage() => {
             eprintln!("tether-relay: invalid configuration: {e}");

@@ -10,6 +10,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use tether_runtime::shards::Shards;
 use tether_tunnel::quic::Listener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -50,7 +51,15 @@ pub(crate) fn bind(
 
 /// Accepts QUIC tunnels until `stop` is cancelled; then new attempts are refused (tunnels already up go on:
 /// the listener's caller drains and closes them).
-pub(crate) async fn serve(shared: Arc<Shared>, listener: Arc<Listener>, stop: CancellationToken) {
+///
+/// With `shards`, each tunnel is accepted and then driven on the next shard in turn (quinn spawns a
+/// connection's driver where it is accepted), and users of its cluster are served there (`crate::router::place`).
+pub(crate) async fn serve(
+    shared: Arc<Shared>,
+    listener: Arc<Listener>,
+    shards: Option<Arc<Shards>>,
+    stop: CancellationToken,
+) {
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "relay listening for QUIC tunnels");
     }
@@ -71,7 +80,7 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: Arc<Listener>, stop: Ca
             continue;
         };
         let shared = shared.clone();
-        tokio::spawn(async move {
+        let accepted = async move {
             let peer = handshake.remote_address();
             let work = async {
                 match handshake.finish().await {
@@ -88,7 +97,11 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: Arc<Listener>, stop: Ca
                 tracing::info!(%peer, ?timeout, "QUIC tunnel handshake timed out");
             }
             drop(slot);
-        });
+        };
+        match &shards {
+            Some(shards) => drop(shards.handle(shards.next()).spawn(accepted)),
+            None => drop(tokio::spawn(accepted)),
+        }
     }
     listener.stop_accepting();
 }

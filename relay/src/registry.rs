@@ -44,6 +44,9 @@ pub(crate) struct TunnelInfo {
     liveness: Mutex<Liveness>,
     /// The agent serves streams of kind `HTTP_HEADS` (it said so when it connected).
     http_heads: bool,
+    /// The shard that drives the tunnel (`tether_runtime::shards`), when it runs on one: users' connections
+    /// to its cluster are served there.
+    pub(crate) shard: Option<usize>,
 }
 
 /// The tunnel's frame (or datagram) counters when last looked at, and since when it has sent without
@@ -84,6 +87,7 @@ impl TunnelInfo {
             gone,
             liveness: Mutex::new(Liveness::default()),
             http_heads: false,
+            shard: tether_runtime::shards::current(),
         }
     }
 
@@ -359,6 +363,16 @@ impl Registry {
             .get(cluster)
             .map(|e| e.tunnels.clone())
             .unwrap_or_default()
+    }
+
+    /// The shard that drives one of `cluster`'s usable tunnels, if one runs on a shard.
+    pub(crate) fn shard_of(&self, cluster: &str) -> Option<usize> {
+        self.lock()
+            .get(cluster)?
+            .tunnels
+            .iter()
+            .filter(|t| t.is_usable())
+            .find_map(|t| t.info.shard)
     }
 
     /// Removes the tunnel `id` of `cluster`; true if it was registered.

@@ -10,6 +10,15 @@ use crate::body::Body;
 use crate::handlers::{agent, clusters, health, peer, rbac, user};
 use crate::state::{ConnCtx, Shared};
 
+/// Where a connection is served when the relay runs shards, by its first request's target: a user's with the
+/// tunnel of the cluster it names (its requests then never change threads between the two), anything else
+/// wherever (`None`).
+pub(crate) fn place(shared: &Shared, target: &str) -> Option<usize> {
+    let rest = target.strip_prefix("/clusters/")?;
+    let name = rest.split(['/', '?']).next()?;
+    shared.registry.shard_of(name)
+}
+
 /// Dispatches a request; every error becomes a `Status` response here.
 pub(crate) async fn route(
     shared: Arc<Shared>,

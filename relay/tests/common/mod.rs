@@ -51,9 +51,19 @@ impl TestRelay {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let (tx, rx) = oneshot::channel::<()>();
-        let join = tokio::spawn(relay.serve(listener, async move {
-            let _ = rx.await;
-        }));
+        // Served on two shards, as the relay binary serves on a machine with more than one CPU: every test
+        // that starts a relay goes through the placement of connections (tether_runtime::shards).
+        let shards = tether_runtime::shards::Shards::start(2, "test-relay")?;
+        let join = tokio::spawn(async move {
+            let served = relay
+                .serve_on(listener, Some(shards.clone()), async move {
+                    let _ = rx.await;
+                })
+                .await;
+            // Stopped off the shards' own threads: joining one from itself would wait forever.
+            let _ = tokio::task::spawn_blocking(move || drop(shards)).await;
+            served
+        });
         Ok(Self {
             addr,
             ca_pem,
