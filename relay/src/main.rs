@@ -18,15 +18,13 @@ struct Args {
     /// Log format.
     #[arg(long, env = "TETHER_RELAY_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
-    /// Worker threads of the async runtime; 0: one per CPU. Each one more lets the relay use one more core,
-    /// at some CPU per request for handing work between them: with one, a request never changes threads
-    /// between the user's connection and the tunnel (about a fifth less CPU per request where measured,
-    /// docs/BENCHMARKS.md), for a replica whose load fits one core.
+    /// Worker threads of the async runtime; 0: one per CPU. Each one more lets the relay use one more core.
     #[arg(long, env = "TETHER_RELAY_WORKER_THREADS", default_value_t = 0)]
     worker_threads: usize,
     /// With more than one worker, serve connections on one single-threaded runtime per worker (shards)
     /// instead of all workers: each user's connection on the shard that drives its cluster's tunnel, so a
-    /// request never changes threads between them. Off: every connection on the shared workers.
+    /// request never changes threads between them (a quarter to a third less CPU per request where measured,
+    /// docs/BENCHMARKS.md). Off: every connection on the shared workers.
     #[arg(long, env = "TETHER_RELAY_SHARDS", default_value = "on", value_parser = ["on", "off"])]
     shards: String,
     #[command(flatten)]

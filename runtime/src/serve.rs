@@ -775,6 +775,9 @@ fn peek_limit(limits: &Limits) -> usize {
     limits.max_header_bytes.saturating_add(16 * 1024)
 }
 
+/// How long an HTTP/2 client has, after its preface, to send the first request that places its connection.
+const H2_FIRST_REQUEST_WAIT: Duration = Duration::from_secs(1);
+
 /// The HTTP/2 connection preface.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -833,7 +836,12 @@ async fn first_h2_target(
         .handshake::<_, Bytes>(io)
         .await
         .map_err(std::io::Error::other)?;
-    match conn.accept().await {
+    // Clients send their first request right after the preface; one that waits for the server's SETTINGS
+    // (which this reader never sends) is placed anywhere after a moment instead.
+    let Ok(first) = tokio::time::timeout(H2_FIRST_REQUEST_WAIT, conn.accept()).await else {
+        return Ok(None);
+    };
+    match first {
         Some(Ok((request, _respond))) => Ok(request
             .uri()
             .path_and_query()
@@ -1237,6 +1245,19 @@ mod tests {
             !answer.windows(4).any(|w| w == b"HTTP"),
             "an HTTP/1.1 answer to an HTTP/2 client"
         );
+
+        // An HTTP/2 client that waits for the server's SETTINGS before its first request gets them (from the
+        // server that serves it, once it is placed anywhere): nothing waits on the other.
+        let mut stream = tls_client(addr, &ca, b"h2").await?;
+        stream.write_all(H2_PREFACE).await?;
+        stream.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await?;
+        let mut frame = [0u8; 9];
+        tokio::time::timeout(Duration::from_secs(60), stream.read_exact(&mut frame)).await??;
+        assert_eq!(
+            frame[3], 4,
+            "the server's first frame is its SETTINGS: {frame:?}"
+        );
+        drop(stream);
 
         // A client that says nothing after its handshake is closed once the header-read timeout passes.
         let mut stream = tls_client(addr, &ca, b"http/1.1").await?;
