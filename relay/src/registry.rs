@@ -230,6 +230,9 @@ pub(crate) struct Registry {
     next_id: AtomicU64,
     /// Whose turn it is among equally loaded tunnels.
     turn: AtomicU64,
+    /// The same, for placing connections ([`Registry::shard_of`]): a turn of its own, so that placing a
+    /// connection does not take a request's.
+    place_turn: AtomicU64,
     max_per_cluster: usize,
     clusters: Mutex<HashMap<String, Entry>>,
     /// How many tunnels are registered (for [`Registry::until_empty`]).
@@ -271,6 +274,7 @@ impl Registry {
         Self {
             next_id: AtomicU64::new(1),
             turn: AtomicU64::new(0),
+            place_turn: AtomicU64::new(0),
             max_per_cluster: max_per_cluster.max(1),
             clusters: Mutex::default(),
             count: tokio::sync::watch::Sender::new(0),
@@ -365,14 +369,30 @@ impl Registry {
             .unwrap_or_default()
     }
 
-    /// The shard that drives one of `cluster`'s usable tunnels, if one runs on a shard.
+    /// The shard that drives `cluster`'s least loaded usable tunnel on a shard (equally loaded ones in turn),
+    /// if one runs on a shard: with several tunnels, users' connections are spread over their shards by load.
     pub(crate) fn shard_of(&self, cluster: &str) -> Option<usize> {
-        self.lock()
+        let now = Instant::now();
+        let map = self.lock();
+        let mut on_shards: Vec<((bool, usize), usize)> = map
             .get(cluster)?
             .tunnels
             .iter()
             .filter(|t| t.is_usable())
-            .find_map(|t| t.info.shard)
+            .filter_map(|t| {
+                let shard = t.info.shard?;
+                Some(((t.is_unanswered(now), t.conn.open_streams()), shard))
+            })
+            .collect();
+        drop(map);
+        on_shards.sort_by_key(|(load, _)| *load);
+        let least = on_shards.first()?.0;
+        let ties = on_shards
+            .iter()
+            .take_while(|(load, _)| *load == least)
+            .count();
+        let turn = self.place_turn.fetch_add(1, Ordering::Relaxed) % ties as u64;
+        on_shards.get(turn as usize).map(|(_, shard)| *shard)
     }
 
     /// Removes the tunnel `id` of `cluster`; true if it was registered.
