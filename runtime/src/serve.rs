@@ -16,6 +16,10 @@
 //!                       tls_handshake_timeout)
 //! ```
 //!
+//! With [`serve_on`] and [`Sharding`], a connection past its handshake and admission is then read up to its
+//! first request's target (bounded in bytes and by the header-read timeout) and served on the shard
+//! ([`crate::shards`]) the caller's placement names, with what was read put back in front.
+//!
 //! Not done here: anything that needs to know who the client is beyond its address and certificate (per
 //! principal bounds are the service's).
 //!
