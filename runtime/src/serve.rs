@@ -619,30 +619,26 @@ async fn serve_connection<M, S, B>(
         client_cert,
         permit: permit.clone(),
     });
+    let admitted = Admitted {
+        peer,
+        service,
+        limits,
+        graceful,
+        hard,
+        _held: (permit, ip_slot),
+    };
     let Some(sharding) = sharding else {
-        let io = Rewind {
-            prefix: Bytes::new(),
-            inner: tls,
-        };
-        serve_http(
-            io,
-            peer,
-            service,
-            &limits,
-            graceful,
-            hard,
-            (permit, ip_slot),
-        )
-        .await;
+        serve_http(tls, Bytes::new(), admitted).await;
         return;
     };
     // Sharded: read up to the first request's target, place the connection by it, and serve it there with
     // what was read put back in front. Whatever goes wrong here only loses the placement, never the
     // connection: hyper then answers (or ends) it as it would have.
     let mut read = BytesMut::new();
+    let limits = &admitted.limits;
     let peeked = tokio::select! {
-        () = hard.cancelled() => return,
-        r = tokio::time::timeout(limits.header_read_timeout, first_target(&mut tls, &mut read, peek_limit(&limits))) => r,
+        () = admitted.hard.cancelled() => return,
+        r = tokio::time::timeout(limits.header_read_timeout, first_target(&mut tls, &mut read, peek_limit(limits))) => r,
     };
     let target = match peeked {
         Ok(Ok(target)) => target,
@@ -668,34 +664,27 @@ async fn serve_connection<M, S, B>(
             tracing::debug!(%peer, error = %e, "could not move the connection to its shard");
             return;
         }
-        let io = Rewind {
-            prefix: read.freeze(),
-            inner: tls,
-        };
-        serve_http(
-            io,
-            peer,
-            service,
-            &limits,
-            graceful,
-            hard,
-            (permit, ip_slot),
-        )
-        .await;
+        serve_http(tls, read.freeze(), admitted).await;
     });
     sharding.shards.handle(index).spawn(served);
 }
 
-/// Serves HTTP on a connection past its TLS handshake and its admission, until it ends; `_held` (its slots)
-/// are given back then.
-async fn serve_http<S, B>(
-    io: Rewind<tokio_rustls::server::TlsStream<Movable>>,
+/// A connection past its TLS handshake and its admission, and what serving it takes.
+struct Admitted<S> {
     peer: SocketAddr,
     service: S,
-    limits: &Limits,
+    limits: Arc<Limits>,
     graceful: CancellationToken,
     hard: CancellationToken,
+    /// Its slots, given back when it ends.
     _held: (Arc<OwnedSemaphorePermit>, IpSlot),
+}
+
+/// Serves HTTP on `tls`, with `prefix` (bytes already read from it) in front, until the connection ends.
+async fn serve_http<S, B>(
+    tls: tokio_rustls::server::TlsStream<Movable>,
+    prefix: Bytes,
+    admitted: Admitted<S>,
 ) where
     S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>> + Send + 'static,
     S::Future: Send + 'static,
@@ -704,6 +693,15 @@ async fn serve_http<S, B>(
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    let Admitted {
+        peer,
+        service,
+        limits,
+        graceful,
+        hard,
+        _held,
+    } = admitted;
+    let io = Rewind { prefix, inner: tls };
     let activity = Activity::new();
     let service = Tracked {
         inner: service,
@@ -794,12 +792,10 @@ async fn first_target(
     limit: usize,
 ) -> std::io::Result<Option<String>> {
     loop {
-        let looks_h2 = if read.len() >= H2_PREFACE.len() {
-            read.starts_with(H2_PREFACE)
-        } else {
-            !read.is_empty() && H2_PREFACE.starts_with(read)
-        };
-        if looks_h2 && read.len() >= H2_PREFACE.len() {
+        // HTTP/2 as long as what was read agrees with the preface; placed once all of it is there.
+        let seen = read.len().min(H2_PREFACE.len());
+        let looks_h2 = seen > 0 && read[..seen] == H2_PREFACE[..seen];
+        if looks_h2 && seen == H2_PREFACE.len() {
             return first_h2_target(tls, read, limit).await;
         }
         if !looks_h2 && let Some(end) = read.iter().position(|&b| b == b'\n') {
