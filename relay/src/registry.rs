@@ -336,6 +336,11 @@ impl Registry {
     /// The cluster's usable tunnels, least loaded (fewest open streams) first, tunnels that stopped answering
     /// last.
     pub(crate) fn usable(&self, cluster: &str) -> Vec<Tunnel> {
+        self.ranked(cluster, &self.turn)
+    }
+
+    /// [`Registry::usable`], equally loaded tunnels taking turns by `turn`.
+    fn ranked(&self, cluster: &str, turn: &AtomicU64) -> Vec<Tunnel> {
         let now = Instant::now();
         let mut usable: Vec<((bool, usize), Tunnel)> = self
             .lock()
@@ -355,7 +360,7 @@ impl Registry {
             .take_while(|(load, _)| Some(*load) == usable.first().map(|(l, _)| *l))
             .count();
         if ties > 1 {
-            let turn = self.turn.fetch_add(1, Ordering::Relaxed) % ties as u64;
+            let turn = turn.fetch_add(1, Ordering::Relaxed) % ties as u64;
             usable[..ties].rotate_left(turn as usize);
         }
         usable.into_iter().map(|(_, t)| t).collect()
@@ -369,30 +374,13 @@ impl Registry {
             .unwrap_or_default()
     }
 
-    /// The shard that drives `cluster`'s least loaded usable tunnel on a shard (equally loaded ones in turn),
-    /// if one runs on a shard: with several tunnels, users' connections are spread over their shards by load.
+    /// The shard that drives `cluster`'s least loaded usable tunnel (equally loaded ones in turn), if it runs on
+    /// a shard: with several tunnels, users' connections are spread over their shards by load. With shards, every
+    /// tunnel runs on one.
     pub(crate) fn shard_of(&self, cluster: &str) -> Option<usize> {
-        let now = Instant::now();
-        let map = self.lock();
-        let mut on_shards: Vec<((bool, usize), usize)> = map
-            .get(cluster)?
-            .tunnels
+        self.ranked(cluster, &self.place_turn)
             .iter()
-            .filter(|t| t.is_usable())
-            .filter_map(|t| {
-                let shard = t.info.shard?;
-                Some(((t.is_unanswered(now), t.conn.open_streams()), shard))
-            })
-            .collect();
-        drop(map);
-        on_shards.sort_by_key(|(load, _)| *load);
-        let least = on_shards.first()?.0;
-        let ties = on_shards
-            .iter()
-            .take_while(|(load, _)| *load == least)
-            .count();
-        let turn = self.place_turn.fetch_add(1, Ordering::Relaxed) % ties as u64;
-        on_shards.get(turn as usize).map(|(_, shard)| *shard)
+            .find_map(|t| t.info.shard)
     }
 
     /// Removes the tunnel `id` of `cluster`; true if it was registered.
