@@ -755,8 +755,12 @@ mod tests {
         for writer in writers {
             writer.await??;
         }
+        // Without the cork every write leaves on its own (64 of 64). With it, the first write waits until the
+        // worker has run the rest, which it does in one turn unless the runtime's periodic check for I/O and
+        // deferred wake-ups (every 61 tasks) falls inside the burst; on a loaded machine a run took 17. Half
+        // is the bound: still twice as many as the cork has ever needed, and it fails without the cork.
         assert!(
-            burst * 4 <= STREAMS,
+            burst * 2 <= STREAMS,
             "{STREAMS} streams written together took {burst} transport writes"
         );
         Ok(())
