@@ -190,6 +190,13 @@ pub struct RequestsArgs {
         default_value = "direct,tether,rathole"
     )]
     pub paths: Vec<PathKind>,
+    /// A reconnect storm during each Tether path's run: this many tunnel connects a second (WebSocket, each
+    /// closed once it is up) from simulated agents, beside the clients' requests. 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub storm_rate: u32,
+    /// Simulated agents the storm takes in turn (onboarded before the runs).
+    #[arg(long, default_value_t = 64)]
+    pub storm_agents: usize,
 }
 
 impl Default for RequestsArgs {

@@ -3,7 +3,8 @@
 //! (one HTTP proxy terminating TLS: the floor for an HTTP-aware gateway), and iperf3's raw loopback figure as
 //! the physical limit.
 //!
-//! Scenarios ([`cli::Command`]): `requests` (kubectl-like get/list/watch from N concurrent clients), `bulk`
+//! Scenarios ([`cli::Command`]): `requests` (kubectl-like get/list/watch from N concurrent clients, with
+//! `--storm-rate` beside a reconnect storm of simulated agents' tunnels), `bulk`
 //! (large streamed responses over one stream and many), `tunnels` (M idle tunnels on one relay: RSS, heartbeat
 //! CPU, connect rate), `reconnect` (the relay restarted under M agents), `hol` (a stalled reader beside
 //! parallel GETs on the same tunnel), `churn` (stream open/close cycles: relay and agent RSS and stream tables

@@ -589,3 +589,108 @@ pub async fn onboard_many(
         .await?;
     Ok(agents)
 }
+
+/// What a [`Storm`] did.
+#[derive(Debug, Default)]
+pub struct StormOutcome {
+    /// Tunnels connected (and closed again).
+    pub connects: u64,
+    /// Connect attempts that failed or timed out.
+    pub errors: u64,
+    /// Ticks skipped because [`STORM_IN_FLIGHT`] connects were already in flight.
+    pub skipped: u64,
+    /// Time from dialling to the relay's upgrade answer, per connected tunnel.
+    pub latency: crate::stats::Latency,
+    /// How long it ran.
+    pub elapsed: Duration,
+    /// The first distinct connect error seen.
+    pub first_error: Option<String>,
+}
+
+/// At most this many of a storm's connects are in flight at once; ticks beyond it are skipped and counted.
+pub const STORM_IN_FLIGHT: usize = 256;
+
+/// A reconnect storm at a fixed rate: `rate` times a second one of the agents dials the relay over WebSocket
+/// (TCP and TLS handshake, upgrade, registration), and once the tunnel is up closes it again. It stands in for
+/// a fleet of agents coming back after a relay restart while users' requests are being served, so that what
+/// the relay's accept path costs those requests can be measured (`requests --storm-rate`).
+#[derive(Debug)]
+pub struct Storm {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<StormOutcome>,
+}
+
+impl Storm {
+    /// Starts dialling `rate` times a second, taking `agents` in turn.
+    pub fn start(agents: Vec<Arc<SimAgent>>, rate: u32) -> anyhow::Result<Self> {
+        anyhow::ensure!(!agents.is_empty(), "a storm needs at least one agent");
+        anyhow::ensure!(rate > 0, "a storm needs a rate above zero");
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(storm(agents, rate, stop.clone()));
+        Ok(Self { stop, task })
+    }
+
+    /// Stops dialling, waits for the connects in flight, and says what the storm did.
+    pub async fn stop(self) -> anyhow::Result<StormOutcome> {
+        self.stop.cancel();
+        self.task.await.context("the storm's task failed")
+    }
+}
+
+async fn storm(agents: Vec<Arc<SimAgent>>, rate: u32, stop: CancellationToken) -> StormOutcome {
+    let started = Instant::now();
+    let mut outcome = StormOutcome::default();
+    let mut tick = tokio::time::interval(Duration::from_secs(1) / rate);
+    // An open loop at a fixed rate; after a stall it goes on at the rate rather than catching up in a burst.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let gate = Arc::new(Semaphore::new(STORM_IN_FLIGHT));
+    let mut inflight: JoinSet<Result<Duration, String>> = JoinSet::new();
+    let mut turn = 0usize;
+    let record =
+        |outcome: &mut StormOutcome,
+         r: Result<Result<Duration, String>, tokio::task::JoinError>| match r {
+            Ok(Ok(took)) => {
+                outcome.connects += 1;
+                outcome.latency.record(took);
+            }
+            Ok(Err(e)) => {
+                outcome.errors += 1;
+                outcome.first_error.get_or_insert(e);
+            }
+            Err(e) => {
+                outcome.errors += 1;
+                outcome.first_error.get_or_insert(e.to_string());
+            }
+        };
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            Some(r) = inflight.join_next() => record(&mut outcome, r),
+            _ = tick.tick() => {
+                let Ok(permit) = gate.clone().try_acquire_owned() else {
+                    outcome.skipped += 1;
+                    continue;
+                };
+                let agent = agents[turn % agents.len()].clone();
+                turn += 1;
+                inflight.spawn(async move {
+                    let _permit = permit;
+                    let dialled = Instant::now();
+                    let conn = tokio::time::timeout(Duration::from_secs(15), agent.connect(SimTransport::Wss))
+                        .await
+                        .map_err(|_| "timed out".to_owned())?
+                        .map_err(|e| e.to_string())?;
+                    let took = dialled.elapsed();
+                    conn.close(code::NO_ERROR, "storm");
+                    let _ = tokio::time::timeout(Duration::from_secs(5), conn.closed()).await;
+                    Ok(took)
+                });
+            }
+        }
+    }
+    outcome.elapsed = started.elapsed();
+    while let Some(r) = inflight.join_next().await {
+        record(&mut outcome, r);
+    }
+    outcome
+}

@@ -177,6 +177,54 @@ fn transports_are_measured_side_by_side() -> anyhow::Result<()> {
 }
 
 #[test]
+fn a_reconnect_storm_runs_beside_the_tether_path_only() -> anyhow::Result<()> {
+    let (report, _dir) = run(
+        "requests",
+        &[
+            "--duration",
+            "1s",
+            "--warmup",
+            "300ms",
+            "--concurrency",
+            "2",
+            "--paths",
+            "direct,tether",
+            "--storm-rate",
+            "20",
+            "--storm-agents",
+            "3",
+        ],
+    )?;
+    for label in ["direct", "tether"] {
+        let r =
+            run_labelled(&report, label).with_context(|| format!("no {label} run: {report}"))?;
+        assert!(r["requests"].as_u64().is_some_and(|n| n > 0), "{r}");
+    }
+    // Tunnels came up and went again beside the Tether path's requests, each one through the relay's whole
+    // accept path (TLS, upgrade, registration), and none failed.
+    assert!(
+        figure(&report, "tether: storm tunnel connects").is_some_and(|rate| rate > 0.0),
+        "{report}"
+    );
+    assert!(
+        figure(&report, "tether: storm connect p50").is_some_and(|ms| ms > 0.0),
+        "{report}"
+    );
+    assert_eq!(
+        figure(&report, "tether: storm connect errors"),
+        Some(0.0),
+        "{report}"
+    );
+    // The direct path has no relay to storm.
+    assert!(
+        !report["figures"].to_string().contains("direct: storm"),
+        "{report}"
+    );
+    assert_eq!(report["settings"]["storm_rate"], "20", "{report}");
+    Ok(())
+}
+
+#[test]
 fn bulk_counts_bytes_per_stream_count() -> anyhow::Result<()> {
     let (report, _dir) = run(
         "bulk",

@@ -1,11 +1,13 @@
 //! `requests`: N concurrent clients making kubectl-like requests (get, list, watch) on each path in turn.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::cli::RequestsArgs;
 use crate::client::{self, Kind, LoadPlan};
 use crate::report::{Figure, Report, TargetCheck};
 use crate::scenario::{CpuMeter, Env, stop_upstream, transport_labels};
+use crate::sim::{self, Storm, StormOutcome};
 use crate::upstream::paths;
 
 /// The request kinds of a mix.
@@ -46,6 +48,11 @@ pub async fn run(env: &Env, args: &RequestsArgs) -> anyhow::Result<Report> {
     );
     report.setting("list_items", args.list_items);
     report.setting("rathole_transport", env.common.rathole_transport);
+    if args.storm_rate > 0 {
+        report.setting("storm_rate", args.storm_rate);
+        report.setting("storm_agents", args.storm_agents);
+        report.setting("storm_transport", "wss");
+    }
 
     let up = env.upstream(args.list_items).await?;
     let paths = env.paths(&up, &args.paths, &mut report).await?;
@@ -59,8 +66,21 @@ pub async fn run(env: &Env, args: &RequestsArgs) -> anyhow::Result<Report> {
         timeline_bytes: false,
     };
     let targets = paths.targets(&up);
+    // The storm's agents, onboarded at each Tether path's relay before anything is measured.
+    let mut storm_agents = HashMap::new();
+    if args.storm_rate > 0 {
+        for t in &paths.tether {
+            let agents =
+                sim::onboard_many(&t.relay, "storm", args.storm_agents.max(1), 8, None).await?;
+            storm_agents.insert(t.label.clone(), agents);
+        }
+    }
     for (target, procs) in &targets {
         let client = paths.client(&up, args.protocol)?;
+        let storm = match storm_agents.get(&target.label) {
+            Some(agents) => Some(Storm::start(agents.clone(), args.storm_rate)?),
+            None => None,
+        };
         let bar = env.bar(
             args.duration.as_secs(),
             &format!("requests via {}", target.label),
@@ -79,6 +99,9 @@ pub async fn run(env: &Env, args: &RequestsArgs) -> anyhow::Result<Report> {
             result.errors
         ));
         meter.per_request_figures(&mut report, &target.label, result.requests);
+        if let Some(storm) = storm {
+            storm_figures(&mut report, &target.label, storm.stop().await?);
+        }
         report.runs.push(result);
     }
     for t in &paths.tether {
@@ -106,6 +129,41 @@ pub async fn run(env: &Env, args: &RequestsArgs) -> anyhow::Result<Report> {
     paths.stop().await;
     stop_upstream(up).await;
     Ok(report)
+}
+
+/// What the storm beside a run did: its rate as achieved, how long a tunnel took to come up, what failed.
+fn storm_figures(report: &mut Report, label: &str, storm: StormOutcome) {
+    let secs = storm.elapsed.as_secs_f64().max(1e-9);
+    report.figures.push(Figure::new(
+        format!("{label}: storm tunnel connects"),
+        storm.connects as f64 / secs,
+        "connects/s",
+    ));
+    if let Some(latency) = storm.latency.summary() {
+        report.figures.push(Figure::new(
+            format!("{label}: storm connect p50"),
+            latency.p50_ms,
+            "ms",
+        ));
+        report.figures.push(Figure::new(
+            format!("{label}: storm connect p99"),
+            latency.p99_ms,
+            "ms",
+        ));
+    }
+    report.figures.push(Figure::new(
+        format!("{label}: storm connect errors"),
+        storm.errors as f64,
+        "",
+    ));
+    report.figures.push(Figure::new(
+        format!("{label}: storm ticks skipped (connects in flight at the bound)"),
+        storm.skipped as f64,
+        "",
+    ));
+    if let Some(e) = storm.first_error {
+        report.setting(&format!("{label}: storm first error"), e);
+    }
 }
 
 fn ratios_and_targets(report: &mut Report) {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::cli::TunnelsArgs;
 use crate::report::{Figure, Report, RunResult, TargetCheck};
-use crate::scenario::{Env, stop_upstream};
+use crate::scenario::{CpuMeter, Env, stop_upstream};
 use tether_api::reconnect::Backoff;
 
 use crate::sim::{self, Fleet, SimStats};
@@ -95,6 +95,9 @@ pub async fn run(env: &Env, args: &TunnelsArgs) -> anyhow::Result<Report> {
     }
 
     let relay_base = relay.process().rss_kib();
+    // What a tunnel's connect costs the relay (TCP and TLS handshake, upgrade, registration, the control
+    // stream's hello) and this process (the simulated agents' side), whatever the rate the two reach together.
+    let meter = CpuMeter::start(&[("relay".to_owned(), relay.pid())]);
     let timeline = Arc::new(Timeline::new(
         Duration::from_millis(250),
         Duration::from_secs(600),
@@ -121,6 +124,13 @@ pub async fn run(env: &Env, args: &TunnelsArgs) -> anyhow::Result<Report> {
             SimStats::get(&s.control_accepted) + SimStats::get(&s.control_refused) >= target
         })
         .await?;
+    for (name, cpu) in meter.finish() {
+        report.figures.push(Figure::new(
+            format!("{name} CPU per tunnel connect"),
+            cpu.as_secs_f64() * 1e6 / sims.max(1) as f64,
+            "µs",
+        ));
+    }
     report.setting(
         "sim_transport_at_relay",
         sim::transport_at_relay(&relay, &agents).await,
