@@ -16,9 +16,10 @@
 //!                       tls_handshake_timeout)
 //! ```
 //!
-//! With [`serve_on`] and [`Sharding`], a connection past its handshake and admission is then read up to its
-//! first request's target (bounded in bytes and by the header-read timeout) and served on the shard
-//! ([`crate::shards`]) the caller's placement names, with what was read put back in front.
+//! With [`serve_on`] and [`Sharding`], a connection runs from its TLS handshake on a shard ([`crate::shards`])
+//! taken in turn. Past its handshake and admission it is read up to its first request's target (bounded in
+//! bytes and by the header-read timeout); when the caller's placement names another shard it moves there, with
+//! what was read put back in front, and otherwise it is served where it is.
 //!
 //! Not done here: anything that needs to know who the client is beyond its address and certificate (per
 //! principal bounds are the service's).
@@ -272,17 +273,36 @@ where
             continue;
         };
         let _ = tcp.set_nodelay(true);
-        draining.connections.spawn(serve_connection(
-            setup.clone(),
-            tcp,
-            peer,
-            Admission {
-                handshake,
-                handshakes: handshakes.clone(),
-                ip_slot,
-                budgets: budgets.clone(),
-            },
-        ));
+        let admission = Admission {
+            handshake,
+            handshakes: handshakes.clone(),
+            ip_slot,
+            budgets: budgets.clone(),
+        };
+        match &setup.sharding {
+            // Sharded, the whole connection runs on a shard taken in turn, its TLS handshake included; it moves
+            // only when its first request names another shard (`serve_connection`). Handshaking on one thread
+            // and serving on another costs each open connection memory (docs/BENCHMARKS.md, twenty-third pass).
+            Some(sharding) => {
+                let home = sharding.shards.next();
+                let connection = serve_connection(setup.clone(), tcp, peer, admission, Some(home));
+                drop(
+                    sharding
+                        .shards
+                        .handle(home)
+                        .spawn(draining.connections.track_future(connection)),
+                );
+            }
+            None => {
+                draining.connections.spawn(serve_connection(
+                    setup.clone(),
+                    tcp,
+                    peer,
+                    admission,
+                    None,
+                ));
+            }
+        }
     }
     draining
 }
@@ -532,11 +552,14 @@ impl<M> Clone for Setup<M> {
     }
 }
 
+/// Serves one accepted connection: its TLS handshake, its admission, then HTTP until it ends. `home` is the
+/// shard this runs on, when sharded: the socket joins that shard's reactor before the handshake.
 async fn serve_connection<M, S, B>(
     ctx: Setup<M>,
     tcp: TcpStream,
     peer: SocketAddr,
     admission: Admission,
+    home: Option<usize>,
 ) where
     M: Fn(Conn) -> S + Send + Sync + 'static,
     S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>> + Send + 'static,
@@ -563,6 +586,13 @@ async fn serve_connection<M, S, B>(
     } = admission;
     // One deadline for waiting for the address's turn and for the handshake itself.
     let handshake_deadline = Instant::now() + limits.tls_handshake_timeout;
+    let mut tcp = Movable(Some(tcp));
+    if home.is_some()
+        && let Err(e) = tcp.rehome()
+    {
+        tracing::debug!(%peer, error = %e, "could not move the connection to its shard");
+        return;
+    }
     let shake = async {
         // Its address's slot first; while the address's slots are all taken, the connection waits without a
         // global one, so one address's connections cannot hold the slots others need.
@@ -574,7 +604,7 @@ async fn serve_connection<M, S, B>(
                 (handshakes.acquire_owned().await.ok()?, ip_handshake)
             }
         };
-        let tls = acceptor.accept(Movable(Some(tcp))).await;
+        let tls = acceptor.accept(tcp).await;
         drop((handshake, ip_handshake));
         Some(tls)
     };
@@ -627,7 +657,7 @@ async fn serve_connection<M, S, B>(
         hard,
         _held: (permit, ip_slot),
     };
-    let Some(sharding) = sharding else {
+    let (Some(sharding), Some(home)) = (sharding, home) else {
         serve_http(tls, Bytes::new(), admitted).await;
         return;
     };
@@ -653,10 +683,15 @@ async fn serve_connection<M, S, B>(
         }
         Err(_) => None,
     };
+    // What names no shard (a tunnel, a request for no cluster) stays where it was handshaken.
     let index = target
         .as_deref()
         .and_then(|target| (sharding.place)(target))
-        .unwrap_or_else(|| sharding.shards.next());
+        .map_or(home, |index| index % sharding.shards.len());
+    if index == home {
+        serve_http(tls, read.freeze(), admitted).await;
+        return;
+    }
     let served = connections.track_future(async move {
         let mut tls = tls;
         // Its socket now belongs to this shard's reactor.
@@ -1076,14 +1111,36 @@ mod tests {
         Ok(())
     }
 
+    /// The shard each TLS handshake ran on, in order: the certificate is chosen during the handshake, on the
+    /// thread that runs it.
+    #[derive(Debug)]
+    struct HandshakeShards {
+        inner: Arc<dyn rustls::server::ResolvesServerCert>,
+        seen: Arc<Mutex<Vec<Option<usize>>>>,
+    }
+
+    impl rustls::server::ResolvesServerCert for HandshakeShards {
+        fn resolve(
+            &self,
+            hello: rustls::server::ClientHello<'_>,
+        ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+            self.seen
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(crate::shards::current());
+            self.inner.resolve(hello)
+        }
+    }
+
     /// A sharded server on 127.0.0.1 whose answers name the shard that served them: `/zero…` goes to shard 0,
-    /// `/one…` to shard 1, anything else to the next in turn. Returns its address, its CA and a stop switch.
+    /// `/one…` to shard 1, anything else nowhere in particular. Returns its address, its CA, the shards its
+    /// handshakes ran on, and a stop switch.
     async fn sharded_server(
         limits: Limits,
     ) -> anyhow::Result<(
         SocketAddr,
         String,
-        Arc<Shards>,
+        Arc<Mutex<Vec<Option<usize>>>>,
         tokio::sync::oneshot::Sender<()>,
         tokio::task::JoinHandle<Draining>,
     )> {
@@ -1093,6 +1150,13 @@ mod tests {
             cert_pem.as_bytes(),
             cert.signing_key.serialize_pem().as_bytes(),
         )?;
+        let handshakes = Arc::new(Mutex::new(Vec::new()));
+        let mut config = (*tls).clone();
+        config.cert_resolver = Arc::new(HandshakeShards {
+            inner: config.cert_resolver.clone(),
+            seen: handshakes.clone(),
+        });
+        let tls = Arc::new(config);
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let shards = Shards::start(2, "serve-test")?;
@@ -1131,7 +1195,9 @@ mod tests {
                 let _ = stopped.await;
             },
         ));
-        Ok((addr, cert_pem, shards, stop, server))
+        // The shards stop with the server's last connection task (each holds the sharding, and with it them).
+        drop(shards);
+        Ok((addr, cert_pem, handshakes, stop, server))
     }
 
     async fn tls_client(
@@ -1149,7 +1215,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_connection_is_served_on_the_shard_its_first_request_names() -> anyhow::Result<()> {
-        let (addr, ca, _shards, stop, server) = sharded_server(Limits::default()).await?;
+        let (addr, ca, _handshakes, stop, server) = sharded_server(Limits::default()).await?;
         for (first, shard) in [("/zero/a", 0), ("/one/a", 1)] {
             // HTTP/1.1, two requests written at once: both are read before the connection moves, and both
             // are answered on its shard, the second whatever it names.
@@ -1195,6 +1261,50 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_connection_is_handshaken_on_a_shard_and_stays_there_unless_its_request_names_another()
+    -> anyhow::Result<()> {
+        let (addr, ca, handshakes, stop, server) = sharded_server(Limits::default()).await?;
+        let mut homes = Vec::new();
+        for first in ["/elsewhere", "/elsewhere", "/zero", "/one", "/one", "/zero"] {
+            let mut stream = tls_client(addr, &ca, b"http/1.1").await?;
+            let request =
+                format!("GET {first} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n");
+            stream.write_all(request.as_bytes()).await?;
+            let mut answer = Vec::new();
+            tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer))
+                .await??;
+            let answer = String::from_utf8_lossy(&answer);
+            let handshaken = handshakes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .last()
+                .copied()
+                .flatten();
+            // The handshake ran on a shard, not on the accept loop's runtime.
+            let Some(home) = handshaken else {
+                panic!("the handshake of {first} ran on no shard");
+            };
+            homes.push(home);
+            let served = match first {
+                "/zero" => 0,
+                "/one" => 1,
+                // A connection its first request places nowhere is served where it was handshaken.
+                _ => home,
+            };
+            assert!(
+                answer.ends_with(&format!("{first} on shard Some({served})")),
+                "{first} handshaken on {home}: {answer}"
+            );
+        }
+        // The handshakes take the shards in turn.
+        assert!(homes.contains(&0) && homes.contains(&1), "{homes:?}");
+        let _ = stop.send(());
+        let draining = server.await?;
+        assert!(draining.finish(Duration::from_secs(30)).await);
+        Ok(())
+    }
+
+    #[tokio::test]
     async fn what_cannot_be_placed_is_still_served_or_refused_as_without_shards()
     -> anyhow::Result<()> {
         let limits = Limits {
@@ -1202,7 +1312,7 @@ mod tests {
             header_read_timeout: Duration::from_secs(2),
             ..Limits::default()
         };
-        let (addr, ca, _shards, stop, server) = sharded_server(limits).await?;
+        let (addr, ca, _handshakes, stop, server) = sharded_server(limits).await?;
 
         // A request line longer than the bytes read to place it: placed anywhere, and hyper refuses the
         // oversized head as it would have.
