@@ -194,11 +194,12 @@ impl Relay {
         self.serve_on(listener, None, shutdown).await
     }
 
-    /// [`Relay::serve`], with the HTTPS listener's connections served on `shards` once their TLS handshake is
-    /// done: a user's on the shard that drives the tunnel of the cluster its first request names, any other
-    /// (agents' tunnels among them) on the next in turn. A request then stays on one thread from the user's
-    /// connection to the tunnel and back. The accept loop, TLS handshakes, QUIC tunnels, the peer link and
-    /// the background loops run where this is called. Stop the shards only after this returns.
+    /// [`Relay::serve`], with the HTTPS listener's connections served on `shards`: each runs its TLS handshake
+    /// on a shard taken in turn; a user's then moves to the shard that drives the tunnel of the cluster its
+    /// first request names, and any other (agents' tunnels among them) stays where it is. A request then stays
+    /// on one thread from the user's connection to the tunnel and back. The accept loop, the QUIC endpoint,
+    /// the peer link and the background loops run where this is called. Stop the shards only after this
+    /// returns.
     pub async fn serve_on(
         self,
         listener: TcpListener,

@@ -197,9 +197,9 @@ where
     serve_on(listener, tls, limits, make_service, None, shutdown).await
 }
 
-/// [`serve`], with each connection served on one of `sharding`'s shards once its TLS handshake is done: the
-/// one its first request's target is placed on (see [`Sharding`]), else the next in turn. The accept loop and
-/// the handshakes run where this is called. `None`: every connection is served where this is called.
+/// [`serve`], with each connection served on one of `sharding`'s shards: its TLS handshake runs on the next in
+/// turn, and it moves once to the one its first request's target is placed on (see [`Sharding`]), if another.
+/// The accept loop runs where this is called. `None`: every connection is served where this is called.
 pub async fn serve_on<M, S, B>(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,

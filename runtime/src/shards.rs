@@ -4,8 +4,8 @@
 //! that a user's connection hands to a tunnel's driver and back changes threads twice, and docs/BENCHMARKS.md
 //! measured that hand-off at about a fifth of the relay's CPU per small request. A shard is a thread that
 //! runs only its own tasks: what is spawned there (a tunnel's driver, the connections placed with it, their
-//! tasks) wakes and runs on that thread. [`crate::serve`] places each connection on a shard once, by its first
-//! request ([`Placement`]).
+//! tasks) wakes and runs on that thread. [`crate::serve`] runs each connection's TLS handshake on a shard taken
+//! in turn and moves it at most once, to the shard its first request names ([`Placement`]).
 //!
 //! Tasks spawned from inside a shard stay on it (`tokio::spawn` uses the current runtime); I/O and timers a
 //! shard's tasks create belong to that shard's runtime. Dropping [`Shards`] stops every shard's runtime and
@@ -106,7 +106,7 @@ impl Drop for Shards {
 }
 
 /// Where a connection goes, from its first request's target (path and query, e.g. `/clusters/a/api`): the
-/// index of a shard, or `None` for any (the next in turn).
+/// index of a shard, or `None` for any (it stays on the shard its TLS handshake ran on, taken in turn).
 pub type Placement = Arc<dyn Fn(&str) -> Option<usize> + Send + Sync>;
 
 #[cfg(test)]
