@@ -191,8 +191,8 @@ pub struct RequestsArgs {
     )]
     pub paths: Vec<PathKind>,
     /// A reconnect storm during each Tether path's run: this many tunnel connects a second (WebSocket, each
-    /// closed once it is up) from simulated agents, beside the clients' requests. 0: none.
-    #[arg(long, default_value_t = 0)]
+    /// closed once it is up) from simulated agents, beside the clients' requests. 0: none; at most 100,000.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100_000))]
     pub storm_rate: u32,
     /// Simulated agents the storm takes in turn (onboarded before the runs).
     #[arg(long, default_value_t = 64)]

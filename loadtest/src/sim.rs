@@ -624,7 +624,10 @@ impl Storm {
     /// Starts dialling `rate` times a second, taking `agents` in turn.
     pub fn start(agents: Vec<Arc<SimAgent>>, rate: u32) -> anyhow::Result<Self> {
         anyhow::ensure!(!agents.is_empty(), "a storm needs at least one agent");
-        anyhow::ensure!(rate > 0, "a storm needs a rate above zero");
+        anyhow::ensure!(
+            (1..=100_000).contains(&rate),
+            "a storm's rate is 1 to 100,000 connects a second, not {rate}"
+        );
         let stop = CancellationToken::new();
         let task = tokio::spawn(storm(agents, rate, stop.clone()));
         Ok(Self { stop, task })
