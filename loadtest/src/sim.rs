@@ -601,9 +601,9 @@ pub struct StormOutcome {
     pub skipped: u64,
     /// Time from dialling to the relay's upgrade answer, per connected tunnel.
     pub latency: crate::stats::Latency,
-    /// How long it ran.
+    /// How long it dialled (the connects still in flight when it stopped are waited for, not counted here).
     pub elapsed: Duration,
-    /// The first distinct connect error seen.
+    /// The first connect error seen.
     pub first_error: Option<String>,
 }
 
