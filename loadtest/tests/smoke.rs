@@ -76,6 +76,20 @@ fn run(scenario: &str, args: &[&str]) -> anyhow::Result<(Value, tempfile::TempDi
     Ok((serde_json::from_slice(&json)?, dir))
 }
 
+/// `requests` for a second after a short warm-up, two clients, with `extra` arguments.
+fn short_requests(extra: &[&str]) -> anyhow::Result<(Value, tempfile::TempDir)> {
+    let mut args = vec![
+        "--duration",
+        "1s",
+        "--warmup",
+        "300ms",
+        "--concurrency",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    run("requests", &args)
+}
+
 fn run_labelled<'a>(report: &'a Value, label: &str) -> Option<&'a Value> {
     report["runs"]
         .as_array()?
@@ -93,19 +107,7 @@ fn figure(report: &Value, name: &str) -> Option<f64> {
 
 #[test]
 fn requests_measures_each_path() -> anyhow::Result<()> {
-    let (report, dir) = run(
-        "requests",
-        &[
-            "--duration",
-            "1s",
-            "--warmup",
-            "300ms",
-            "--concurrency",
-            "2",
-            "--paths",
-            "direct,tether,rathole",
-        ],
-    )?;
+    let (report, dir) = short_requests(&["--paths", "direct,tether,rathole"])?;
     for label in ["direct", "tether"] {
         let r =
             run_labelled(&report, label).with_context(|| format!("no {label} run: {report}"))?;
@@ -139,21 +141,7 @@ fn requests_measures_each_path() -> anyhow::Result<()> {
 
 #[test]
 fn transports_are_measured_side_by_side() -> anyhow::Result<()> {
-    let (report, _dir) = run(
-        "requests",
-        &[
-            "--transport",
-            "quic,wss",
-            "--duration",
-            "1s",
-            "--warmup",
-            "300ms",
-            "--concurrency",
-            "2",
-            "--paths",
-            "tether",
-        ],
-    )?;
+    let (report, _dir) = short_requests(&["--transport", "quic,wss", "--paths", "tether"])?;
     for label in ["tether quic", "tether wss"] {
         let r =
             run_labelled(&report, label).with_context(|| format!("no {label} run: {report}"))?;
@@ -178,23 +166,14 @@ fn transports_are_measured_side_by_side() -> anyhow::Result<()> {
 
 #[test]
 fn a_reconnect_storm_runs_beside_the_tether_path_only() -> anyhow::Result<()> {
-    let (report, _dir) = run(
-        "requests",
-        &[
-            "--duration",
-            "1s",
-            "--warmup",
-            "300ms",
-            "--concurrency",
-            "2",
-            "--paths",
-            "direct,tether",
-            "--storm-rate",
-            "20",
-            "--storm-agents",
-            "3",
-        ],
-    )?;
+    let (report, _dir) = short_requests(&[
+        "--paths",
+        "direct,tether",
+        "--storm-rate",
+        "20",
+        "--storm-agents",
+        "3",
+    ])?;
     for label in ["direct", "tether"] {
         let r =
             run_labelled(&report, label).with_context(|| format!("no {label} run: {report}"))?;
