@@ -273,7 +273,16 @@ fn exit_status(command: &[String], exit: &Exit) -> Value {
 
 type Ws = WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>;
 
+/// How long the sample takes to start a command, as a container runtime does (runc exec takes tens of
+/// milliseconds). Nothing is written to the socket before then, and that matters to kubectl: client-go reads the
+/// socket in one goroutine and creates its channels in another, and a message that arrives before its channel
+/// exists is dropped ("Unknown stream id 3, discarding message"). A command that ends at once would otherwise lose
+/// its status, and if the close frame also came first, the exec fails; `kubectl cp` then takes a directory for a
+/// file ("tar: tmp: Cannot open: File exists").
+const RUNTIME_START: Duration = Duration::from_millis(100);
+
 async fn session(mut ws: Ws, protocol: Protocol, exec: ExecRequest) {
+    tokio::time::sleep(RUNTIME_START).await;
     let (stdin_tx, stdin_rx) = mpsc::channel::<Bytes>(16);
     let (out_tx, mut out_rx) = mpsc::channel::<(u8, Bytes)>(16);
     let mut stdin_tx = exec.stdin.then_some(stdin_tx);
