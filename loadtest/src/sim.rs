@@ -634,9 +634,17 @@ impl Storm {
     }
 
     /// Stops dialling, waits for the connects in flight, and says what the storm did.
-    pub async fn stop(self) -> anyhow::Result<StormOutcome> {
+    pub async fn stop(mut self) -> anyhow::Result<StormOutcome> {
         self.stop.cancel();
-        self.task.await.context("the storm's task failed")
+        (&mut self.task).await.context("the storm's task failed")
+    }
+}
+
+/// A storm dropped without [`Storm::stop`] (the run beside it failed) stops dialling too; the connects in flight
+/// end on their own timeouts.
+impl Drop for Storm {
+    fn drop(&mut self) {
+        self.stop.cancel();
     }
 }
 
@@ -696,4 +704,24 @@ async fn storm(agents: Vec<Arc<SimAgent>>, rate: u32, stop: CancellationToken) -
         record(&mut outcome, r);
     }
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_storm_dropped_without_stop_stops_dialling() {
+        let stop = CancellationToken::new();
+        let watched = stop.clone();
+        let task = tokio::spawn(async move {
+            watched.cancelled().await;
+            StormOutcome::default()
+        });
+        drop(Storm {
+            stop: stop.clone(),
+            task,
+        });
+        assert!(stop.is_cancelled());
+    }
 }
