@@ -16,10 +16,12 @@
 //!                       tls_handshake_timeout)
 //! ```
 //!
-//! With [`serve_on`] and [`Sharding`], a connection runs from its TLS handshake on a shard ([`crate::shards`])
-//! taken in turn. Past its handshake and admission it is read up to its first request's target (bounded in
-//! bytes and by the header-read timeout); when the caller's placement names another shard it moves there, with
-//! what was read put back in front, and otherwise it is served where it is.
+//! With [`serve_on`] and [`Sharding`], a connection is given the shard ([`crate::shards`]) with the fewest TLS
+//! handshakes in progress. When that shard has none, the handshake runs there; otherwise (a burst of connects)
+//! it runs on the accept loop's workers, which take whatever is ready, and the connection moves to its shard
+//! afterwards. Past its handshake and admission it is read up to its first request's target (bounded in bytes
+//! and by the header-read timeout); when the caller's placement names another shard it moves there, with what
+//! was read put back in front, and otherwise it stays on the shard it was given.
 //!
 //! Not done here: anything that needs to know who the client is beyond its address and certificate (per
 //! principal bounds are the service's).
@@ -280,18 +282,46 @@ where
             budgets: budgets.clone(),
         };
         match &setup.sharding {
-            // Sharded, the whole connection runs on a shard taken in turn, its TLS handshake included; it moves
-            // only when its first request names another shard (`serve_connection`). Handshaking on one thread
-            // and serving on another costs each open connection memory (docs/BENCHMARKS.md, twenty-third pass).
+            // Sharded, a connection is served on the shard with the fewest handshakes in progress, and moves
+            // only when its first request names another shard (`serve_connection`). Its handshake runs there
+            // too when that shard has none in progress: handshaking on one thread and serving on another costs
+            // each open connection memory (docs/BENCHMARKS.md, twenty-third pass). Under a burst of connects
+            // the handshakes run on the workers instead: on the shards each would wait behind everything its
+            // shard has queued, and the other threads could not take it (twenty-fourth pass).
             Some(sharding) => {
-                let home = sharding.shards.next();
-                let connection = serve_connection(setup.clone(), tcp, peer, admission, Some(home));
-                drop(
-                    sharding
-                        .shards
-                        .handle(home)
-                        .spawn(draining.connections.track_future(connection)),
-                );
+                let busy = sharding.shards.least_busy();
+                let index = busy.index();
+                if busy.ahead() < SHARD_HANDSHAKES {
+                    let home = Home {
+                        index,
+                        busy: Some(busy),
+                        on_shard: true,
+                    };
+                    let connection =
+                        serve_connection(setup.clone(), tcp, peer, admission, Some(home));
+                    drop(
+                        sharding
+                            .shards
+                            .handle(index)
+                            .spawn(draining.connections.track_future(connection)),
+                    );
+                } else {
+                    // Every shard has a handshake in progress: this one runs on the workers, which take
+                    // whatever is ready, and the connection moves to its shard afterwards.
+                    drop(busy);
+                    let home = Home {
+                        index,
+                        busy: None,
+                        on_shard: false,
+                    };
+                    draining.connections.spawn(serve_connection(
+                        setup.clone(),
+                        tcp,
+                        peer,
+                        admission,
+                        Some(home),
+                    ));
+                }
             }
             None => {
                 draining.connections.spawn(serve_connection(
@@ -559,7 +589,7 @@ async fn serve_connection<M, S, B>(
     tcp: TcpStream,
     peer: SocketAddr,
     admission: Admission,
-    home: Option<usize>,
+    home: Option<Home>,
 ) where
     M: Fn(Conn) -> S + Send + Sync + 'static,
     S: Service<hyper::Request<Incoming>, Response = hyper::Response<B>> + Send + 'static,
@@ -586,10 +616,12 @@ async fn serve_connection<M, S, B>(
     } = admission;
     // One deadline for waiting for the address's turn and for the handshake itself.
     let handshake_deadline = Instant::now() + limits.tls_handshake_timeout;
+    let (home, busy, on_shard) = match home {
+        Some(h) => (Some(h.index), h.busy, h.on_shard),
+        None => (None, None, false),
+    };
     let mut tcp = Movable(Some(tcp));
-    if home.is_some()
-        && let Err(e) = tcp.rehome()
-    {
+    if on_shard && let Err(e) = tcp.rehome() {
         tracing::debug!(%peer, error = %e, "could not move the connection to its shard");
         return;
     }
@@ -605,7 +637,7 @@ async fn serve_connection<M, S, B>(
             }
         };
         let tls = acceptor.accept(tcp).await;
-        drop((handshake, ip_handshake));
+        drop((handshake, ip_handshake, busy));
         Some(tls)
     };
     let mut tls = tokio::select! {
@@ -688,7 +720,7 @@ async fn serve_connection<M, S, B>(
         .as_deref()
         .and_then(|target| (sharding.place)(target))
         .map_or(home, |index| index % sharding.shards.len());
-    if index == home {
+    if index == home && on_shard {
         serve_http(tls, read.freeze(), admitted).await;
         return;
     }
@@ -702,6 +734,20 @@ async fn serve_connection<M, S, B>(
         serve_http(tls, read.freeze(), admitted).await;
     });
     sharding.shards.handle(index).spawn(served);
+}
+
+/// Handshakes in progress on the least busy shard from which the next connection is handshaken on the workers
+/// instead of there (docs/BENCHMARKS.md, twenty-fourth pass: one keeps most of what handshaking on the shards
+/// saves in memory, and a burst of connects comes up about as fast as with every handshake on the workers).
+const SHARD_HANDSHAKES: usize = 1;
+
+/// Where a sharded connection is to be served, and where its handshake runs.
+struct Home {
+    index: usize,
+    /// Counted among its shard's handshakes until it is done.
+    busy: Option<crate::shards::Busy>,
+    /// Whether the handshake runs on the shard (else on the workers).
+    on_shard: bool,
 }
 
 /// A connection past its TLS handshake and its admission, and what serving it takes.
@@ -1298,6 +1344,79 @@ mod tests {
         }
         // The handshakes take the shards in turn.
         assert!(homes.contains(&0) && homes.contains(&1), "{homes:?}");
+        let _ = stop.send(());
+        let draining = server.await?;
+        assert!(draining.finish(Duration::from_secs(30)).await);
+        Ok(())
+    }
+
+    /// Connections that hold a handshake open (a burst of connects, or a client that sends nothing) do not make
+    /// the others wait behind them on the shards: while every shard has one in progress, the next connection is
+    /// handshaken on the accept loop's runtime and still served on a shard.
+    #[tokio::test]
+    async fn while_every_shard_has_a_handshake_in_progress_the_next_runs_off_the_shards()
+    -> anyhow::Result<()> {
+        let (addr, ca, handshakes, stop, server) = sharded_server(Limits::default()).await?;
+        let last_handshake = || {
+            handshakes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .last()
+                .copied()
+        };
+        let get = |first: &'static str| {
+            let ca = ca.clone();
+            async move {
+                let mut stream = tls_client(addr, &ca, b"http/1.1").await?;
+                let request =
+                    format!("GET {first} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n");
+                stream.write_all(request.as_bytes()).await?;
+                let mut answer = Vec::new();
+                tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer))
+                    .await??;
+                anyhow::Ok(String::from_utf8_lossy(&answer).into_owned())
+            }
+        };
+        // One connection in its handshake on each shard: accepted, and no ClientHello ever comes.
+        let silent = [
+            TcpStream::connect(addr).await?,
+            TcpStream::connect(addr).await?,
+        ];
+        for first in ["/elsewhere", "/one", "/zero"] {
+            let answer = get(first).await?;
+            assert_eq!(
+                last_handshake(),
+                Some(None),
+                "{first} was handshaken on a shard while both had a handshake in progress"
+            );
+            let served = match first {
+                "/zero" => "Some(0)",
+                "/one" => "Some(1)",
+                _ => "Some(",
+            };
+            assert!(
+                answer.contains(&format!("{first} on shard {served}")),
+                "{first}: {answer}"
+            );
+        }
+        // Once they are gone, handshakes run on the shards again.
+        drop(silent);
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let answer = get("/elsewhere").await?;
+            if let Some(Some(home)) = last_handshake() {
+                assert!(
+                    answer.ends_with(&format!("/elsewhere on shard Some({home})")),
+                    "{answer}"
+                );
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "the silent connections still count as handshakes in progress"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let _ = stop.send(());
         let draining = server.await?;
         assert!(draining.finish(Duration::from_secs(30)).await);

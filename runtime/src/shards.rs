@@ -4,8 +4,9 @@
 //! that a user's connection hands to a tunnel's driver and back changes threads twice, and docs/BENCHMARKS.md
 //! measured that hand-off at about a fifth of the relay's CPU per small request. A shard is a thread that
 //! runs only its own tasks: what is spawned there (a tunnel's driver, the connections placed with it, their
-//! tasks) wakes and runs on that thread. [`crate::serve`] runs each connection's TLS handshake on a shard taken
-//! in turn and moves it at most once, to the shard its first request names ([`Placement`]).
+//! tasks) wakes and runs on that thread. [`crate::serve`] gives each connection the shard with the fewest TLS
+//! handshakes in progress ([`Shards::least_busy`]), runs the handshake there when it has none, and moves the
+//! connection at most once more, to the shard its first request names ([`Placement`]).
 //!
 //! Tasks spawned from inside a shard stay on it (`tokio::spawn` uses the current runtime); I/O and timers a
 //! shard's tasks create belong to that shard's runtime. Dropping [`Shards`] stops every shard's runtime and
@@ -35,6 +36,8 @@ pub struct Shards {
     stops: Vec<oneshot::Sender<()>>,
     threads: Vec<std::thread::JoinHandle<()>>,
     next: AtomicUsize,
+    /// Per shard, the connections in their TLS handshake there ([`Shards::least_busy`]).
+    busy: Arc<[AtomicUsize]>,
 }
 
 impl Shards {
@@ -46,6 +49,7 @@ impl Shards {
             stops: Vec::with_capacity(n),
             threads: Vec::with_capacity(n),
             next: AtomicUsize::new(0),
+            busy: (0..n).map(|_| AtomicUsize::new(0)).collect(),
         };
         for index in 0..n {
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -88,6 +92,49 @@ impl Shards {
     pub fn next(&self) -> usize {
         self.next.fetch_add(1, Ordering::Relaxed) % self.handles.len()
     }
+
+    /// The shard with the fewest connections counted busy there (ties go in turn), with one more counted until
+    /// the returned [`Busy`] is dropped. [`crate::serve`] counts connections in their TLS handshake.
+    pub fn least_busy(&self) -> Busy {
+        let n = self.handles.len();
+        let start = self.next();
+        let index = (0..n)
+            .map(|i| (start + i) % n)
+            .min_by_key(|&i| self.busy[i].load(Ordering::Relaxed))
+            .unwrap_or(start);
+        let ahead = self.busy[index].fetch_add(1, Ordering::Relaxed);
+        Busy {
+            index,
+            ahead,
+            busy: self.busy.clone(),
+        }
+    }
+}
+
+/// One connection counted busy on a shard ([`Shards::least_busy`]) until this is dropped.
+#[derive(Debug)]
+pub struct Busy {
+    index: usize,
+    ahead: usize,
+    busy: Arc<[AtomicUsize]>,
+}
+
+impl Busy {
+    /// The shard's index.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// How many were counted busy on the shard when this one was.
+    pub fn ahead(&self) -> usize {
+        self.ahead
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.busy[self.index].fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Drop for Shards {
@@ -106,7 +153,7 @@ impl Drop for Shards {
 }
 
 /// Where a connection goes, from its first request's target (path and query, e.g. `/clusters/a/api`): the
-/// index of a shard, or `None` for any (it stays on the shard its TLS handshake ran on, taken in turn).
+/// index of a shard, or `None` for any (it stays on the shard it was given at accept).
 pub type Placement = Arc<dyn Fn(&str) -> Option<usize> + Send + Sync>;
 
 #[cfg(test)]
@@ -133,6 +180,37 @@ mod tests {
         }
         let turns: Vec<usize> = (0..4).map(|_| shards.next()).collect();
         assert_eq!(turns, [0, 1, 2, 0]);
+        Ok(())
+    }
+
+    #[test]
+    fn least_busy_takes_the_shard_with_the_fewest_counted_until_each_is_dropped()
+    -> std::io::Result<()> {
+        let shards = Shards::start(3, "test")?;
+        // All idle: in turn.
+        let a = shards.least_busy();
+        let b = shards.least_busy();
+        let c = shards.least_busy();
+        assert_eq!((a.ahead(), b.ahead(), c.ahead()), (0, 0, 0));
+        let mut taken = [a.index(), b.index(), c.index()];
+        taken.sort_unstable();
+        assert_eq!(taken, [0, 1, 2]);
+        // One each busy; b's shard frees up and is the one taken next, however the turn stands.
+        let freed = b.index();
+        drop(b);
+        for _ in 0..3 {
+            let again = shards.least_busy();
+            assert_eq!(again.index(), freed);
+        }
+        // Each shard has one again: the next is counted after it.
+        let d = shards.least_busy();
+        assert_eq!((d.index(), d.ahead()), (freed, 0));
+        let e = shards.least_busy();
+        assert_eq!(e.ahead(), 1);
+        drop((a, c, d, e));
+        // All dropped: nothing is counted anywhere.
+        let f = shards.least_busy();
+        assert_eq!(f.ahead(), 0);
         Ok(())
     }
 
