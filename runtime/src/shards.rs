@@ -36,7 +36,7 @@ pub struct Shards {
     stops: Vec<oneshot::Sender<()>>,
     threads: Vec<std::thread::JoinHandle<()>>,
     next: AtomicUsize,
-    /// Per shard, the connections in their TLS handshake there ([`Shards::least_busy`]).
+    /// Per shard, how many are counted busy there ([`Shards::least_busy`]).
     busy: Arc<[AtomicUsize]>,
 }
 
