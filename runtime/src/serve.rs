@@ -275,8 +275,13 @@ where
             continue;
         };
         let _ = tcp.set_nodelay(true);
+        // Its address's handshake slot is taken here, in the order the connections were accepted, whatever
+        // thread then runs each one's handshake; without one, it waits for its address's turn
+        // (`serve_connection`).
+        let ip_handshake = ip_slot.handshakes.clone().try_acquire_owned().ok();
         let admission = Admission {
             handshake,
+            ip_handshake,
             handshakes: handshakes.clone(),
             ip_slot,
             budgets: budgets.clone(),
@@ -351,6 +356,8 @@ struct Budgets {
 struct Admission {
     /// Its slot among the connections in their handshake.
     handshake: OwnedSemaphorePermit,
+    /// Its slot among its address's connections in their handshake, if one was free at accept.
+    ip_handshake: Option<OwnedSemaphorePermit>,
     /// All handshake slots (to give its slot back while it waits for one of its address's).
     handshakes: Arc<Semaphore>,
     /// Its count under its address.
@@ -610,6 +617,7 @@ async fn serve_connection<M, S, B>(
     } = ctx;
     let Admission {
         handshake,
+        ip_handshake,
         handshakes,
         mut ip_slot,
         budgets,
@@ -628,9 +636,9 @@ async fn serve_connection<M, S, B>(
     let shake = async {
         // Its address's slot first; while the address's slots are all taken, the connection waits without a
         // global one, so one address's connections cannot hold the slots others need.
-        let (handshake, ip_handshake) = match ip_slot.handshakes.clone().try_acquire_owned() {
-            Ok(ip_handshake) => (handshake, ip_handshake),
-            Err(_) => {
+        let (handshake, ip_handshake) = match ip_handshake {
+            Some(ip_handshake) => (handshake, ip_handshake),
+            None => {
                 drop(handshake);
                 let ip_handshake = ip_slot.handshakes.clone().acquire_owned().await.ok()?;
                 (handshakes.acquire_owned().await.ok()?, ip_handshake)
