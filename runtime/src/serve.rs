@@ -300,7 +300,6 @@ where
                     let home = Home {
                         index,
                         busy: Some(busy),
-                        on_shard: true,
                     };
                     let connection =
                         serve_connection(setup.clone(), tcp, peer, admission, Some(home));
@@ -314,11 +313,7 @@ where
                     // Every shard has a handshake in progress: this one runs on the workers, which take
                     // whatever is ready, and the connection moves to its shard afterwards.
                     drop(busy);
-                    let home = Home {
-                        index,
-                        busy: None,
-                        on_shard: false,
-                    };
+                    let home = Home { index, busy: None };
                     draining.connections.spawn(serve_connection(
                         setup.clone(),
                         tcp,
@@ -624,10 +619,12 @@ async fn serve_connection<M, S, B>(
     } = admission;
     // One deadline for waiting for the address's turn and for the handshake itself.
     let handshake_deadline = Instant::now() + limits.tls_handshake_timeout;
-    let (home, busy, on_shard) = match home {
-        Some(h) => (Some(h.index), h.busy, h.on_shard),
-        None => (None, None, false),
+    let (home, busy) = match home {
+        Some(h) => (Some(h.index), h.busy),
+        None => (None, None),
     };
+    // Counted among its shard's handshakes exactly when the handshake runs there.
+    let on_shard = busy.is_some();
     let mut tcp = Movable(Some(tcp));
     if on_shard && let Err(e) = tcp.rehome() {
         tracing::debug!(%peer, error = %e, "could not move the connection to its shard");
@@ -752,10 +749,9 @@ const SHARD_HANDSHAKES: usize = 1;
 /// Where a sharded connection is to be served, and where its handshake runs.
 struct Home {
     index: usize,
-    /// Counted among its shard's handshakes until it is done.
+    /// Counted among its shard's handshakes until it is done, when the handshake runs on the shard (`None`: on
+    /// the workers).
     busy: Option<crate::shards::Busy>,
-    /// Whether the handshake runs on the shard (else on the workers).
-    on_shard: bool,
 }
 
 /// A connection past its TLS handshake and its admission, and what serving it takes.
@@ -1165,6 +1161,26 @@ mod tests {
         Ok(())
     }
 
+    /// One `GET PATH` on a new HTTP/1.1 connection that the server closes after it: the whole answer.
+    async fn get_once(addr: SocketAddr, ca: &str, path: &str) -> anyhow::Result<String> {
+        let mut stream = tls_client(addr, ca, b"http/1.1").await?;
+        let request =
+            format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await?;
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer)).await??;
+        Ok(String::from_utf8_lossy(&answer).into_owned())
+    }
+
+    /// The shard the latest handshake ran on (`Some(None)`: off the shards), if there was one.
+    fn last_handshake(handshakes: &Mutex<Vec<Option<usize>>>) -> Option<Option<usize>> {
+        handshakes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .last()
+            .copied()
+    }
+
     /// The shard each TLS handshake ran on, in order: the certificate is chosen during the handshake, on the
     /// thread that runs it.
     #[derive(Debug)]
@@ -1320,20 +1336,8 @@ mod tests {
         let (addr, ca, handshakes, stop, server) = sharded_server(Limits::default()).await?;
         let mut homes = Vec::new();
         for first in ["/elsewhere", "/elsewhere", "/zero", "/one", "/one", "/zero"] {
-            let mut stream = tls_client(addr, &ca, b"http/1.1").await?;
-            let request =
-                format!("GET {first} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n");
-            stream.write_all(request.as_bytes()).await?;
-            let mut answer = Vec::new();
-            tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer))
-                .await??;
-            let answer = String::from_utf8_lossy(&answer);
-            let handshaken = handshakes
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .last()
-                .copied()
-                .flatten();
+            let answer = get_once(addr, &ca, first).await?;
+            let handshaken = last_handshake(&handshakes).flatten();
             // The handshake ran on a shard, not on the accept loop's runtime.
             let Some(home) = handshaken else {
                 panic!("the handshake of {first} ran on no shard");
@@ -1365,35 +1369,15 @@ mod tests {
     async fn while_every_shard_has_a_handshake_in_progress_the_next_runs_off_the_shards()
     -> anyhow::Result<()> {
         let (addr, ca, handshakes, stop, server) = sharded_server(Limits::default()).await?;
-        let last_handshake = || {
-            handshakes
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .last()
-                .copied()
-        };
-        let get = |first: &'static str| {
-            let ca = ca.clone();
-            async move {
-                let mut stream = tls_client(addr, &ca, b"http/1.1").await?;
-                let request =
-                    format!("GET {first} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n");
-                stream.write_all(request.as_bytes()).await?;
-                let mut answer = Vec::new();
-                tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut answer))
-                    .await??;
-                anyhow::Ok(String::from_utf8_lossy(&answer).into_owned())
-            }
-        };
         // One connection in its handshake on each shard: accepted, and no ClientHello ever comes.
         let silent = [
             TcpStream::connect(addr).await?,
             TcpStream::connect(addr).await?,
         ];
         for first in ["/elsewhere", "/one", "/zero"] {
-            let answer = get(first).await?;
+            let answer = get_once(addr, &ca, first).await?;
             assert_eq!(
-                last_handshake(),
+                last_handshake(&handshakes),
                 Some(None),
                 "{first} was handshaken on a shard while both had a handshake in progress"
             );
@@ -1411,8 +1395,8 @@ mod tests {
         drop(silent);
         let give_up = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
-            let answer = get("/elsewhere").await?;
-            if let Some(Some(home)) = last_handshake() {
+            let answer = get_once(addr, &ca, "/elsewhere").await?;
+            if let Some(Some(home)) = last_handshake(&handshakes) {
                 assert!(
                     answer.ends_with(&format!("/elsewhere on shard Some({home})")),
                     "{answer}"
