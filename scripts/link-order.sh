@@ -10,7 +10,9 @@
 # build (a `--workspace` build of the agent matches only part of it, and is laid out only that much). Its
 # functions are profiled with callgrind under `tether-loadtest`: an idle agent first (start, onboarding,
 # tunnel, heartbeats, metadata), then small GETs, lists and watches over WebSocket and over QUIC. Run it again
-# when the agent's code or the toolchain changes much: a stale order costs memory, never correctness.
+# when the agent's code, its dependency tree or the toolchain changes: a stale order costs memory, never
+# correctness. It records what the names were made from in cluster-agent/link-order.deps, which CI checks
+# (scripts/check-link-order.sh).
 # --helpers DIR: take tether-relay, tether-loadtest and tether-sample-apiserver from DIR instead of building them.
 # Needs valgrind and python3.
 set -euo pipefail
@@ -19,7 +21,7 @@ helpers=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --helpers) helpers="$2"; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 64 ;;
   esac
 done
@@ -56,5 +58,7 @@ python3 scripts/link-order.py "$work/bin/tether-agent" cluster-agent/link-order.
 # Only the link arguments change: the same names, laid out by the new order.
 cargo build --release --locked -p tether-agent --bin tether-agent
 python3 scripts/link-order.py --check "$target/release/tether-agent" cluster-agent/link-order.txt
+# What the names were made from, so that CI notices when they change (scripts/check-link-order.sh).
+bash scripts/check-link-order.sh --write
 cp "$target/release/tether-agent" "$work/bin/"
 "${lt[@]}" --out "$work/check" tunnels --count 10 2>&1 | grep -i "idle agent" || true
