@@ -7,7 +7,7 @@ use crate::cli::BulkArgs;
 use crate::client::{self, Kind, LoadPlan};
 use crate::peers;
 use crate::report::{Figure, Report, TargetCheck};
-use crate::scenario::{CpuMeter, Env, stop_upstream, transport_labels};
+use crate::scenario::{Env, WindowMeter, stop_upstream, transport_labels};
 use crate::upstream::paths;
 
 /// The label of a bulk run.
@@ -53,7 +53,7 @@ pub async fn run(env: &Env, args: &BulkArgs) -> anyhow::Result<Report> {
                 args.duration.as_secs(),
                 &format!("bulk via {} ×{streams}", target.label),
             );
-            let meter = CpuMeter::start(procs);
+            let meter = WindowMeter::start(procs, &plan);
             let (outcome, timeline) = client::run_load(&client, target, &plan, Some(&bar)).await?;
             bar.finish_and_clear();
             let result = outcome.into_result(&label(&target.label, streams), &plan, &timeline);
@@ -63,7 +63,7 @@ pub async fn run(env: &Env, args: &BulkArgs) -> anyhow::Result<Report> {
             ));
             // CPU per megabyte: divide by MB instead of requests.
             let mb = (result.bytes / 1_000_000).max(1);
-            for (name, cpu) in meter.finish() {
+            for (name, cpu) in meter.finish().await {
                 report.figures.push(Figure::new(
                     format!("{}: {name} CPU per MB", result.label),
                     cpu.as_secs_f64() * 1e6 / mb as f64,

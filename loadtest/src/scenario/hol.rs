@@ -21,7 +21,7 @@ use tokio::sync::oneshot;
 use crate::cli::{HolArgs, PathKind};
 use crate::client::{self, Kind, LoadPlan, Protocol};
 use crate::report::{Figure, Report, TargetCheck};
-use crate::scenario::{CpuMeter, Env, stop_upstream, transport_labels};
+use crate::scenario::{Env, stop_upstream, transport_labels};
 use crate::upstream::paths;
 
 const BASELINE: &str = "baseline";
@@ -110,7 +110,7 @@ async fn measure(
     tether: &crate::scenario::TetherPath,
     report: &mut Report,
 ) -> anyhow::Result<()> {
-    let (target, procs) = paths
+    let (target, _) = paths
         .targets(up)
         .into_iter()
         .find(|(t, _)| t.label == tether.label)
@@ -138,19 +138,16 @@ async fn measure(
         let client = paths.client(up, args.protocol);
         let target = target.clone();
         let plan = plan.clone();
-        let procs = procs.clone();
         let bar = env.bar(args.duration.as_secs(), &label);
         async move {
             let client = client?;
-            let meter = CpuMeter::start(&procs);
             let (outcome, timeline) = client::run_load(&client, &target, &plan, Some(&bar)).await?;
             bar.finish_and_clear();
-            let result = outcome.into_result(&label, &plan, &timeline);
-            anyhow::Ok((result, meter))
+            anyhow::Ok(outcome.into_result(&label, &plan, &timeline))
         }
     };
 
-    let (baseline, _) = phase(named(BASELINE)).await?;
+    let baseline = phase(named(BASELINE)).await?;
     report.runs.push(baseline);
 
     // The stalled readers: each on its own HTTP/1.1 connection, reads the head and the first chunk, then stops.
@@ -180,7 +177,7 @@ async fn measure(
     }
     let relay_before = tether.relay.process().rss_kib();
     let agent_before = tether.agent.process().rss_kib();
-    let (with_stall, _) = phase(named(STALLED)).await?;
+    let with_stall = phase(named(STALLED)).await?;
     let relay_during = tether.relay.process().rss_kib();
     let agent_during = tether.agent.process().rss_kib();
     for release in releases {
@@ -208,7 +205,7 @@ async fn measure(
         }
     }
 
-    let (after, _) = phase(named(AFTER)).await?;
+    let after = phase(named(AFTER)).await?;
     report.runs.push(after);
 
     if args.burst_clients > 0 {
@@ -234,7 +231,7 @@ async fn measure(
             )));
         }
         let started = tokio::time::Instant::now();
-        let (with_burst, _) = phase(named(BURST)).await?;
+        let with_burst = phase(named(BURST)).await?;
         stop.store(true, Ordering::Relaxed);
         let elapsed = started.elapsed().as_secs_f64();
         for task in burst {

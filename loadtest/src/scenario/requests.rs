@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::cli::RequestsArgs;
 use crate::client::{self, Kind, LoadPlan};
 use crate::report::{Figure, Report, TargetCheck};
-use crate::scenario::{CpuMeter, Env, stop_upstream, transport_labels};
+use crate::scenario::{Env, WindowMeter, stop_upstream, transport_labels};
 use crate::sim::{self, Storm, StormOutcome};
 use crate::upstream::paths;
 
@@ -87,7 +87,7 @@ pub async fn run(env: &Env, args: &RequestsArgs) -> anyhow::Result<Report> {
         );
         // The meter starts with the warm-up, so CPU per request is slightly overstated; the ratio between
         // processes is what matters.
-        let meter = CpuMeter::start(procs);
+        let meter = WindowMeter::start(procs, &plan);
         let (outcome, timeline) = client::run_load(&client, target, &plan, Some(&bar)).await?;
         bar.finish_and_clear();
         let result = outcome.into_result(&target.label, &plan, &timeline);
@@ -98,7 +98,9 @@ pub async fn run(env: &Env, args: &RequestsArgs) -> anyhow::Result<Report> {
             result.latency.as_ref().map_or(f64::NAN, |l| l.p99_ms),
             result.errors
         ));
-        meter.per_request_figures(&mut report, &target.label, result.requests);
+        meter
+            .per_request_figures(&mut report, &target.label, result.requests)
+            .await;
         if let Some(storm) = storm {
             storm_figures(&mut report, &target.label, storm.stop().await?);
         }
