@@ -507,8 +507,8 @@ impl CpuMeter {
 
 /// CPU time of a set of processes (and of this one) over a load run's measured window: from the end of its
 /// warm-up to the end of its duration, the window in which `client::run_load` counts requests and bytes. A
-/// meter over the whole run would add the warm-up's CPU to the window's requests (about a fifth more per request
-/// with the defaults).
+/// meter over the whole run adds the warm-up's CPU to the window's requests: 5–12 % more per request with the
+/// defaults (docs/BENCHMARKS.md, twenty-fifth pass).
 #[derive(Debug)]
 pub struct WindowMeter {
     task: tokio::task::JoinHandle<Vec<(String, Duration)>>,
