@@ -198,9 +198,9 @@ impl Relay {
     /// the fewest TLS handshakes in progress, and its handshake runs there when that shard has none (else on
     /// the workers); a user's connection then moves to the shard that drives the tunnel of the cluster its
     /// first request names, and any other (agents' tunnels among them) stays on the shard it was given. A
-    /// request then stays on one thread from the user's connection to the tunnel and back. The accept loop, the QUIC endpoint,
-    /// the peer link and the background loops run where this is called. Stop the shards only after this
-    /// returns.
+    /// request then stays on one thread from the user's connection to the tunnel and back. The accept loop,
+    /// the QUIC endpoint, the peer link and the background loops run where this is called. Stop the shards
+    /// only after this returns.
     pub async fn serve_on(
         self,
         listener: TcpListener,

@@ -85,8 +85,7 @@ pub async fn run(env: &Env, args: &RequestsArgs) -> anyhow::Result<Report> {
             args.duration.as_secs(),
             &format!("requests via {}", target.label),
         );
-        // The meter starts with the warm-up, so CPU per request is slightly overstated; the ratio between
-        // processes is what matters.
+        // CPU over the measured window only, where the run counts its requests.
         let meter = WindowMeter::start(procs, &plan);
         let (outcome, timeline) = client::run_load(&client, target, &plan, Some(&bar)).await?;
         bar.finish_and_clear();
